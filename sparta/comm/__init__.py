@@ -1,0 +1,28 @@
+"""sparta.comm: the only part of Sparta that talks to the network.
+
+One `Communicator` interface over three engines (torch.distributed, Horovod, MPI), with
+uneven all-to-all, all-reduce, all-gather, reduce-scatter, broadcast and barrier, async
+forms, sub-communicators, input checks that raise on every rank, and timeouts.
+
+    world = sparta.init()                 # reads torchrun / mpirun / horovodrun
+    y = world.comm.all_to_all(x, send_splits=[...])     # x: [n, *rest], split on dim 0
+    y = sparta.comm.all_to_all(x, send, recv, world.comm)  # differentiable
+"""
+
+from sparta.comm.autograd import all_to_all
+from sparta.comm.communicator import CommConfig, Communicator
+from sparta.comm.handle import Handle
+from sparta.comm.launch import LaunchInfo, detect
+from sparta.comm.world import BACKENDS, World, init
+
+__all__ = [
+    "BACKENDS",
+    "CommConfig",
+    "Communicator",
+    "Handle",
+    "LaunchInfo",
+    "World",
+    "all_to_all",
+    "detect",
+    "init",
+]

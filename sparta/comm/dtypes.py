@@ -1,0 +1,75 @@
+"""Dtype policy: which dtypes move as raw bytes and what each engine reduces them in.
+
+Data movement (all-to-all, gathers, broadcast) never depends on the engine's dtype support:
+every tensor travels as uint8. Only reductions need a dtype the engine understands; where it
+lacks one (bfloat16 on Horovod and MPI, for instance) we reduce in a wider dtype and cast
+back, which is also more accurate than reducing in the narrow one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparta.errors import InputError
+
+# Stable small integers so ranks can compare dtypes inside an int64 metadata exchange.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    dt: i + 1
+    for i, dt in enumerate(
+        [
+            torch.float32, torch.float64, torch.float16, torch.bfloat16,
+            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+            torch.complex64, torch.complex128,
+            torch.uint16, torch.uint32, torch.uint64,
+            torch.float8_e4m3fn, torch.float8_e5m2,
+        ]
+    )
+}
+CODE_DTYPES = {code: dt for dt, code in DTYPE_CODES.items()}
+
+# What each dtype is summed in when the engine lacks it. Complex numbers are summed as pairs
+# of reals (view_as_real), which is exact.
+_WIDEN: dict[torch.dtype, torch.dtype] = {
+    torch.bfloat16: torch.float32,
+    torch.float16: torch.float32,
+    torch.bool: torch.int32,
+    torch.int16: torch.int32,
+    torch.uint16: torch.int32,
+    torch.uint32: torch.int64,
+    torch.float8_e4m3fn: torch.float32,
+    torch.float8_e5m2: torch.float32,
+}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return DTYPE_CODES.get(dtype, 0)
+
+
+def dtype_name(code: int) -> str:
+    dt = CODE_DTYPES.get(code)
+    return str(dt).replace("torch.", "") if dt is not None else f"<unknown dtype code {code}>"
+
+
+def reduction_dtype(dtype: torch.dtype, native: frozenset[torch.dtype], engine: str) -> torch.dtype:
+    """The dtype an engine that sums `native` dtypes should reduce a `dtype` tensor in."""
+    if dtype.is_complex:
+        dtype = torch.float32 if dtype == torch.complex64 else torch.float64
+    if dtype in native:
+        return dtype
+    wide = _WIDEN.get(dtype)
+    if wide is not None and wide in native:
+        return wide
+    known = ", ".join(sorted(str(d).replace("torch.", "") for d in native | set(_WIDEN)))
+    raise InputError(
+        f"{engine} cannot reduce dtype {dtype}; reducible dtypes are: {known}. "
+        f"Cast the tensor (e.g. x.to(torch.int64) or x.float()) before the reduction."
+    )
+
+
+def as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous copy of `x` (no copy when already contiguous)."""
+    return x.contiguous().reshape(-1).view(torch.uint8)
+
+
+def from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return buf.view(dtype).view(shape)

@@ -1,0 +1,1 @@
+"""The engines under the Communicator interface: torch.distributed, Horovod, MPI."""

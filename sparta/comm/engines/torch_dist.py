@@ -1,0 +1,101 @@
+"""Communicator over torch.distributed: gloo for CPU tensors, nccl for CUDA tensors."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from sparta.comm.communicator import CommConfig, Communicator
+from sparta.comm.handle import Handle, engine_failure
+from sparta.comm.launch import LaunchInfo
+
+
+class TorchCommunicator(Communicator):
+    backend = "torch"
+    native_reduce_dtypes = frozenset(
+        {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8, torch.uint8}
+    )
+
+    def __init__(self, pg: dist.ProcessGroup, config: CommConfig, name: str, owns_world: bool = False) -> None:
+        super().__init__(dist.get_rank(pg), dist.get_world_size(pg), dist.get_process_group_ranks(pg), config, name)
+        self.pg = pg
+        self._owns_world = owns_world
+
+    @classmethod
+    def wrap(cls, pg: dist.ProcessGroup, config: CommConfig) -> TorchCommunicator:
+        ranks = dist.get_process_group_ranks(pg)
+        return cls(pg, config, name=f"torch-group{list(ranks)}")
+
+    @classmethod
+    def init_world(cls, launch: LaunchInfo, config: CommConfig) -> TorchCommunicator:
+        if dist.is_initialized():
+            return cls(dist.group.WORLD, config, name="world")
+        timeout = datetime.timedelta(seconds=config.timeout_s)
+        # One group serves both devices: collectives on CPU tensors go to gloo, on CUDA to nccl.
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+        if launch.size == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                rank=launch.rank,
+                world_size=launch.size,
+                timeout=timeout,
+            )
+        return cls(dist.group.WORLD, config, name="world", owns_world=True)
+
+    def shutdown(self) -> None:
+        if self._owns_world and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_world = False
+
+    def _handle(self, work: dist.Work, result: torch.Tensor, op: str) -> Handle[torch.Tensor]:
+        def wait() -> torch.Tensor:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise engine_failure(exc, op) from exc
+            return result
+
+        return Handle(wait)
+
+    def _all_to_all_bytes(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
+        out = torch.empty(sum(recv), dtype=torch.uint8, device=buf.device)
+        work = dist.all_to_all_single(out, buf, recv, send, group=self.pg, async_op=True)
+        return self._handle(work, out, op)
+
+    def _all_gather_bytes(self, buf: torch.Tensor, counts: list[int], op: str) -> Handle[torch.Tensor]:
+        # gloo gathers equal sizes only: pad to the largest and cut after.
+        width = max(counts)
+        padded = torch.zeros(width, dtype=torch.uint8, device=buf.device)
+        padded[: buf.numel()] = buf
+        outs = [torch.empty(width, dtype=torch.uint8, device=buf.device) for _ in counts]
+        work = dist.all_gather(outs, padded, group=self.pg, async_op=True)
+        return self._handle(work, outs, op).then(  # type: ignore[arg-type]
+            lambda parts: torch.cat([p[:c] for p, c in zip(parts, counts)])
+        )
+
+    def _broadcast_bytes(self, buf: torch.Tensor, src: int, op: str) -> Handle[torch.Tensor]:
+        work = dist.broadcast(buf, group_src=src, group=self.pg, async_op=True)
+        return self._handle(work, buf, op)
+
+    def _all_reduce(self, x: torch.Tensor, op: str) -> Handle[torch.Tensor]:
+        y = x.clone()
+        work = dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
+        return self._handle(work, y, op)
+
+    def _split(self, groups: list[list[int]], mine: int | None) -> Communicator | None:
+        if mine is None:
+            return None
+        members = [self.ranks[r] for r in groups[mine]]
+        # Local synchronisation: only the members take part, so a rank never creates (or
+        # waits on) groups it does not belong to, and splits of sub-groups work.
+        pg = dist.new_group(
+            members, timeout=datetime.timedelta(seconds=self.config.timeout_s), use_local_synchronization=True
+        )
+        return TorchCommunicator(pg, self.config, name=f"{self.name}{members}")

@@ -1,0 +1,153 @@
+"""`sparta.init`: start an engine for the launched job and describe its layout."""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import logging
+import socket
+from dataclasses import dataclass, field
+
+import torch
+
+from sparta.comm.communicator import CommConfig, Communicator
+from sparta.comm.launch import LaunchInfo, detect
+from sparta.errors import BackendUnavailableError, ConfigError
+
+BACKENDS = ("auto", "torch", "horovod", "mpi")
+log = logging.getLogger("sparta.comm")
+
+
+@dataclass
+class World:
+    """The job as Sparta sees it.
+
+    rank/size: this process in the world. local_rank/local_size: its index on its node and
+    the node's rank count. node/num_nodes: the node index (nodes ordered by their lowest
+    rank) and how many there are. node_ranks: the world ranks of each node.
+    """
+
+    comm: Communicator
+    launcher: str
+    node_ranks: tuple[tuple[int, ...], ...]
+    rank: int = field(init=False)
+    size: int = field(init=False)
+    node: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self.node = next(i for i, ranks in enumerate(self.node_ranks) if self.rank in ranks)
+
+    @property
+    def backend(self) -> str:
+        return self.comm.backend
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_ranks)
+
+    @property
+    def local_rank(self) -> int:
+        return self.node_ranks[self.node].index(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        return len(self.node_ranks[self.node])
+
+    def node_comms(self) -> tuple[Communicator, Communicator]:
+        """(intra-node, inter-node) communicators for hierarchical collectives.
+
+        Intra: the ranks of this node. Inter: the ranks that share this rank's local index,
+        one per node. Called by every rank.
+        """
+        intra = self.comm.split_groups([list(r) for r in self.node_ranks])
+        width = max(len(r) for r in self.node_ranks)
+        inter = self.comm.split_groups(
+            [[ranks[i] for ranks in self.node_ranks if i < len(ranks)] for i in range(width)]
+        )
+        assert intra is not None and inter is not None  # every rank is in one of each
+        return intra, inter
+
+    def shutdown(self) -> None:
+        """Stop the engine. Runs at exit too; calling it twice is harmless."""
+        self.comm.shutdown()
+
+
+def _resolve(backend: str, launch: LaunchInfo) -> str:
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    if launch.launcher == "horovodrun":
+        return "horovod"
+    if launch.launcher == "mpirun" and importlib.util.find_spec("mpi4py") is not None:
+        return "mpi"
+    return "torch"
+
+
+def _start(backend: str, launch: LaunchInfo, config: CommConfig) -> Communicator:
+    if backend == "torch":
+        if launch.size > 1 and launch.master_addr is None:
+            raise ConfigError(
+                f"the torch engine under {launch.launcher} across several nodes needs a rendezvous "
+                "address: export MASTER_ADDR (and MASTER_PORT) on every rank, e.g. mpirun -x MASTER_ADDR=host0"
+            )
+        from sparta.comm.engines.torch_dist import TorchCommunicator
+
+        return TorchCommunicator.init_world(launch, config)
+    if backend == "horovod":
+        from sparta.comm.engines.horovod import HorovodCommunicator
+
+        return HorovodCommunicator.init_world(launch, config)
+    from sparta.comm.engines.mpi import MPICommunicator
+
+    return MPICommunicator.init_world(launch, config)
+
+
+def _node_layout(comm: Communicator, ranks_per_node: int | None) -> tuple[tuple[int, ...], ...]:
+    if ranks_per_node is not None:
+        if ranks_per_node < 1 or comm.size % ranks_per_node:
+            raise ConfigError(
+                f"ranks_per_node={ranks_per_node} must be >= 1 and divide the world size {comm.size}"
+            )
+        return tuple(tuple(range(n, n + ranks_per_node)) for n in range(0, comm.size, ranks_per_node))
+    host = torch.frombuffer(bytearray(socket.gethostname().encode()), dtype=torch.uint8)
+    names = [bytes(t.tolist()) for t in comm.all_gather(host)]  # type: ignore[union-attr]
+    order: dict[bytes, list[int]] = {}
+    for r, name in enumerate(names):
+        order.setdefault(name, []).append(r)
+    return tuple(tuple(r) for r in order.values())
+
+
+def init(
+    backend: str = "auto", ranks_per_node: int | None = None, config: CommConfig | None = None
+) -> World:
+    """Start Sparta's communication for this process and return the World.
+
+    backend: "auto" picks horovod under horovodrun, mpi under mpirun (when mpi4py is
+        installed), torch otherwise; with no launcher the world has one rank.
+    ranks_per_node: pose as nodes of this many consecutive ranks (to emulate a cluster on
+        one machine); by default nodes are found by host name.
+    config: timeouts and input checks (CommConfig).
+    """
+    config = config or CommConfig()
+    launch = detect()
+    engine = _resolve(backend, launch)
+    comm = _start(engine, launch, config)
+    if comm.size != launch.size:
+        comm.shutdown()
+        raise ConfigError(
+            f"{launch.launcher} launched {launch.size} ranks but the {engine} engine sees a world of "
+            f"{comm.size}. With mpirun this means mpi4py/Horovod was built against another MPI than "
+            "the mpirun on PATH: rebuild it (pip install --no-binary mpi4py --force-reinstall mpi4py)."
+        )
+    world = World(comm=comm, launcher=launch.launcher, node_ranks=_node_layout(comm, ranks_per_node))
+    atexit.register(world.shutdown)
+    log.info("sparta world: rank %d/%d on node %d/%d via %s", world.rank, world.size, world.node, world.num_nodes, engine)
+    return world
+
+
+def require(module: str, hint: str) -> None:
+    """Raise BackendUnavailableError with an install hint when `module` is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise BackendUnavailableError(f"the {module} package is not installed; {hint}")

@@ -1,0 +1,1 @@
+"""sparta.embedding (arrives with its issue)."""

@@ -1,0 +1,1 @@
+"""sparta.moe (arrives with its issue)."""

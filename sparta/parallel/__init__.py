@@ -1,0 +1,1 @@
+"""sparta.parallel (arrives with its issue)."""

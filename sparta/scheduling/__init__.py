@@ -1,0 +1,1 @@
+"""sparta.scheduling (arrives with its issue)."""
