@@ -17,7 +17,7 @@ import torch
 from sparta.comm.dtypes import dtype_code, dtype_name
 from sparta.errors import InputError
 
-META_LEN = 7  # problem, a, b, dtype code, ndim, dim 0, product of the other dims
+META_LEN = 8  # problem, a, b, c, dtype code, ndim, dim 0, product of the other dims
 
 
 class Problem(IntEnum):
@@ -30,7 +30,7 @@ class Problem(IntEnum):
     NOT_DIVISIBLE = 6  # a = dim 0, b = group size
     BAD_SRC = 7  # a = src, b = group size
     ZERO_DIM = 8  # a tensor without a dim 0 where splitting along dim 0 is needed
-    UNKNOWN_DTYPE = 9  # a dtype Sparta cannot move (no stable code)
+    RECV_MISMATCH = 9  # a = peer, b = recv_splits[peer], c = rows the peer sends
 
 
 _MESSAGES = {
@@ -42,7 +42,10 @@ _MESSAGES = {
     Problem.NOT_DIVISIBLE: "dim 0 ({a}) is not divisible by the group size ({b}); pad the tensor to a multiple of {b}",
     Problem.BAD_SRC: "src = {a} is not a rank of this group of {b}; use 0 <= src < {b}",
     Problem.ZERO_DIM: "the tensor is 0-dimensional; this operation splits along dim 0, so reshape it to at least 1-D",
-    Problem.UNKNOWN_DTYPE: "dtype code {a} cannot be communicated; cast to a standard dtype",
+    Problem.RECV_MISMATCH: (
+        "recv_splits[{a}] = {b} but rank {a} sends {c} rows; pass recv_splits=None to have them "
+        "exchanged, or fix the splits"
+    ),
 }
 
 
@@ -51,9 +54,10 @@ class Finding:
     problem: Problem = Problem.NONE
     a: int = 0
     b: int = 0
+    c: int = 0
 
     def message(self) -> str:
-        return _MESSAGES[self.problem].format(a=self.a, b=self.b)
+        return _MESSAGES[self.problem].format(a=self.a, b=self.b, c=self.c)
 
 
 OK = Finding()
@@ -79,7 +83,7 @@ def check_splits(splits: Sequence[int] | None, size: int, rows: int | None, recv
 def meta_row(x: torch.Tensor, finding: Finding) -> list[int]:
     dim0 = x.shape[0] if x.dim() > 0 else 1
     rest = x.numel() // dim0 if dim0 else int(torch.Size(x.shape[1:]).numel())
-    return [int(finding.problem), finding.a, finding.b, dtype_code(x.dtype), x.dim(), dim0, rest]
+    return [int(finding.problem), finding.a, finding.b, finding.c, dtype_code(x.dtype), x.dim(), dim0, rest]
 
 
 def raise_if_any(
@@ -95,22 +99,22 @@ def raise_if_any(
     root's shape).
     """
     table = rows.tolist()
-    for r, (problem, a, b, *_rest) in enumerate(table):
+    for r, (problem, a, b, c, *_rest) in enumerate(table):
         if problem != Problem.NONE:
             who = "this rank" if r == rank else f"rank {r}"
             raise InputError(
                 f"{op}: {who} passed invalid input: "
-                f"{Finding(Problem(problem), a, b).message()}. Every rank raises this error."
+                f"{Finding(Problem(problem), a, b, c).message()}. Every rank raises this error."
             )
     first = table[0]
     for r, row in enumerate(table[1:], start=1):
-        if row[3] != first[3]:
+        if row[4] != first[4]:
             raise InputError(
-                f"{op}: rank 0 passed {dtype_name(first[3])} but rank {r} passed "
-                f"{dtype_name(row[3])}; all ranks must pass the same dtype."
+                f"{op}: rank 0 passed {dtype_name(first[4])} but rank {r} passed "
+                f"{dtype_name(row[4])}; all ranks must pass the same dtype."
             )
-        shape_differs = (same_rest and (row[4] != first[4] or row[6] != first[6])) or (
-            same_dim0 and row[5] != first[5]
+        shape_differs = (same_rest and (row[5] != first[5] or row[7] != first[7])) or (
+            same_dim0 and row[6] != first[6]
         )
         if shape_differs:
             raise InputError(
@@ -121,4 +125,4 @@ def raise_if_any(
 
 
 def _shape_text(row: list[int]) -> str:
-    return f"{row[4]}-D, dim 0 = {row[5]}, {row[6]} elements per row"
+    return f"{row[5]}-D, dim 0 = {row[6]}, {row[7]} elements per row"

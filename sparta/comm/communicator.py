@@ -93,7 +93,7 @@ class Communicator(abc.ABC):
         tensor: `x` may be the caller's own and must not change."""
 
     @abc.abstractmethod
-    def _split(self, groups: list[list[int]], mine: int | None) -> Communicator | None:
+    def _split(self, groups: list[list[int]], mine: int | None, config: CommConfig) -> Communicator | None:
         """Sub-communicators for disjoint `groups` (group ranks); this rank's is `mine`."""
 
     def shutdown(self) -> None:
@@ -110,7 +110,7 @@ class Communicator(abc.ABC):
                 raise InputError(f"{op}: {finding.message()}")
             return
         row = torch.tensor([checks.meta_row(x, finding)], dtype=torch.int64)
-        rows = self._all_gather_bytes(as_bytes(row), [row.numel() * 8] * self.size, op).wait()
+        rows = self._all_gather_bytes(as_bytes(row), [checks.META_LEN * 8] * self.size, op).wait()
         checks.raise_if_any(from_bytes(rows, torch.int64, (self.size, checks.META_LEN)), op, self.rank, same_dim0, same_rest)
 
     @staticmethod
@@ -175,34 +175,27 @@ class Communicator(abc.ABC):
     def _exchange_splits(
         self, x: torch.Tensor, send: list[int], expected: Sequence[int] | None, finding: Finding, name: str
     ) -> list[int]:
-        """All-to-all of [meta, split to you, what I expect from you] rows; returns recv splits.
+        """All-to-all of [meta, rows I send you] rows; returns the recv splits.
 
         Carries every rank's meta row to every rank, so a local problem raises everywhere.
+        When the caller gave recv_splits, a second tiny gather spreads each rank's verdict
+        on them, so a mismatch between two ranks raises on all ranks, not just those two.
         """
-        meta = checks.meta_row(x, finding)
         ok = finding == OK_
-        table = torch.tensor(
-            [meta + [send[r] if ok else 0, int(expected[r]) if (ok and expected is not None) else -1]
-             for r in range(self.size)],
-            dtype=torch.int64,
-        )
-        width = checks.META_LEN + 2
+        meta = checks.meta_row(x, finding)
+        table = torch.tensor([meta + [send[r] if ok else 0] for r in range(self.size)], dtype=torch.int64)
+        width = checks.META_LEN + 1
         got = self._all_to_all_bytes(as_bytes(table), [width * 8] * self.size, [width * 8] * self.size, name).wait()
         got = from_bytes(got, torch.int64, (self.size, width))
         checks.raise_if_any(got[:, : checks.META_LEN], name, self.rank, same_dim0=False)
         incoming = got[:, checks.META_LEN].tolist()
-        wanted = got[:, checks.META_LEN + 1].tolist()
-        for r in range(self.size):
-            if expected is not None and int(expected[r]) != incoming[r]:
-                raise InputError(
-                    f"{name}: recv_splits[{r}] = {int(expected[r])} but rank {r} sends {incoming[r]} rows; "
-                    f"pass recv_splits=None to have them exchanged, or fix the splits"
-                )
-            if wanted[r] >= 0 and wanted[r] != send[r]:
-                raise InputError(
-                    f"{name}: this rank sends {send[r]} rows to rank {r}, which expects {wanted[r]} "
-                    f"(its recv_splits); pass recv_splits=None there, or fix the splits"
-                )
+        if expected is not None:
+            verdict = next(
+                (Finding(Problem.RECV_MISMATCH, r, int(expected[r]), incoming[r])
+                 for r in range(self.size) if int(expected[r]) != incoming[r]),
+                OK_,
+            )
+            self._agree(x, verdict, name, same_dim0=False)
         return incoming
 
     def all_gather(self, x: torch.Tensor, async_op: bool = False) -> list[torch.Tensor] | Handle[list[torch.Tensor]]:
@@ -213,9 +206,9 @@ class Communicator(abc.ABC):
         metas = self._all_gather_bytes(as_bytes(row), [checks.META_LEN * 8] * self.size, name).wait()
         table = from_bytes(metas, torch.int64, (self.size, checks.META_LEN))
         checks.raise_if_any(table, name, self.rank, same_dim0=False)
-        dims0 = table[:, 5].tolist()
+        dims0 = table[:, 6].tolist()
         rest = tuple(x.shape[1:])
-        per_row = int(table[0, 6]) * x.element_size()
+        per_row = int(table[0, 7]) * x.element_size()
         counts = [d * per_row for d in dims0]
         shapes = [(d, *rest) if x.dim() > 0 else () for d in dims0]
 
@@ -297,14 +290,15 @@ class Communicator(abc.ABC):
         return None
 
     # ---------------------------------------------------------------- groups
-    def split(self, ranks: Sequence[int]) -> Communicator | None:
+    def split(self, ranks: Sequence[int], config: CommConfig | None = None) -> Communicator | None:
         """A sub-communicator of the given group ranks; None on ranks not in it.
 
-        Called by every rank of this communicator, with the same `ranks`.
+        Called by every rank of this communicator, with the same `ranks`. `config` (default:
+        this communicator's) lets a group have its own timeout.
         """
-        return self.split_groups([list(ranks)])
+        return self.split_groups([list(ranks)], config)
 
-    def split_groups(self, groups: Sequence[Sequence[int]]) -> Communicator | None:
+    def split_groups(self, groups: Sequence[Sequence[int]], config: CommConfig | None = None) -> Communicator | None:
         """Disjoint groups at once (e.g. expert-parallel groups); returns this rank's.
 
         `groups` are lists of this communicator's ranks, the same on every rank; a rank in
@@ -322,7 +316,7 @@ class Communicator(abc.ABC):
                 raise InputError(f"split_groups: rank(s) {sorted(seen & set(g))} appear in two groups; groups must be disjoint")
             seen |= set(g)
         mine = next((i for i, g in enumerate(clean) if self.rank in g), None)
-        return self._split(clean, mine)
+        return self._split(clean, mine, config or self.config)
 
     @classmethod
     def from_process_group(cls, pg: dist.ProcessGroup, config: CommConfig | None = None) -> Communicator:
@@ -333,3 +327,12 @@ class Communicator(abc.ABC):
 
 
 OK_ = checks.OK
+
+
+def require_world_parent(comm: Communicator, world_size: int, why: str) -> None:
+    """For engines that can only build groups when every world rank takes part."""
+    if comm.size != world_size:
+        raise InputError(
+            f"split on {comm.where} [{comm.backend}]: this engine splits only the world communicator "
+            f"({why}); call world.comm.split_groups(...) on every rank with world ranks instead"
+        )

@@ -122,11 +122,11 @@ class MPICommunicator(Communicator):
         req = self.mpi.Iallreduce(src, out.numpy(), op=self._MPI.SUM)
         return self._handle(req, out, x.device, op, (src,))
 
-    def _split(self, groups: list[list[int]], mine: int | None) -> Communicator | None:
+    def _split(self, groups: list[list[int]], mine: int | None, config: CommConfig) -> Communicator | None:
         MPI = self._MPI
         # One collective Split over the parent makes every group at once.
         sub = self.mpi.Split(MPI.UNDEFINED if mine is None else mine, self.rank)
         if sub == MPI.COMM_NULL:
             return None
         members = [self.ranks[r] for r in groups[mine]]  # type: ignore[index]
-        return MPICommunicator(sub, self.config, f"{self.name}{members}", self._session)
+        return MPICommunicator(sub, config, f"{self.name}{members}", self._session)

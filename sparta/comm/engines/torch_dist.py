@@ -7,7 +7,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from sparta.comm.communicator import CommConfig, Communicator
+from sparta.comm.communicator import CommConfig, Communicator, require_world_parent
 from sparta.comm.handle import Handle, engine_failure
 from sparta.comm.launch import LaunchInfo
 
@@ -89,13 +89,13 @@ class TorchCommunicator(Communicator):
         work = dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
         return self._handle(work, y, op)
 
-    def _split(self, groups: list[list[int]], mine: int | None) -> Communicator | None:
+    def _split(self, groups: list[list[int]], mine: int | None, config: CommConfig) -> Communicator | None:
+        require_world_parent(self, dist.get_world_size(), "torch.distributed names a new group after how many groups each "
+                             "process has made, so every world rank must create every group")
+        # Every world rank creates every group, in the same order, so group names and
+        # rendezvous keys agree; a rank outside a group gets NON_GROUP_MEMBER back.
+        timeout = datetime.timedelta(seconds=config.timeout_s)
+        made = [dist.new_group(g, timeout=timeout) for g in groups]
         if mine is None:
             return None
-        members = [self.ranks[r] for r in groups[mine]]
-        # Local synchronisation: only the members take part, so a rank never creates (or
-        # waits on) groups it does not belong to, and splits of sub-groups work.
-        pg = dist.new_group(
-            members, timeout=datetime.timedelta(seconds=self.config.timeout_s), use_local_synchronization=True
-        )
-        return TorchCommunicator(pg, self.config, name=f"{self.name}{members}")
+        return TorchCommunicator(made[mine], config, name=f"{self.name}{groups[mine]}")

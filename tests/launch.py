@@ -1,0 +1,112 @@
+"""Launch a worker script on several real processes and collect what each rank reports.
+
+Workers append JSON lines to one file per rank in a fresh directory (see dist/runner.py). A launch that outlives its
+timeout is killed whole, and the failure shows the tail of its output, whose last lines
+name the rank and the collective that hung.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DIST = Path(__file__).parent / "dist"
+LAUNCHERS = ("torchrun", "mpirun", "horovodrun", "horovod-mpirun")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def have_horovod() -> bool:
+    try:
+        import horovod.torch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def require_launcher(launcher: str) -> None:
+    """Skip where the engine is truly absent, but never in CI, which must run everything."""
+    missing = None
+    if launcher in ("mpirun", "horovod-mpirun") and shutil.which("mpirun") is None:
+        missing = "mpirun not on PATH (apt-get install openmpi-bin libopenmpi-dev)"
+    elif launcher in ("horovodrun", "horovod-mpirun") and not have_horovod():
+        missing = "horovod is not installed (bash scripts/install_horovod.sh)"
+    elif launcher == "mpirun":
+        try:
+            import mpi4py  # noqa: F401
+        except ImportError:
+            missing = "mpi4py is not installed"
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the {launcher} tests but {missing}")
+        pytest.skip(missing)
+
+
+def command(launcher: str, nprocs: int, script: Path, args: list[str]) -> list[str]:
+    py = sys.executable
+    bindir = Path(py).parent
+    if launcher == "torchrun":
+        return [py, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}", str(script), *args]
+    if launcher in ("mpirun", "horovod-mpirun"):
+        extra = ["--backend", "horovod"] if launcher == "horovod-mpirun" else []
+        return ["mpirun", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(nprocs),
+                "-x", "OMP_NUM_THREADS=1", "-x", "PYTHONUNBUFFERED=1", "-x", "PATH",
+                py, str(script), *args, *extra]
+    if launcher == "horovodrun":
+        return [str(bindir / "horovodrun"), "--gloo", "-np", str(nprocs), "-H", f"localhost:{nprocs}",
+                py, str(script), *args]
+    raise ValueError(f"unknown launcher {launcher!r}; known: {LAUNCHERS}")
+
+
+def launch(launcher: str, script: str, nprocs: int = 4, args: list[str] | None = None,
+           timeout: float = 300, expect_ok: bool = True) -> dict[tuple[int, str], dict]:
+    """Run `dist/<script>` on `nprocs` ranks; returns {(rank, check): result}."""
+    require_launcher(launcher)
+    results_dir = tempfile.mkdtemp(prefix="sparta-test-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MKL_NUM_THREADS="1",
+               SPARTA_TEST_RESULTS=results_dir)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    cmd = command(launcher, nprocs, DIST / script, list(args or []))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{launcher} {script} hung for {timeout:g} s and was killed; last output:\n{out[-4000:]}")
+    results: dict[tuple[int, str], dict] = {}
+    for path in sorted(Path(results_dir).glob("rank-*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            results[(rec["rank"], rec["check"])] = rec
+    shutil.rmtree(results_dir, ignore_errors=True)
+    if expect_ok and proc.returncode != 0:
+        pytest.fail(f"{launcher} {script} exited with {proc.returncode}; output tail:\n{out[-4000:]}")
+    if not results:
+        pytest.fail(f"{launcher} {script} reported nothing; output tail:\n{out[-4000:]}")
+    return results
+
+
+def assert_all_ok(results: dict[tuple[int, str], dict], nprocs: int, expected_checks: int) -> None:
+    failed = [f"rank {r} {c}: {rec['error']}" for (r, c), rec in sorted(results.items()) if not rec["ok"]]
+    assert not failed, "\n".join(failed)
+    names = {c for _, c in results}
+    assert len(names) >= expected_checks, f"only {len(names)} checks ran: {sorted(names)}"
+    for name in names:
+        ranks = {r for r, c in results if c == name}
+        assert ranks == set(range(nprocs)), f"check {name} reported by ranks {sorted(ranks)} only"
