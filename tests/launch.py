@@ -8,13 +8,13 @@ name the rank and the collective that hung.
 from __future__ import annotations
 
 import json
-import tempfile
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,30 +59,71 @@ def command(launcher: str, nprocs: int, script: Path, args: list[str]) -> list[s
     py = sys.executable
     bindir = Path(py).parent
     if launcher == "torchrun":
-        return [py, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", "--master-addr=127.0.0.1",
-                f"--master-port={free_port()}", str(script), *args]
+        return [
+            py,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nprocs}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            str(script),
+            *args,
+        ]
     if launcher in ("mpirun", "horovod-mpirun"):
         extra = ["--backend", "horovod"] if launcher == "horovod-mpirun" else []
-        return ["mpirun", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(nprocs),
-                "-x", "OMP_NUM_THREADS=1", "-x", "PYTHONUNBUFFERED=1", "-x", "PATH",
-                py, str(script), *args, *extra]
+        return [
+            "mpirun",
+            "--oversubscribe",
+            "--allow-run-as-root",
+            "--bind-to",
+            "none",
+            "-np",
+            str(nprocs),
+            "-x",
+            "OMP_NUM_THREADS=1",
+            "-x",
+            "PYTHONUNBUFFERED=1",
+            "-x",
+            "PATH",
+            py,
+            str(script),
+            *args,
+            *extra,
+        ]
     if launcher == "horovodrun":
-        return [str(bindir / "horovodrun"), "--gloo", "-np", str(nprocs), "-H", f"localhost:{nprocs}",
-                py, str(script), *args]
+        return [
+            str(bindir / "horovodrun"),
+            "--gloo",
+            "-np",
+            str(nprocs),
+            "-H",
+            f"localhost:{nprocs}",
+            py,
+            str(script),
+            *args,
+        ]
     raise ValueError(f"unknown launcher {launcher!r}; known: {LAUNCHERS}")
 
 
-def launch(launcher: str, script: str, nprocs: int = 4, args: list[str] | None = None,
-           timeout: float = 300, expect_ok: bool = True) -> dict[tuple[int, str], dict]:
+def launch(
+    launcher: str,
+    script: str,
+    nprocs: int = 4,
+    args: list[str] | None = None,
+    timeout: float = 300,
+    expect_ok: bool = True,
+) -> dict[tuple[int, str], dict]:
     """Run `dist/<script>` on `nprocs` ranks; returns {(rank, check): result}."""
     require_launcher(launcher)
     results_dir = tempfile.mkdtemp(prefix="sparta-test-")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MKL_NUM_THREADS="1",
-               SPARTA_TEST_RESULTS=results_dir)
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MKL_NUM_THREADS="1", SPARTA_TEST_RESULTS=results_dir
+    )
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     cmd = command(launcher, nprocs, DIST / script, list(args or []))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -13,7 +13,12 @@ from sparta.comm.communicator import Communicator
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, send: list[int] | None, recv: list[int] | None, comm: Communicator, check: bool | None
+        ctx: Any,
+        x: torch.Tensor,
+        send: list[int] | None,
+        recv: list[int] | None,
+        comm: Communicator,
+        check: bool | None,
     ) -> torch.Tensor:
         handle, ctx.send, ctx.recv = comm._start_all_to_all(x, send, recv, check)
         ctx.comm = comm

@@ -37,7 +37,7 @@ _MESSAGES = {
     Problem.SPLITS_LENGTH: "send_splits has {a} entries but the group has {b} ranks; give one split per rank",
     Problem.SPLITS_NEGATIVE: "send_splits[{a}] = {b} is negative; splits count rows and must be >= 0",
     Problem.SPLITS_SUM: "send_splits sum to {a} but the tensor has {b} rows along dim 0; make them sum to x.shape[0]",
-    Problem.RECV_SPLITS_LENGTH: "recv_splits has {a} entries but the group has {b} ranks; give one split per rank or None",
+    Problem.RECV_SPLITS_LENGTH: "recv_splits has {a} entries but the group has {b} ranks; give one per rank or None",
     Problem.RECV_SPLITS_NEGATIVE: "recv_splits[{a}] = {b} is negative; splits count rows and must be >= 0",
     Problem.NOT_DIVISIBLE: "dim 0 ({a}) is not divisible by the group size ({b}); pad the tensor to a multiple of {b}",
     Problem.BAD_SRC: "src = {a} is not a rank of this group of {b}; use 0 <= src < {b}",
@@ -67,7 +67,8 @@ def check_splits(splits: Sequence[int] | None, size: int, rows: int | None, recv
     if splits is None:
         return OK
     length, negative = (
-        (Problem.RECV_SPLITS_LENGTH, Problem.RECV_SPLITS_NEGATIVE) if recv
+        (Problem.RECV_SPLITS_LENGTH, Problem.RECV_SPLITS_NEGATIVE)
+        if recv
         else (Problem.SPLITS_LENGTH, Problem.SPLITS_NEGATIVE)
     )
     if len(splits) != size:
@@ -86,9 +87,7 @@ def meta_row(x: torch.Tensor, finding: Finding) -> list[int]:
     return [int(finding.problem), finding.a, finding.b, finding.c, dtype_code(x.dtype), x.dim(), dim0, rest]
 
 
-def raise_if_any(
-    rows: torch.Tensor, op: str, rank: int, same_dim0: bool, same_rest: bool = True
-) -> None:
+def raise_if_any(rows: torch.Tensor, op: str, rank: int, same_dim0: bool, same_rest: bool = True) -> None:
     """Raise one InputError from the exchanged meta rows `[size, META_LEN]` if any is bad.
 
     `op` names the operation, rank and group (Communicator._op).
@@ -113,9 +112,7 @@ def raise_if_any(
                 f"{op}: rank 0 passed {dtype_name(first[4])} but rank {r} passed "
                 f"{dtype_name(row[4])}; all ranks must pass the same dtype."
             )
-        shape_differs = (same_rest and (row[5] != first[5] or row[7] != first[7])) or (
-            same_dim0 and row[6] != first[6]
-        )
+        shape_differs = (same_rest and (row[5] != first[5] or row[7] != first[7])) or (same_dim0 and row[6] != first[6])
         if shape_differs:
             raise InputError(
                 f"{op}: tensor shapes disagree between ranks: rank 0 has "

@@ -96,8 +96,9 @@ class Communicator(abc.ABC):
     def _split(self, groups: list[list[int]], mine: int | None, config: CommConfig) -> Communicator | None:
         """Sub-communicators for disjoint `groups` (group ranks); this rank's is `mine`."""
 
+    @abc.abstractmethod
     def shutdown(self) -> None:
-        """Release engine resources. Only the world's communicator does anything."""
+        """Release engine resources; only the world's communicator holds any. Idempotent."""
 
     # ---------------------------------------------------------------- helpers
     def _op(self, op: str) -> str:
@@ -111,7 +112,9 @@ class Communicator(abc.ABC):
             return
         row = torch.tensor([checks.meta_row(x, finding)], dtype=torch.int64)
         rows = self._all_gather_bytes(as_bytes(row), [checks.META_LEN * 8] * self.size, op).wait()
-        checks.raise_if_any(from_bytes(rows, torch.int64, (self.size, checks.META_LEN)), op, self.rank, same_dim0, same_rest)
+        checks.raise_if_any(
+            from_bytes(rows, torch.int64, (self.size, checks.META_LEN)), op, self.rank, same_dim0, same_rest
+        )
 
     @staticmethod
     def _require_tensor(x: Any, op: str) -> torch.Tensor:
@@ -191,8 +194,11 @@ class Communicator(abc.ABC):
         incoming = got[:, checks.META_LEN].tolist()
         if expected is not None:
             verdict = next(
-                (Finding(Problem.RECV_MISMATCH, r, int(expected[r]), incoming[r])
-                 for r in range(self.size) if int(expected[r]) != incoming[r]),
+                (
+                    Finding(Problem.RECV_MISMATCH, r, int(expected[r]), incoming[r])
+                    for r in range(self.size)
+                    if int(expected[r]) != incoming[r]
+                ),
                 OK_,
             )
             self._agree(x, verdict, name, same_dim0=False)
@@ -214,12 +220,14 @@ class Communicator(abc.ABC):
 
         def unpack(buf: torch.Tensor) -> list[torch.Tensor]:
             parts = torch.split(buf, counts)
-            return [from_bytes(p, x.dtype, s) for p, s in zip(parts, shapes)]
+            return [from_bytes(p, x.dtype, s) for p, s in zip(parts, shapes, strict=True)]
 
         out = self._all_gather_bytes(as_bytes(x), counts, name).then(unpack)
         return out if async_op else out.wait()
 
-    def all_reduce(self, x: torch.Tensor, op: str = "sum", async_op: bool = False) -> torch.Tensor | Handle[torch.Tensor]:
+    def all_reduce(
+        self, x: torch.Tensor, op: str = "sum", async_op: bool = False
+    ) -> torch.Tensor | Handle[torch.Tensor]:
         """Element-wise sum ("sum") or mean ("avg") over ranks; returns a new tensor."""
         name = self._op(f"all_reduce({op})")
         x = self._require_tensor(x, name)
@@ -229,7 +237,9 @@ class Communicator(abc.ABC):
         out = self._all_reduce(wide, name).then(lambda y: self._reduce_finish(y, x, op))
         return out if async_op else out.wait()
 
-    def reduce_scatter(self, x: torch.Tensor, op: str = "sum", async_op: bool = False) -> torch.Tensor | Handle[torch.Tensor]:
+    def reduce_scatter(
+        self, x: torch.Tensor, op: str = "sum", async_op: bool = False
+    ) -> torch.Tensor | Handle[torch.Tensor]:
         """x: [size * m, *rest] on every rank; rank r gets the reduction of block r, [m, *rest].
 
         Built as an all-to-all followed by a local sum: it moves the same bytes as a ring
@@ -239,8 +249,10 @@ class Communicator(abc.ABC):
         x = self._require_tensor(x, name)
         self._check_op(op)
         rows = x.shape[0] if x.dim() > 0 else 0
-        finding = Finding(Problem.ZERO_DIM) if x.dim() == 0 else (
-            Finding(Problem.NOT_DIVISIBLE, rows, self.size) if rows % self.size else OK_
+        finding = (
+            Finding(Problem.ZERO_DIM)
+            if x.dim() == 0
+            else (Finding(Problem.NOT_DIVISIBLE, rows, self.size) if rows % self.size else OK_)
         )
         self._agree(x, finding, name, same_dim0=True)
         wide = self._reduce_prep(x, op, name)
@@ -313,7 +325,9 @@ class Communicator(abc.ABC):
             if bad:
                 raise InputError(f"split_groups: ranks {bad} are not in this group of {self.size} (0..{self.size - 1})")
             if seen & set(g):
-                raise InputError(f"split_groups: rank(s) {sorted(seen & set(g))} appear in two groups; groups must be disjoint")
+                raise InputError(
+                    f"split_groups: rank(s) {sorted(seen & set(g))} appear in two groups; groups must be disjoint"
+                )
             seen |= set(g)
         mine = next((i for i, g in enumerate(clean) if self.rank in g), None)
         return self._split(clean, mine, config or self.config)

@@ -17,11 +17,23 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     dt: i + 1
     for i, dt in enumerate(
         [
-            torch.float32, torch.float64, torch.float16, torch.bfloat16,
-            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-            torch.complex64, torch.complex128,
-            torch.uint16, torch.uint32, torch.uint64,
-            torch.float8_e4m3fn, torch.float8_e5m2,
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint8,
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+            torch.uint16,
+            torch.uint32,
+            torch.uint64,
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
         ]
     )
 }

@@ -107,9 +107,7 @@ def _start(backend: str, launch: LaunchInfo, config: CommConfig) -> Communicator
 def _node_layout(comm: Communicator, ranks_per_node: int | None) -> tuple[tuple[int, ...], ...]:
     if ranks_per_node is not None:
         if ranks_per_node < 1 or comm.size % ranks_per_node:
-            raise ConfigError(
-                f"ranks_per_node={ranks_per_node} must be >= 1 and divide the world size {comm.size}"
-            )
+            raise ConfigError(f"ranks_per_node={ranks_per_node} must be >= 1 and divide the world size {comm.size}")
         return tuple(tuple(range(n, n + ranks_per_node)) for n in range(0, comm.size, ranks_per_node))
     host = torch.frombuffer(bytearray(socket.gethostname().encode()), dtype=torch.uint8)
     names = [bytes(t.tolist()) for t in comm.all_gather(host)]  # type: ignore[union-attr]
@@ -119,9 +117,7 @@ def _node_layout(comm: Communicator, ranks_per_node: int | None) -> tuple[tuple[
     return tuple(tuple(r) for r in order.values())
 
 
-def init(
-    backend: str = "auto", ranks_per_node: int | None = None, config: CommConfig | None = None
-) -> World:
+def init(backend: str = "auto", ranks_per_node: int | None = None, config: CommConfig | None = None) -> World:
     """Start Sparta's communication for this process and return the World.
 
     backend: "auto" picks horovod under horovodrun, mpi under mpirun (when mpi4py is
@@ -143,7 +139,9 @@ def init(
         )
     world = World(comm=comm, launcher=launch.launcher, node_ranks=_node_layout(comm, ranks_per_node))
     atexit.register(world.shutdown)
-    log.info("sparta world: rank %d/%d on node %d/%d via %s", world.rank, world.size, world.node, world.num_nodes, engine)
+    log.info(
+        "sparta world: rank %d/%d on node %d/%d via %s", world.rank, world.size, world.node, world.num_nodes, engine
+    )
     return world
 
 

@@ -70,7 +70,9 @@ class MPICommunicator(Communicator):
     def _host(x: torch.Tensor) -> Any:
         return x.detach().cpu().numpy()
 
-    def _handle(self, req: Any, result: torch.Tensor, device: torch.device, op: str, keep: tuple[Any, ...]) -> Handle[torch.Tensor]:
+    def _handle(
+        self, req: Any, result: torch.Tensor, device: torch.device, op: str, keep: tuple[Any, ...]
+    ) -> Handle[torch.Tensor]:
         def wait() -> torch.Tensor:
             try:
                 poll_until_done(req.Test, self.config.timeout_s, lambda: op)

@@ -76,8 +76,10 @@ class TorchCommunicator(Communicator):
         padded[: buf.numel()] = buf
         outs = [torch.empty(width, dtype=torch.uint8, device=buf.device) for _ in counts]
         work = dist.all_gather(outs, padded, group=self.pg, async_op=True)
-        return self._handle(work, outs, op).then(  # type: ignore[arg-type]
-            lambda parts: torch.cat([p[:c] for p, c in zip(parts, counts)])
+        return self._handle(
+            work, outs, op
+        ).then(  # type: ignore[arg-type]
+            lambda parts: torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)])
         )
 
     def _broadcast_bytes(self, buf: torch.Tensor, src: int, op: str) -> Handle[torch.Tensor]:
@@ -90,8 +92,12 @@ class TorchCommunicator(Communicator):
         return self._handle(work, y, op)
 
     def _split(self, groups: list[list[int]], mine: int | None, config: CommConfig) -> Communicator | None:
-        require_world_parent(self, dist.get_world_size(), "torch.distributed names a new group after how many groups each "
-                             "process has made, so every world rank must create every group")
+        require_world_parent(
+            self,
+            dist.get_world_size(),
+            "torch.distributed names a new group after how many groups each "
+            "process has made, so every world rank must create every group",
+        )
         # Every world rank creates every group, in the same order, so group names and
         # rendezvous keys agree; a rank outside a group gets NON_GROUP_MEMBER back.
         timeout = datetime.timedelta(seconds=config.timeout_s)

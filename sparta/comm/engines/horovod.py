@@ -1,0 +1,119 @@
+"""Communicator over Horovod (its gloo or MPI controller, whichever horovodrun/mpirun gave).
+
+Horovod's ops are asynchronous handles; polling them turns a stuck collective into
+CollectiveTimeoutError. Sub-communicators are Horovod process sets, which Horovod builds only
+with every rank of the world taking part. Horovod 0.28 wants int32 all-to-all splits and has
+no bfloat16, which the byte-level transport and widened reductions of the base class absorb.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sparta.comm.communicator import CommConfig, Communicator, require_world_parent
+from sparta.comm.handle import Handle, engine_failure, poll_until_done
+from sparta.comm.launch import LaunchInfo
+from sparta.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
+
+
+@dataclass
+class _Session:
+    """State shared by the world communicator and its process sets."""
+
+    hvd: Any
+    process_sets: dict[tuple[int, ...], Any] = field(default_factory=dict)
+    running: bool = True
+    broken: bool = False
+
+
+class HorovodCommunicator(Communicator):
+    backend = "horovod"
+    native_reduce_dtypes = frozenset(
+        {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int8, torch.uint8}
+    )
+
+    def __init__(self, session: _Session, process_set: Any, ranks: list[int], config: CommConfig, name: str) -> None:
+        hvd = session.hvd
+        rank = ranks.index(hvd.rank())
+        super().__init__(rank, len(ranks), ranks, config, name)
+        self._session = session
+        self._hvd = hvd
+        self.process_set = process_set
+        self._issued = 0
+
+    def _name(self, kind: str) -> str:
+        """Horovod pairs ops across ranks by name; unnamed ops are numbered per process,
+        which drifts apart as soon as ranks run different sub-group ops. Numbering per
+        communicator stays in step, as every member issues the same ops in the same order."""
+        self._issued += 1
+        return f"sparta.{self.name}.{kind}.{self._issued}"
+
+    @classmethod
+    def init_world(cls, launch: LaunchInfo, config: CommConfig) -> HorovodCommunicator:
+        try:
+            import horovod.torch as hvd
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                "backend='horovod' needs Horovod built for this torch: run `bash scripts/install_horovod.sh "
+                f".venv` from the Sparta checkout (PyPI's 0.28.1 sdist does not build as is); import failed with: {exc}"
+            ) from exc
+        hvd.init(process_sets="dynamic")
+        return cls(_Session(hvd), hvd.global_process_set, list(range(hvd.size())), config, "world")
+
+    def shutdown(self) -> None:
+        # A timed-out op would keep Horovod's background loop waiting in shutdown forever.
+        if self.name == "world" and self._session.running and not self._session.broken:
+            self._hvd.shutdown()
+        self._session.running = False
+
+    def _handle(self, start: Any, op: str, post: Any = None) -> Handle[torch.Tensor]:
+        hvd = self._hvd
+
+        def wait() -> torch.Tensor:
+            try:
+                poll_until_done(lambda: hvd.poll(start), self.config.timeout_s, lambda: op)
+                out = hvd.synchronize(start)
+            except CollectiveTimeoutError:
+                self._session.broken = True
+                raise
+            except Exception as exc:  # HorovodInternalError and friends carry no common base
+                raise engine_failure(exc, op) if not isinstance(exc, CollectiveError) else exc from exc
+            return post(out) if post else out
+
+        return Handle(wait)
+
+    def _all_to_all_bytes(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
+        splits = torch.tensor(send, dtype=torch.int32)
+        h = self._hvd.alltoall_async(buf, splits=splits, name=self._name("alltoall"), process_set=self.process_set)
+        # alltoall returns (tensor, received splits) when splits are given
+        return self._handle(h, op, post=lambda out: out[0] if isinstance(out, tuple) else out)
+
+    def _all_gather_bytes(self, buf: torch.Tensor, counts: list[int], op: str) -> Handle[torch.Tensor]:
+        h = self._hvd.allgather_async(buf, name=self._name("allgather"), process_set=self.process_set)
+        return self._handle(h, op)
+
+    def _broadcast_bytes(self, buf: torch.Tensor, src: int, op: str) -> Handle[torch.Tensor]:
+        h = self._hvd.broadcast_async(
+            buf, root_rank=self.ranks[src], name=self._name("broadcast"), process_set=self.process_set
+        )
+        return self._handle(h, op)
+
+    def _all_reduce(self, x: torch.Tensor, op: str) -> Handle[torch.Tensor]:
+        h = self._hvd.allreduce_async(x, op=self._hvd.Sum, name=self._name("allreduce"), process_set=self.process_set)
+        return self._handle(h, op)
+
+    def _split(self, groups: list[list[int]], mine: int | None, config: CommConfig) -> Communicator | None:
+        hvd = self._hvd
+        require_world_parent(self, hvd.size(), "Horovod registers a process set with every rank taking part")
+        sets = self._session.process_sets
+        for g in groups:  # Horovod refuses a duplicate set, so reuse one made before
+            key = tuple(g)
+            if key not in sets:
+                sets[key] = hvd.global_process_set if len(key) == hvd.size() else hvd.add_process_set(list(key))
+        if mine is None:
+            return None
+        members = groups[mine]
+        return HorovodCommunicator(self._session, sets[tuple(members)], members, config, f"{self.name}{members}")

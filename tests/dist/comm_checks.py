@@ -1,0 +1,248 @@
+"""Every Communicator operation on one engine, checked against locally computed oracles.
+
+Run on 4 ranks by tests/test_comm_dist.py under torchrun, mpirun and horovodrun.
+"""
+
+from __future__ import annotations
+
+import torch
+from runner import finish, raises, run_checks, start
+
+import sparta
+from sparta.comm import World
+from sparta.errors import InputError
+
+DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.bool, torch.complex64]
+WIDTH = 3
+
+
+def splits(src: int, size: int, salt: int) -> list[int]:
+    """Rows src sends to each destination; includes zeros for every salt."""
+    return [(src + 2 * dst + salt) % 3 for dst in range(size)]
+
+
+def block(src: int, dst: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The rows src sends dst: small integers, exact in every dtype."""
+    base = torch.arange(n * WIDTH, dtype=torch.float32).view(n, WIDTH) + 16 * src + 4 * dst
+    if dtype == torch.bool:
+        return base.remainder(2).bool()
+    if dtype.is_complex:
+        return torch.complex(base, -base).to(dtype)
+    return base.to(dtype)
+
+
+def payload(world: World, salt: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[int], torch.Tensor, list[int]]:
+    r, n = world.rank, world.size
+    send = splits(r, n, salt)
+    x = torch.cat([block(r, d, send[d], dtype) for d in range(n)])
+    recv = [splits(s, n, salt)[r] for s in range(n)]
+    expect = torch.cat([block(s, r, recv[s], dtype) for s in range(n)])
+    return x, send, expect, recv
+
+
+def check_all_to_all_uneven(world: World) -> None:
+    for salt in range(3):
+        for dtype in DTYPES:
+            x, send, expect, recv = payload(world, salt, dtype)
+            assert torch.equal(world.comm.all_to_all(x, send), expect), (salt, dtype)
+            handle = world.comm.all_to_all(x, send, recv, async_op=True)
+            assert torch.equal(handle.wait(), expect)
+            assert torch.equal(world.comm.all_to_all(x, send, recv, check=False), expect)
+
+
+def check_all_to_all_empty(world: World) -> None:
+    for dtype in DTYPES:
+        x = torch.empty(0, WIDTH, dtype=dtype)
+        out = world.comm.all_to_all(x, [0] * world.size)
+        assert out.shape == (0, WIDTH) and out.dtype == dtype
+    # only rank 0 receives anything; every other rank sends to it and receives nothing
+    x = torch.full((1, 2), float(world.rank))
+    send = [1] + [0] * (world.size - 1)
+    out = world.comm.all_to_all(x, send)
+    want = (
+        torch.arange(world.size, dtype=torch.float32).view(-1, 1).expand(-1, 2)
+        if world.rank == 0
+        else torch.empty(0, 2)
+    )
+    assert torch.equal(out, want)
+
+
+def check_all_to_all_equal_default(world: World) -> None:
+    n = world.size
+    x = torch.arange(2 * n, dtype=torch.float32) + 100 * world.rank
+    out = world.comm.all_to_all(x)
+    want = torch.cat(
+        [torch.arange(2 * world.rank, 2 * world.rank + 2, dtype=torch.float32) + 100 * s for s in range(n)]
+    )
+    assert torch.equal(out, want)
+
+
+def check_all_reduce(world: World) -> None:
+    n, r = world.size, world.rank
+    total = sum(range(n))
+    for dtype in DTYPES:
+        x = block(r, 0, 2, dtype)
+        got = world.comm.all_reduce(x)
+        if dtype == torch.bool:
+            want = torch.stack([block(s, 0, 2, dtype) for s in range(n)]).any(0)
+        else:
+            want = sum(
+                block(s, 0, 2, torch.float64 if not dtype.is_complex else torch.complex128) for s in range(n)
+            ).to(dtype)
+        assert torch.equal(got, want), (dtype, got, want)
+        assert torch.equal(x, block(r, 0, 2, dtype)), "all_reduce changed its input"
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        got = world.comm.all_reduce(torch.full((5,), float(r), dtype=dtype), op="avg")
+        assert torch.equal(got, torch.full((5,), total / n, dtype=dtype)), (dtype, got)
+    handle = world.comm.all_reduce(torch.tensor([r], dtype=torch.int64), async_op=True)
+    assert handle.wait().item() == total
+    scalar = world.comm.all_reduce(torch.tensor(2.0))
+    assert scalar.shape == () and scalar.item() == 2.0 * n
+
+
+def check_all_gather_uneven(world: World) -> None:
+    r, n = world.rank, world.size
+    for dtype in DTYPES:
+        got = world.comm.all_gather(block(r, r, r % 3, dtype))
+        assert len(got) == n
+        for s in range(n):
+            assert torch.equal(got[s], block(s, s, s % 3, dtype)), (dtype, s)
+    empty = world.comm.all_gather(torch.empty(0, 4))
+    assert [t.shape for t in empty] == [torch.Size([0, 4])] * n
+    handle = world.comm.all_gather(torch.tensor([r, r]), async_op=True)
+    assert [t.tolist() for t in handle.wait()] == [[s, s] for s in range(n)]
+
+
+def check_reduce_scatter(world: World) -> None:
+    r, n = world.rank, world.size
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.complex64):
+        x = torch.stack([block(r, d, 2, dtype) for d in range(n)]).reshape(2 * n, WIDTH)
+        got = world.comm.reduce_scatter(x)
+        wide = torch.complex128 if dtype.is_complex else torch.float64
+        want = sum(block(s, r, 2, wide) for s in range(n)).to(dtype)
+        assert torch.equal(got, want), (dtype, got, want)
+    avg = world.comm.reduce_scatter(torch.full((n, 2), float(r)), op="avg")
+    assert torch.equal(avg, torch.full((1, 2), sum(range(n)) / n))
+    handle = world.comm.reduce_scatter(torch.ones(n, dtype=torch.int32), async_op=True)
+    assert handle.wait().tolist() == [n]
+
+
+def check_broadcast(world: World) -> None:
+    for src in range(world.size):
+        for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+            x = block(world.rank, 0, 2, dtype)
+            got = world.comm.broadcast(x, src=src)
+            assert torch.equal(got, block(src, 0, 2, dtype)), (src, dtype)
+    assert world.comm.broadcast(torch.tensor([world.rank]), src=1, async_op=True).wait().item() == 1
+
+
+def check_barrier(world: World) -> None:
+    world.comm.barrier()
+    world.comm.barrier(async_op=True).wait()
+
+
+def check_sub_communicators(world: World) -> None:
+    r, n = world.rank, world.size
+    pairs = world.comm.split_groups([[0, 1], [2, 3]])
+    assert pairs is not None and pairs.size == 2 and pairs.rank == r % 2
+    assert pairs.ranks == ((0, 1) if r < 2 else (2, 3))
+    assert pairs.all_reduce(torch.tensor([r])).item() == (1 if r < 2 else 5)
+    x = torch.arange(pairs.rank + 1, dtype=torch.float32)  # pair rank p sends [1, p] rows
+    got = pairs.all_to_all(x, [1, pairs.rank])
+    assert got.tolist() == ([0.0, 0.0] if pairs.rank == 0 else [1.0])
+    gathered = pairs.all_gather(torch.tensor([r]))
+    assert [t.item() for t in gathered] == list(pairs.ranks)
+    evens = world.comm.split([0, 2])
+    if r in (0, 2):
+        assert evens is not None and evens.ranks == (0, 2)
+        assert evens.broadcast(torch.tensor([r]), src=1).item() == 2
+    else:
+        assert evens is None
+    if world.backend == "mpi":
+        solo = pairs.split_groups([[0], [1]])
+        assert solo is not None and solo.size == 1 and solo.ranks == (r,)
+        assert solo.all_reduce(torch.tensor([3.0])).item() == 3.0
+    else:  # torch and Horovod build groups only from the whole world, and say so
+        with raises(InputError, "splits only the world communicator"):
+            pairs.split_groups([[0], [1]])
+    layout = World(comm=world.comm, launcher=world.launcher, node_ranks=((0, 1), (2, 3)))
+    intra, inter = layout.node_comms()
+    assert intra.ranks == ((0, 1) if r < 2 else (2, 3))
+    assert inter.ranks == ((0, 2) if r % 2 == 0 else (1, 3))
+    assert inter.all_reduce(torch.tensor([1])).item() == 2
+    assert (layout.node, layout.local_rank, layout.local_size, layout.num_nodes) == (r // 2, r % 2, 2, 2)
+    assert n == 4
+
+
+def check_autograd_all_to_all(world: World) -> None:
+    """Gradient of a loss through the differentiable all-to-all equals one process's."""
+    n, r = world.size, world.rank
+    gen = torch.Generator().manual_seed(7)
+    sends = [splits(s, n, 1) for s in range(n)]
+    inputs = [torch.randn(sum(sends[s]), 4, generator=gen, dtype=torch.float64) for s in range(n)]
+    weights = [torch.randn(sum(sends[s][d] for s in range(n)), 4, generator=gen, dtype=torch.float64) for d in range(n)]
+    # single-process reference: route every row to its destination in one process
+    ref_in = [t.clone().requires_grad_() for t in inputs]
+    chunks = [torch.split(t, sends[s]) for s, t in enumerate(ref_in)]
+    ref_loss = sum(((torch.cat([chunks[s][d] for s in range(n)]) * weights[d]).square().sum()) for d in range(n))
+    ref_loss.backward()
+    x = inputs[r].clone().requires_grad_()
+    out = sparta.comm.all_to_all(x, sends[r], None, world.comm)
+    loss = (out * weights[r]).square().sum()
+    loss.backward()
+    total = world.comm.all_reduce(loss.detach())
+    assert torch.allclose(total, ref_loss.detach(), rtol=1e-12), (total, ref_loss)
+    assert torch.allclose(x.grad, ref_in[r].grad, rtol=1e-12, atol=1e-12)
+
+
+def check_bad_input_raises_everywhere(world: World) -> None:
+    r, n = world.rank, world.size
+    c = world.comm
+    bad_rank = 1
+    with raises(InputError, "send_splits has 2 entries but the group has 4 ranks"):
+        c.all_to_all(torch.ones(2), [1, 1] if r == bad_rank else [2, 0, 0, 0])
+    with raises(InputError, r"send_splits\[0\] = -1 is negative"):
+        c.all_to_all(torch.ones(0), [-1, 1, 0, 0] if r == bad_rank else [0] * n)
+    with raises(InputError, "send_splits sum to 4 but the tensor has 3 rows"):
+        c.all_to_all(torch.ones(3), [1, 1, 1, 1] if r == bad_rank else [3, 0, 0, 0])
+    with raises(InputError, "rank 0 passed float32 but rank 1 passed int64"):
+        c.all_to_all(torch.ones(n, dtype=torch.int64 if r == bad_rank else torch.float32))
+    with raises(InputError, r"recv_splits\[0\] = 2 but rank 0 sends 1 rows"):
+        c.all_to_all(torch.ones(n), [1] * n, [2, 0, 1, 1] if r == bad_rank else [1] * n)
+    with raises(InputError, "tensor shapes disagree"):
+        c.all_reduce(torch.ones(3 if r == bad_rank else 2))
+    with raises(InputError, "tensor shapes disagree"):
+        c.all_gather(torch.ones(2, 3 if r == bad_rank else 2))
+    with raises(InputError, "dim 0 \\(5\\) is not divisible by the group size"):
+        c.reduce_scatter(torch.ones(5))
+    with raises(InputError, "src = 7 is not a rank of this group"):
+        c.broadcast(torch.ones(1), src=7)
+    with raises(InputError, "op='avg' needs a floating dtype"):
+        c.all_reduce(torch.ones(2, dtype=torch.int64), op="avg")
+    with raises(InputError, "cannot reduce dtype torch.uint64"):
+        c.all_reduce(torch.ones(2, dtype=torch.uint64))
+    with raises(InputError, "unknown reduction op 'max'"):
+        c.all_reduce(torch.ones(2), op="max")
+    with raises(InputError, "groups must be disjoint"):
+        c.split_groups([[0, 1], [1, 2]])
+    # and the communicator still works after all of that
+    assert c.all_reduce(torch.tensor([1.0])).item() == n
+
+
+CHECKS = [
+    check_all_to_all_uneven,
+    check_all_to_all_empty,
+    check_all_to_all_equal_default,
+    check_all_reduce,
+    check_all_gather_uneven,
+    check_reduce_scatter,
+    check_broadcast,
+    check_barrier,
+    check_sub_communicators,
+    check_autograd_all_to_all,
+    check_bad_input_raises_everywhere,
+]
+
+if __name__ == "__main__":
+    world, _ = start()
+    finish(world, run_checks(world, CHECKS))

@@ -1,0 +1,44 @@
+"""Rank 0 skips a collective; the others must raise CollectiveTimeoutError, not hang."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+from runner import report, start
+
+from sparta.comm import CommConfig
+from sparta.errors import CollectiveTimeoutError
+
+if __name__ == "__main__":
+    # Only this group has the short timeout: start-up under load may well take 3 s.
+    world, _ = start()
+    world.comm.barrier()
+    group = world.comm.split_groups([list(range(world.size))], CommConfig(timeout_s=3.0))
+    assert group is not None
+    if world.rank == 0:
+        report(0, "timeout", True)
+        time.sleep(8)  # stay alive so peers time out rather than see a dead connection
+    else:
+        began = time.monotonic()
+        try:
+            group.all_reduce(torch.ones(4))
+        except CollectiveTimeoutError as exc:
+            waited = time.monotonic() - began
+            text = str(exc)
+            ok = (
+                f"rank {world.rank}" in text
+                and "all_reduce" in text
+                and f"group {group.name!r}" in text
+                and waited < 30
+            )
+            report(world.rank, "timeout", ok, "" if ok else f"message or delay wrong ({waited:.1f} s): {text}")
+        except Exception as exc:  # a different failure is still a failure to report
+            report(world.rank, "timeout", False, f"{type(exc).__name__}: {exc}")
+        else:
+            report(world.rank, "timeout", False, "all_reduce returned without rank 0")
+    sys.stdout.flush()
+    # The engine is wedged by design here: skip its shutdown, which would wait for the lost op.
+    os._exit(0)

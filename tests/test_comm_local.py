@@ -1,0 +1,145 @@
+"""sparta.comm in one process: launcher detection, configuration, errors, a world of one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sparta
+from sparta.comm import CommConfig, detect
+from sparta.errors import BackendUnavailableError, ConfigError, InputError
+
+
+def run_py(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "HOROVOD_"))}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120)
+
+
+class TestDetect:
+    def test_no_launcher_is_a_world_of_one(self) -> None:
+        info = detect({})
+        assert (info.launcher, info.rank, info.size, info.local_rank, info.local_size) == ("none", 0, 1, 0, 1)
+
+    def test_torchrun(self) -> None:
+        env = {
+            "TORCHELASTIC_RUN_ID": "x",
+            "RANK": "5",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "node0",
+            "MASTER_PORT": "1234",
+        }
+        info = detect(env)
+        assert (info.launcher, info.rank, info.size, info.local_rank, info.local_size) == ("torchrun", 5, 8, 1, 4)
+        assert (info.master_addr, info.master_port) == ("node0", 1234)
+
+    def test_open_mpi_single_node_defaults_rendezvous_to_loopback(self) -> None:
+        env = {
+            "OMPI_COMM_WORLD_RANK": "2",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+        }
+        info = detect(env)
+        assert (info.launcher, info.rank, info.size, info.local_rank) == ("mpirun", 2, 4, 2)
+        assert info.master_addr == "127.0.0.1"
+
+    def test_open_mpi_multi_node_has_no_guessed_address(self) -> None:
+        env = {
+            "OMPI_COMM_WORLD_RANK": "2",
+            "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+        }
+        assert detect(env).master_addr is None
+
+    def test_mpich_hydra(self) -> None:
+        env = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+        info = detect(env)
+        assert (info.launcher, info.rank, info.size, info.local_rank, info.local_size) == ("mpirun", 3, 4, 1, 2)
+
+    def test_horovodrun_wins_over_mpi_variables(self) -> None:
+        env = {
+            "HOROVOD_RANK": "1",
+            "HOROVOD_SIZE": "2",
+            "HOROVOD_LOCAL_RANK": "1",
+            "HOROVOD_LOCAL_SIZE": "2",
+            "OMPI_COMM_WORLD_RANK": "1",
+            "OMPI_COMM_WORLD_SIZE": "2",
+        }
+        assert detect(env).launcher == "horovodrun"
+
+    def test_inconsistent_environment_is_named(self) -> None:
+        with pytest.raises(ConfigError, match="rank 4 in a world of 4"):
+            detect({"TORCHELASTIC_RUN_ID": "x", "RANK": "4", "WORLD_SIZE": "4", "MASTER_ADDR": "a"})
+        with pytest.raises(ConfigError, match="RANK='two' is not an integer"):
+            detect({"TORCHELASTIC_RUN_ID": "x", "RANK": "two", "WORLD_SIZE": "4", "MASTER_ADDR": "a"})
+
+
+def test_comm_config_validates() -> None:
+    with pytest.raises(ConfigError, match="timeout_s = 0 must be > 0"):
+        CommConfig(timeout_s=0)
+
+
+def test_world_of_one_runs_every_op() -> None:
+    world = sparta.init(backend="torch")
+    c = world.comm
+    assert (world.rank, world.size, world.num_nodes, world.local_size) == (0, 1, 1, 1)
+    x = torch.arange(6.0).view(3, 2)
+    assert torch.equal(c.all_to_all(x, [3]), x)
+    assert torch.equal(c.all_reduce(x, op="avg"), x)
+    assert torch.equal(c.all_gather(x)[0], x)
+    assert torch.equal(c.reduce_scatter(x), x)
+    assert torch.equal(c.broadcast(x), x)
+    assert c.split([0]) is not None
+    with pytest.raises(InputError, match="send_splits sum to 2 but the tensor has 3 rows"):
+        c.all_to_all(x, [2])
+    with pytest.raises(InputError, match="takes a torch.Tensor, got list"):
+        c.all_reduce([1.0])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown backend 'nccl'"):
+        sparta.init(backend="nccl")
+    with pytest.raises(ConfigError, match="ranks_per_node=3 must be >= 1 and divide the world size 1"):
+        sparta.init(backend="torch", ranks_per_node=3)
+
+
+def test_missing_engine_names_the_install_command() -> None:
+    for backend, module, hint in [
+        ("mpi", "mpi4py", "pip install 'sparta\\[mpi\\]'"),
+        ("horovod", "horovod", "scripts/install_horovod.sh"),
+    ]:
+        code = (
+            f"import sys; sys.modules[{module!r}] = None\n"
+            f"import sparta\n"
+            f"try:\n    sparta.init(backend={backend!r})\n"
+            f"except sparta.errors.BackendUnavailableError as e:\n    print('RAISED', e)\n"
+        )
+        out = run_py(code)
+        assert "RAISED" in out.stdout, out.stderr
+        assert hint.replace("\\", "") in out.stdout
+    assert issubclass(BackendUnavailableError, sparta.SpartaError)
+
+
+def test_world_size_mismatch_is_reported() -> None:
+    """mpi4py sees a world of one while the (MPICH-style) launcher claims four ranks."""
+    pytest.importorskip("mpi4py")
+    code = (
+        "import sparta\n"
+        "try:\n    sparta.init(backend='mpi')\n"
+        "except sparta.errors.ConfigError as e:\n    print('RAISED', e)\n"
+    )
+    out = run_py(code, {"PMI_RANK": "0", "PMI_SIZE": "4"})
+    assert "RAISED mpirun launched 4 ranks but the mpi engine sees a world of 1" in out.stdout, out.stdout + out.stderr
+
+
+def test_cli_help_lists_subcommands() -> None:
+    out = subprocess.run([sys.executable, "-m", "sparta.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "info" in out.stdout
+    info = subprocess.run([sys.executable, "-m", "sparta.cli", "info"], capture_output=True, text=True, timeout=60)
+    assert '"torch": {' in info.stdout and '"engines"' in info.stdout
