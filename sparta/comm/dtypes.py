@@ -46,6 +46,8 @@ _WIDEN: dict[torch.dtype, torch.dtype] = {
     torch.float16: torch.float32,
     torch.bool: torch.int32,
     torch.int16: torch.int32,
+    torch.int8: torch.int32,
+    torch.uint8: torch.int32,
     torch.uint16: torch.int32,
     torch.uint32: torch.int64,
     torch.float8_e4m3fn: torch.float32,

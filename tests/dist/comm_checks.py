@@ -12,7 +12,7 @@ import sparta
 from sparta.comm import World
 from sparta.errors import InputError
 
-DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.bool, torch.complex64]
+DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.bool, torch.complex64, torch.int8]
 WIDTH = 3
 
 
@@ -115,7 +115,7 @@ def check_all_gather_uneven(world: World) -> None:
 
 def check_reduce_scatter(world: World) -> None:
     r, n = world.rank, world.size
-    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.complex64):
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.complex64, torch.uint8):
         x = torch.stack([block(r, d, 2, dtype) for d in range(n)]).reshape(2 * n, WIDTH)
         got = world.comm.reduce_scatter(x)
         wide = torch.complex128 if dtype.is_complex else torch.float64
