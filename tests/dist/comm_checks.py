@@ -174,6 +174,23 @@ def check_sub_communicators(world: World) -> None:
     assert n == 4
 
 
+def check_from_process_group(world: World) -> None:
+    """A Communicator over one dimension of a torch DeviceMesh (how the 3D trainer hands
+    layers the group they shard over)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sparta.comm import Communicator
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    ep = Communicator.from_process_group(mesh.get_group("ep"))
+    dp = Communicator.from_process_group(mesh.get_group("dp"))
+    r = world.rank
+    assert ep.ranks == ((0, 1) if r < 2 else (2, 3)) and dp.ranks == ((0, 2) if r % 2 == 0 else (1, 3))
+    got = ep.all_to_all(torch.tensor([10.0 * r, 10.0 * r + 1]))
+    assert got.tolist() == [10.0 * (r - r % 2) + r % 2, 10.0 * (r - r % 2 + 1) + r % 2]
+    assert dp.all_reduce(torch.tensor([float(r)])).item() == (2.0 if r % 2 == 0 else 4.0)
+
+
 def check_autograd_all_to_all(world: World) -> None:
     """Gradient of a loss through the differentiable all-to-all equals one process's."""
     n, r = world.size, world.rank
@@ -239,10 +256,13 @@ CHECKS = [
     check_broadcast,
     check_barrier,
     check_sub_communicators,
+    check_from_process_group,
     check_autograd_all_to_all,
     check_bad_input_raises_everywhere,
 ]
 
+TORCH_ONLY = [check_from_process_group]  # only the torch engine wraps process groups
+
 if __name__ == "__main__":
     world, _ = start()
-    finish(world, run_checks(world, CHECKS))
+    finish(world, run_checks(world, [c for c in CHECKS if world.backend == "torch" or c not in TORCH_ONLY]))
