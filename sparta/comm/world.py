@@ -12,7 +12,7 @@ import torch
 
 from sparta.comm.communicator import CommConfig, Communicator
 from sparta.comm.launch import LaunchInfo, detect
-from sparta.errors import BackendUnavailableError, ConfigError
+from sparta.errors import ConfigError
 
 BACKENDS = ("auto", "torch", "horovod", "mpi")
 log = logging.getLogger("sparta.comm")
@@ -143,9 +143,3 @@ def init(backend: str = "auto", ranks_per_node: int | None = None, config: CommC
         "sparta world: rank %d/%d on node %d/%d via %s", world.rank, world.size, world.node, world.num_nodes, engine
     )
     return world
-
-
-def require(module: str, hint: str) -> None:
-    """Raise BackendUnavailableError with an install hint when `module` is missing."""
-    if importlib.util.find_spec(module) is None:
-        raise BackendUnavailableError(f"the {module} package is not installed; {hint}")

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from sparta.comm.communicator import CommConfig, Communicator, require_world_parent
+from sparta.comm.engines import import_engine
 from sparta.comm.handle import Handle, engine_failure, poll_until_done
 from sparta.comm.launch import LaunchInfo
-from sparta.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
+from sparta.errors import CollectiveError, CollectiveTimeoutError
 
 
 @dataclass
@@ -52,13 +53,12 @@ class HorovodCommunicator(Communicator):
 
     @classmethod
     def init_world(cls, launch: LaunchInfo, config: CommConfig) -> HorovodCommunicator:
-        try:
-            import horovod.torch as hvd
-        except ImportError as exc:
-            raise BackendUnavailableError(
-                "backend='horovod' needs Horovod built for this torch: run `bash scripts/install_horovod.sh "
-                f".venv` from the Sparta checkout (PyPI's 0.28.1 sdist does not build as is); import failed with: {exc}"
-            ) from exc
+        hvd: Any = import_engine(
+            "horovod.torch",
+            "horovod",
+            "Horovod built for this torch: run `bash scripts/install_horovod.sh .venv` from the Sparta "
+            "checkout (PyPI's 0.28.1 sdist does not build against torch >= 2.1 as is)",
+        )
         hvd.init(process_sets="dynamic")
         return cls(_Session(hvd), hvd.global_process_set, list(range(hvd.size())), config, "world")
 

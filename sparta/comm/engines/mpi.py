@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from sparta.comm.communicator import CommConfig, Communicator
+from sparta.comm.engines import import_engine
 from sparta.comm.handle import Handle, poll_until_done
 from sparta.comm.launch import LaunchInfo
-from sparta.errors import BackendUnavailableError, CollectiveTimeoutError, InputError
+from sparta.errors import CollectiveTimeoutError, InputError
 
 _MAX_COUNT = 2**31 - 1  # MPI-3 counts are C ints
 
@@ -48,13 +49,11 @@ class MPICommunicator(Communicator):
 
     @classmethod
     def init_world(cls, launch: LaunchInfo, config: CommConfig) -> MPICommunicator:
-        try:
-            from mpi4py import MPI
-        except ImportError as exc:
-            raise BackendUnavailableError(
-                "backend='mpi' needs mpi4py: pip install 'sparta[mpi]' (and an MPI library, e.g. "
-                f"apt-get install openmpi-bin libopenmpi-dev); import failed with: {exc}"
-            ) from exc
+        MPI: Any = import_engine(
+            "mpi4py.MPI",
+            "mpi",
+            "mpi4py: pip install 'sparta[mpi]' (and an MPI library: apt-get install openmpi-bin libopenmpi-dev)",
+        )
         return cls(MPI.COMM_WORLD, config, "world", _Session(owns_mpi=True))
 
     def shutdown(self) -> None:
