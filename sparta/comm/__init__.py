@@ -7,11 +7,14 @@ forms, sub-communicators, input checks that raise on every rank, and timeouts.
     world = sparta.init()                 # reads torchrun / mpirun / horovodrun
     y = world.comm.all_to_all(x, send_splits=[...])     # x: [n, *rest], split on dim 0
     y = sparta.comm.all_to_all(x, send, recv, world.comm)  # differentiable
+    hier = sparta.comm.HierarchicalAllToAll.from_world(world)  # intra-node, then inter-node
+    y = hier.all_to_all(x, send_splits)   # same result; sparta.comm.all_to_all(..., hier) too
 """
 
 from sparta.comm.autograd import all_to_all
 from sparta.comm.communicator import CommConfig, Communicator
 from sparta.comm.handle import Handle
+from sparta.comm.hierarchical import HierarchicalAllToAll
 from sparta.comm.launch import LaunchInfo, detect
 from sparta.comm.world import BACKENDS, World, init
 
@@ -20,6 +23,7 @@ __all__ = [
     "CommConfig",
     "Communicator",
     "Handle",
+    "HierarchicalAllToAll",
     "LaunchInfo",
     "World",
     "all_to_all",
