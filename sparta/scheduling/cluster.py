@@ -1,0 +1,223 @@
+"""An emulated cluster on one machine: nodes as network namespaces behind a shaped link.
+
+On one machine every link is loopback, so communication never costs what it does between
+real nodes and overlapping it with compute cannot show. This starts `nodes` Linux network
+namespaces, each joined to a bridge namespace by a veth pair whose two ends are shaped with
+`tc ... tbf rate <rate>` (full duplex: each direction of each node's link gets the rate).
+Ranks of one node share its namespace, so they talk over fast loopback; ranks of different
+nodes cross the shaped link. Needs root and iproute2 (`ip`, `tc`); netem is not needed.
+
+Addresses are private ones (`<subnet>.1..N`) that exist only inside the namespaces made here;
+nothing is added to the host's own network. Everything is removed on exit from the `with`
+block, on error, on Ctrl-C (KeyboardInterrupt unwinds through it) and at interpreter exit.
+
+    with EmulatedCluster(ClusterConfig(nodes=2, ranks_per_node=2, rate="300mbit")) as cluster:
+        codes = cluster.run([sys.executable, "worker.py", "--ranks-per-node", "2"], timeout_s=600)
+
+Workers start as torchrun would start them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...)
+with GLOO_SOCKET_IFNAME set to their node's veth, and should call
+`sparta.init(backend="torch", ranks_per_node=...)`: every namespace has the same host name.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sparta.errors import ConfigError, SpartaError
+
+_RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit)$")
+
+
+class ClusterUnavailableError(SpartaError, RuntimeError):
+    """This machine cannot host an emulated cluster (not root, no iproute2, no namespaces)."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """nodes x ranks_per_node ranks; `rate` is each node's link rate in tc's units
+    ("100mbit", "1gbit"); `subnet` is the first three octets of the private /24 used only
+    inside the namespaces ("10.213.0" -> nodes at 10.213.0.1, .2, ...); `master_port` the
+    rendezvous port on node 0; `prefix` names the namespaces and links (unique per process
+    by default, at most 8 characters so interface names fit Linux's 15)."""
+
+    nodes: int = 2
+    ranks_per_node: int = 2
+    rate: str = "1gbit"
+    subnet: str = "10.213.0"
+    master_port: int = 29531
+    prefix: str = field(default_factory=lambda: f"sp{os.getpid() % 100000}")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nodes <= 200:
+            raise ConfigError(f"ClusterConfig.nodes = {self.nodes}; use 1..200")
+        if self.ranks_per_node < 1:
+            raise ConfigError(f"ClusterConfig.ranks_per_node = {self.ranks_per_node}; use >= 1")
+        if not _RATE.match(self.rate):
+            raise ConfigError(f"ClusterConfig.rate = {self.rate!r}; write it as tc does, e.g. '300mbit' or '1gbit'")
+        parts = self.subnet.split(".")
+        if len(parts) != 3 or parts[0] != "10" or not all(p.isdigit() and int(p) < 256 for p in parts):
+            raise ConfigError(f"ClusterConfig.subnet = {self.subnet!r}; give three octets of a 10.x.y.0/24 network")
+        if not re.match(r"^[a-z][a-z0-9]{0,7}$", self.prefix):
+            raise ConfigError(f"ClusterConfig.prefix = {self.prefix!r}; use 1-8 lowercase letters and digits")
+        if not 1024 <= self.master_port < 65536:
+            raise ConfigError(f"ClusterConfig.master_port = {self.master_port}; use 1024..65535")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def rate_bits_per_s(self) -> float:
+        """The link rate in bit/s (tc's k/m/g are powers of 1000)."""
+        m = re.match(r"^([\d.]+)(\w+)$", self.rate)
+        assert m is not None
+        return float(m.group(1)) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[m.group(2)]
+
+
+def can_emulate() -> str | None:
+    """None if this machine can host an emulated cluster, else why not (for skips)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found (apt-get install -y iproute2)"
+    return None
+
+
+class EmulatedCluster:
+    """The namespaces, links and shaping of one ClusterConfig; a context manager."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        p = config.prefix
+        self.bridge_ns = f"{p}br"
+        self.node_ns = [f"{p}n{k}" for k in range(config.nodes)]
+        self.node_dev = [f"{p}v{k}" for k in range(config.nodes)]  # node end of node k's link
+        self.port_dev = [f"{p}b{k}" for k in range(config.nodes)]  # bridge end
+        self.node_addr = [f"{config.subnet}.{k + 1}" for k in range(config.nodes)]
+        self._made: list[str] = []  # namespaces to delete, in creation order
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    # ------------------------------------------------------------------ lifetime
+    def __enter__(self) -> EmulatedCluster:
+        why = can_emulate()
+        if why:
+            raise ClusterUnavailableError(f"cannot start an emulated cluster: {why}")
+        atexit.register(self.close)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the ranks and delete every namespace (and with them the links). Idempotent."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self._procs.clear()
+        for ns in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._made.clear()
+        atexit.unregister(self.close)
+
+    def _build(self) -> None:
+        c = self.config
+        self._add_ns(self.bridge_ns)
+        br = f"{c.prefix}bri"
+        self._ip(self.bridge_ns, "link", "add", br, "type", "bridge")
+        self._ip(self.bridge_ns, "link", "set", br, "up")
+        for k in range(c.nodes):
+            ns, dev, port = self.node_ns[k], self.node_dev[k], self.port_dev[k]
+            self._add_ns(ns)
+            # both ends are born inside their namespaces: the host's own links are never touched
+            _sh("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.bridge_ns)
+            self._ip(self.bridge_ns, "link", "set", port, "master", br)
+            self._ip(self.bridge_ns, "link", "set", port, "up")
+            self._ip(ns, "addr", "add", f"{self.node_addr[k]}/24", "dev", dev)
+            self._ip(ns, "link", "set", dev, "up")
+            self._shape(ns, dev)  # node -> bridge
+            self._shape(self.bridge_ns, port)  # bridge -> node
+
+    def _add_ns(self, ns: str) -> None:
+        _sh("ip", "netns", "add", ns)
+        self._made.append(ns)
+        self._ip(ns, "link", "set", "lo", "up")
+
+    def _shape(self, ns: str, dev: str) -> None:
+        # burst: at least one 1 ms worth of bytes and 64 KiB, so tbf can keep up with the rate
+        burst = max(65536, int(self.config.rate_bits_per_s / 8 / 1000))
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+            "rate", self.config.rate, "burst", str(burst), "latency", "200ms")  # fmt: skip
+
+    @staticmethod
+    def _ip(ns: str, *args: str) -> None:
+        _sh("ip", "-n", ns, *args)
+
+    # ------------------------------------------------------------------ ranks
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """The environment of world rank `rank`: torchrun's variables, the node's veth for gloo."""
+        c = self.config
+        node = rank // c.ranks_per_node
+        return {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(c.world_size),
+            "LOCAL_RANK": str(rank % c.ranks_per_node),
+            "LOCAL_WORLD_SIZE": str(c.ranks_per_node),
+            "MASTER_ADDR": self.node_addr[0],
+            "MASTER_PORT": str(c.master_port),
+            "GLOO_SOCKET_IFNAME": self.node_dev[node],
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def start(self, cmd: Sequence[str], env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
+        """Start `cmd` once per rank, each inside its node's namespace; returns the processes."""
+        base = dict(os.environ if env is None else env)
+        procs = []
+        for rank in range(self.config.world_size):
+            ns = self.node_ns[rank // self.config.ranks_per_node]
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", ns, *cmd], env={**base, **self.rank_env(rank)}, start_new_session=True
+            )
+            self._procs.append(proc)
+            procs.append(proc)
+        return procs
+
+    def run(self, cmd: Sequence[str], timeout_s: float, env: dict[str, str] | None = None) -> list[int]:
+        """Run `cmd` on every rank and wait; returns the exit codes. Kills them all and
+        raises TimeoutError after `timeout_s`, and stops the others as soon as one fails."""
+        procs = self.start(cmd, env)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.poll() is None for p in procs):
+                if any(p.returncode not in (None, 0) for p in procs):
+                    break  # one rank failed: the others would wait on it until their timeout
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{list(cmd)} on the emulated cluster ran past {timeout_s:g} s; killed")
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        return [int(p.returncode) for p in procs]
+
+
+def _sh(*args: str) -> None:
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ClusterUnavailableError(f"`{' '.join(args)}` failed ({done.returncode}): {done.stderr.strip()}")

@@ -1,0 +1,42 @@
+"""Inside an emulated cluster of 2 nodes x 2 ranks: shaped links are slower than loopback.
+
+Run by tests/scheduling/test_cluster.py (as root) through sparta.scheduling.cluster.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from runner import finish, run_checks, start
+
+from sparta.comm import Communicator, World
+
+MIB = 1
+
+
+def timed_all_reduce(comm: Communicator, n: int) -> tuple[float, torch.Tensor]:
+    x = torch.full((n,), float(comm.rank + 1))
+    comm.all_reduce(x)  # warm-up: connections
+    begin = time.perf_counter()
+    y = comm.all_reduce(x)
+    assert isinstance(y, torch.Tensor)
+    return time.perf_counter() - begin, y
+
+
+def check_links_are_shaped(world: World) -> None:
+    intra, inter = world.node_comms()
+    n = MIB * 2**18
+    t_intra, y_intra = timed_all_reduce(intra, n)
+    world.comm.barrier()
+    t_inter, y_inter = timed_all_reduce(inter, n)
+    assert torch.equal(y_intra, torch.full((n,), 3.0)) and torch.equal(y_inter, torch.full((n,), 3.0))
+    # 2 inter groups share each 100 Mbit/s link; a ring all-reduce of 2 ranks sends half the
+    # buffer twice each way: 2 x 1 MiB per direction, >= 168 ms at 100 Mbit/s
+    assert t_inter > 0.12, f"inter-node all-reduce took {t_inter * 1e3:.1f} ms; the link is not shaped"
+    assert t_intra < t_inter / 3, f"intra {t_intra * 1e3:.1f} ms vs inter {t_inter * 1e3:.1f} ms"
+
+
+if __name__ == "__main__":
+    world, _ = start(ranks_per_node=2)
+    finish(world, run_checks(world, [check_links_are_shaped]))

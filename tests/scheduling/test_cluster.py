@@ -1,0 +1,72 @@
+"""The emulated cluster: config checks anywhere; a real 2 x 2 cluster where root can make one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from sparta.errors import ConfigError
+from sparta.scheduling.cluster import ClusterConfig, ClusterUnavailableError, EmulatedCluster, can_emulate
+
+WORKER = Path(__file__).resolve().parent.parent / "dist" / "sched_cluster_worker.py"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rate": "fast"}, "rate = 'fast'"),
+        ({"subnet": "192.168.1"}, "10.x.y.0/24"),
+        ({"nodes": 0}, "nodes = 0"),
+        ({"prefix": "Bad-Name"}, "prefix"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ClusterConfig(**kwargs)
+
+
+def test_rate_in_bits() -> None:
+    assert ClusterConfig(rate="300mbit").rate_bits_per_s == 300e6
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_two_nodes_shaped_and_torn_down() -> None:
+    why = can_emulate()
+    if why:
+        pytest.skip(why)
+    config = ClusterConfig(nodes=2, ranks_per_node=2, rate="100mbit", master_port=29547)
+    results = tempfile.mkdtemp(prefix="sparta-cluster-")
+    env = {"SPARTA_TEST_RESULTS": results, "PATH": f"{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin"}
+    try:
+        with EmulatedCluster(config) as cluster:
+            assert config.prefix + "n1" in _namespaces()
+            codes = cluster.run([sys.executable, str(WORKER)], timeout_s=90, env=env)
+    except ClusterUnavailableError as e:  # e.g. a container without CAP_SYS_ADMIN
+        pytest.skip(str(e))
+    assert config.prefix not in _namespaces(), "namespaces left behind"
+    recs = [json.loads(line) for p in Path(results).glob("rank-*.jsonl") for line in p.read_text().splitlines()]
+    failed = [r["error"] for r in recs if not r["ok"]]
+    assert not failed, failed[0]
+    assert codes == [0] * 4 and len(recs) == 4, (codes, recs)
+
+
+def test_teardown_on_error() -> None:
+    why = can_emulate()
+    if why:
+        pytest.skip(why)
+    config = ClusterConfig(nodes=3, ranks_per_node=1, master_port=29548)
+    try:
+        with pytest.raises(RuntimeError, match="boom"), EmulatedCluster(config):
+            assert config.prefix + "n2" in _namespaces()
+            raise RuntimeError("boom")
+    except ClusterUnavailableError as e:
+        pytest.skip(str(e))
+    assert config.prefix not in _namespaces()
