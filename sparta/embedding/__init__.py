@@ -1,1 +1,13 @@
-"""sparta.embedding (arrives with its issue)."""
+"""sparta.embedding: EmbRace-style sharded embeddings whose communication is sparse.
+
+    emb = SparseEmbedding(50_000, 512, sharding="row", comm=world.comm)   # drop-in nn.Embedding
+    y = emb(ids)                       # ids [batch, seq] per rank -> [batch, seq, 512]
+
+Only the rows a step touches move (all-to-all to their owners, forward and backward); the
+dense rest of a model stays on DDP / Horovod all-reduce (see `parallelize`).
+"""
+
+from sparta.embedding.layer import SparseEmbedding
+from sparta.embedding.layout import SHARDINGS, ShardLayout
+
+__all__ = ["SHARDINGS", "ShardLayout", "SparseEmbedding"]

@@ -1,0 +1,167 @@
+"""SparseEmbedding: a drop-in `nn.Embedding` whose table is sharded over the ranks of a
+Communicator and whose lookups and gradients move only the rows a step touches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparta.comm import Communicator
+from sparta.embedding.checks import agree_config, inspect_ids
+from sparta.embedding.layout import SHARDINGS, ShardLayout
+from sparta.embedding.lookup import ShardedLookup, plan_route
+from sparta.errors import ConfigError, InputError
+
+
+class SparseEmbedding(nn.Module):
+    """`nn.Embedding(num_embeddings, embedding_dim, padding_idx)`, sharded over `comm`.
+
+    ids: integer tensor of any shape, different on every rank (data parallel).
+    Returns `[*ids.shape, embedding_dim]`, equal to a single table's lookup.
+
+    sharding: "row" (rank r holds a contiguous range of the vocabulary) or "column" (rank r
+        holds `embedding_dim / world` columns of every row: balanced under skewed ids).
+    comm: the Communicator of the ranks that share the table; None means one process.
+    name: how error messages name the table (the model helper passes the module path).
+
+    `self.weight` is this rank's shard (`[rows of the range, dim]` or `[num, dim / world]`);
+    a standard optimizer over `parameters()` updates it, and its gradient is averaged over
+    ranks as DDP would. `state_dict()` holds the full table in vocabulary order (every rank
+    must call it: it gathers), and `load_state_dict` takes a full table written under any
+    world size. Every rank must run forward and backward together (they are collective).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        sharding: str = "row",
+        comm: Communicator | None = None,
+        name: str | None = None,
+        _weight: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        self.sharding, self.comm = sharding, comm
+        self.table_name = name or f"SparseEmbedding({num_embeddings}, {embedding_dim})"
+        world, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
+        problem, layout = "", None
+        try:
+            layout = ShardLayout(self.num_embeddings, self.embedding_dim, sharding, world, rank)
+            self.padding_idx = _normalise_padding(padding_idx, self.num_embeddings)
+            if _weight is not None and tuple(_weight.shape) != (self.num_embeddings, self.embedding_dim):
+                raise ConfigError(
+                    f"the pretrained table has shape {tuple(_weight.shape)}, expected "
+                    f"({self.num_embeddings}, {self.embedding_dim}); pass a [num_embeddings, dim] tensor"
+                )
+        except ConfigError as exc:
+            if comm is None:
+                raise
+            problem = str(exc)
+        seed = int(torch.randint(0, 2**40, (1,)))  # consumes the global RNG, as nn.Embedding's init does
+        if comm is not None:
+            pad = -1 if problem or self.padding_idx is None else self.padding_idx
+            values = [self.num_embeddings, self.embedding_dim, SHARDINGS.index(sharding) if not problem else -1, pad]
+            names = ["num_embeddings", "embedding_dim", "sharding", "padding_idx", "seed"]
+            seed = agree_config(comm, [*values, seed], names, problem, self.table_name)
+        assert layout is not None
+        self.layout = layout
+        dtype = dtype or torch.get_default_dtype()
+        shard = layout.cut(_weight).to(dtype) if _weight is not None else layout.seeded_shard(seed, dtype)
+        self.weight = nn.Parameter(shard)
+        if _weight is None:
+            self._zero_padding_row()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        embeddings: torch.Tensor,
+        freeze: bool = True,
+        padding_idx: int | None = None,
+        sharding: str = "row",
+        comm: Communicator | None = None,
+        name: str | None = None,
+    ) -> SparseEmbedding:
+        """Like `nn.Embedding.from_pretrained`: every rank passes the full `[num, dim]` table
+        and keeps its shard. freeze=True stops the table from training."""
+        if embeddings.dim() != 2:
+            raise ConfigError(f"from_pretrained takes a 2-D [num, dim] table, got shape {tuple(embeddings.shape)}")
+        num, dim = embeddings.shape
+        emb = cls(num, dim, padding_idx, sharding, comm, name, _weight=embeddings, dtype=embeddings.dtype)
+        emb.weight.requires_grad_(not freeze)
+        return emb
+
+    def extra_repr(self) -> str:
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        world = self.comm.size if self.comm is not None else 1
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}, sharding={self.sharding!r}, world={world}"
+
+    @torch.no_grad()
+    def _zero_padding_row(self) -> None:
+        if self.padding_idx is None:
+            return
+        r0, r1 = self.layout.row_range(self.layout.rank)
+        if r0 <= self.padding_idx < r1:
+            self.weight[self.padding_idx - r0].zero_()
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [*shape] (integers in 0..num_embeddings-1) -> [*shape, embedding_dim]."""
+        finding = inspect_ids(ids, self.num_embeddings)
+        if self.comm is None:
+            if finding.problem:
+                raise InputError(finding.message(self.table_name))
+            return nn.functional.embedding(ids, self.weight, self.padding_idx)
+        route = plan_route(ids, self.layout, self.comm, finding, self.table_name)
+        rows = ShardedLookup.apply(self.weight, route, self.layout, self.comm, self.padding_idx)
+        return rows[route.inverse].view(*ids.shape, self.embedding_dim)
+
+    # ------------------------------------------------------------ checkpoints
+    def full_weight(self) -> torch.Tensor:
+        """The whole `[num_embeddings, embedding_dim]` table on every rank (a collective)."""
+        shard = self.weight.detach()
+        if self.comm is None:
+            return shard.clone()
+        return self.layout.join(self.comm.all_gather(shard.contiguous()))  # type: ignore[arg-type]
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "weight"] = self.full_weight()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        table = state_dict[key]
+        if tuple(table.shape) != (self.num_embeddings, self.embedding_dim):
+            error_msgs.append(
+                f"{key}: the checkpoint's table has shape {tuple(table.shape)} but {self.table_name} "
+                f"is [{self.num_embeddings}, {self.embedding_dim}]; load a checkpoint of the same vocabulary and dim"
+            )
+            return
+        with torch.no_grad():
+            self.weight.copy_(self.layout.cut(table))
+
+
+def _normalise_padding(padding_idx: int | None, num_embeddings: int) -> int | None:
+    if padding_idx is None:
+        return None
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ConfigError(
+            f"padding_idx={padding_idx} is outside the vocabulary of {num_embeddings} rows; "
+            f"use -{num_embeddings} <= padding_idx < {num_embeddings}"
+        )
+    return padding_idx % num_embeddings

@@ -1,0 +1,95 @@
+"""The distributed lookup of a sharded table: route unique ids to owners, rows back, and the
+gradients of touched rows only to their owners in backward.
+
+Forward, per rank (n ids, u of them unique, world w):
+    row sharding:    unique ids, grouped by owner -> all-to-all ids -> owners gather their
+                     rows -> all-to-all rows back -> [u, dim] in unique-id order
+    column sharding: the u unique ids go to every rank -> each gathers its dim/w columns
+                     -> all-to-all back -> [w, u, dim/w] -> [u, dim]
+The caller expands `[u, dim]` to `[*ids.shape, dim]` by indexing with the inverse map, so
+autograd sums the gradient of repeated ids into one row per unique id on the sender, and
+only those rows travel. Each rank divides its gradient by the world size before sending,
+so the owner's sum over ranks is what DDP's averaged all-reduce would give the row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparta.comm import Communicator
+from sparta.embedding.checks import IdFinding, exchange_counts
+from sparta.embedding.layout import ShardLayout
+
+
+@dataclass
+class Route:
+    """Where this step's ids go.
+
+    unique: [u] sorted unique ids of this rank; inverse: [n] index of each id in `unique`.
+    send: ids this rank sends to each rank; recv: ids each rank sends here.
+    served: [sum(recv)] the ids this rank looks up for others, as rows of its own shard.
+    """
+
+    unique: torch.Tensor
+    inverse: torch.Tensor
+    send: list[int]
+    recv: list[int]
+    served: torch.Tensor
+
+
+def plan_route(ids: torch.Tensor, layout: ShardLayout, comm: Communicator, finding: IdFinding, table: str) -> Route:
+    """Exchange the ids (two all-to-alls: counts with the agreed checks, then the ids)."""
+    if finding.problem:
+        # This rank's ids are unusable: its verdict alone makes every rank raise.
+        exchange_counts(comm, [0] * comm.size, finding, table)
+        raise AssertionError("unreachable: exchange_counts raises on a bad finding")
+    unique, inverse = torch.unique(ids.reshape(-1).long(), sorted=True, return_inverse=True)
+    if layout.sharding == "row":
+        # Sorted ids are already grouped by owner, so no permutation is needed.
+        owner = torch.bucketize(unique, layout.row_boundaries(), right=True)
+        send = torch.bincount(owner, minlength=comm.size).tolist()
+        outgoing = unique
+    else:
+        send = [unique.numel()] * comm.size
+        outgoing = unique.repeat(comm.size)
+    recv = exchange_counts(comm, send, finding, table)
+    served = comm.all_to_all(outgoing, send, recv, check=False)
+    assert isinstance(served, torch.Tensor)
+    served = served - layout.row_range(comm.rank)[0]
+    return Route(unique, inverse, send, recv, served)
+
+
+class ShardedLookup(torch.autograd.Function):
+    """shard [rows, cols] -> [u, dim]: the unique ids' full rows (see module docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, shard: torch.Tensor, route: Route, layout: ShardLayout, comm: Communicator, padding_idx: int | None
+    ) -> torch.Tensor:
+        ctx.route, ctx.layout, ctx.comm, ctx.padding_idx = route, layout, comm, padding_idx
+        ctx.shard_shape = shard.shape
+        rows = comm.all_to_all(shard[route.served], route.recv, route.send, check=False)
+        assert isinstance(rows, torch.Tensor)
+        if layout.sharding == "row":
+            return rows
+        u = route.unique.numel()
+        # rows arrive grouped by source rank, i.e. by column block: [w, u, dim/w] -> [u, dim]
+        return rows.view(comm.size, u, layout.shard_dim).transpose(0, 1).reshape(u, layout.embedding_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        route, layout, comm = ctx.route, ctx.layout, ctx.comm
+        grad = grad / comm.size
+        if ctx.padding_idx is not None:
+            grad = grad.masked_fill((route.unique == ctx.padding_idx).unsqueeze(1), 0)
+        if layout.sharding == "column":
+            u = route.unique.numel()
+            grad = grad.view(u, comm.size, layout.shard_dim).transpose(0, 1).reshape(comm.size * u, layout.shard_dim)
+        got = comm.all_to_all(grad.contiguous(), route.send, route.recv, check=False)
+        assert isinstance(got, torch.Tensor)
+        shard_grad = torch.zeros(ctx.shard_shape, dtype=grad.dtype, device=grad.device)
+        shard_grad.index_add_(0, route.served, got)
+        return shard_grad, None, None, None, None

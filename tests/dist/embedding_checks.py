@@ -1,0 +1,198 @@
+"""SparseEmbedding on real processes, checked against one process's nn.Embedding.
+
+Every rank builds the whole global batch from a shared seed, looks up its own part, and
+compares with an nn.Embedding trained on all of it (DDP's convention: the loss is the mean
+of the ranks' losses). Run by tests/embedding/test_embedding_dist.py under every engine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from runner import finish, raises, run_checks, start
+
+from sparta.comm import Communicator, World
+from sparta.embedding import SparseEmbedding
+from sparta.errors import ConfigError, InputError
+
+VOCAB, DIM, PAD = 37, 8, 5
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def batches(step: int, world: int, vocab: int = VOCAB) -> list[torch.Tensor]:
+    """Each rank's ids for one step: skewed (many repeats), uneven lengths, the padding id."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for r in range(world):
+        n = 6 + (r + step) % 4
+        ids = (torch.rand(n, 3, generator=gen) ** 3 * vocab).long()  # cubed: low ids repeat a lot
+        ids[0, 0] = PAD
+        out.append(ids)
+    return out
+
+
+def objective(y: torch.Tensor, step: int, r: int) -> torch.Tensor:
+    """A non-linear per-rank loss, so Adam's second moments matter."""
+    gen = torch.Generator().manual_seed(10 * step + r)
+    target = torch.randn(y.shape, generator=gen)
+    return ((y - target) ** 2).sum() + (y.sin() * target).sum()
+
+
+def table() -> torch.Tensor:
+    t = torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(7))
+    t[PAD] = 0
+    return t
+
+
+def train_against_reference(comm: Communicator, sharding: str, opt: str, steps: int = 3) -> None:
+    ref = torch.nn.Embedding.from_pretrained(table(), freeze=False, padding_idx=PAD)
+    emb = SparseEmbedding.from_pretrained(table(), freeze=False, padding_idx=PAD, sharding=sharding, comm=comm)
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    }[opt]
+    ref_opt, opt_ = make(ref.parameters()), make(emb.parameters())
+    for step in range(steps):
+        ids = batches(step, comm.size)
+        opt_.zero_grad()
+        y = emb(ids[comm.rank])
+        torch.testing.assert_close(y, ref(ids[comm.rank]).detach(), **TOL)
+        objective(y, step, comm.rank).backward()
+        opt_.step()
+        ref_opt.zero_grad()
+        ref_loss = sum(objective(ref(ids[r]), step, r) for r in range(comm.size)) / comm.size
+        ref_loss.backward()
+        ref_opt.step()
+    full = emb.full_weight()
+    torch.testing.assert_close(full, ref.weight.detach(), **TOL)
+    assert torch.equal(full[PAD], torch.zeros(DIM)), "the padding row moved"
+
+
+def check_row_sgd(world: World) -> None:
+    train_against_reference(world.comm, "row", "sgd")
+
+
+def check_row_adam(world: World) -> None:
+    train_against_reference(world.comm, "row", "adam")
+
+
+def check_column_sgd(world: World) -> None:
+    train_against_reference(world.comm, "column", "sgd")
+
+
+def check_column_adam(world: World) -> None:
+    train_against_reference(world.comm, "column", "adam")
+
+
+def check_forward_matches_and_repeats_summed_once(world: World) -> None:
+    comm = world.comm
+    for sharding in ("row", "column"):
+        emb = SparseEmbedding.from_pretrained(table(), freeze=False, sharding=sharding, comm=comm)
+        # every rank looks up id 3 four times and id 0 once: its gradient is 4 * (1/world) per rank
+        ids = torch.tensor([[3, 3, 0], [3, 3, comm.rank + 10]])
+        y = emb(ids)
+        torch.testing.assert_close(y, F.embedding(ids, table()), rtol=0, atol=0)
+        y.sum().backward()
+        grad = emb.weight.grad
+        r0, r1 = emb.layout.row_range(comm.rank)
+        c0, c1 = emb.layout.col_range(comm.rank)
+        want = torch.zeros(VOCAB, DIM)
+        want[3] = 4.0
+        want[0] = 1.0
+        for r in range(comm.size):
+            want[r + 10] += 1.0 / comm.size
+        torch.testing.assert_close(grad, want[r0:r1, c0:c1], rtol=0, atol=1e-7)
+
+
+def check_uneven_and_empty_batches(world: World) -> None:
+    comm = world.comm
+    emb = SparseEmbedding.from_pretrained(table(), sharding="row", comm=comm)
+    ids = torch.arange(comm.rank * 7 % VOCAB, dtype=torch.int32) if comm.rank != 1 else torch.empty(0, 4).long()
+    y = emb(ids)
+    assert y.shape == (*ids.shape, DIM)
+    torch.testing.assert_close(y, F.embedding(ids.long(), table()), rtol=0, atol=0)
+
+
+def check_from_pretrained_frozen_and_random_init(world: World) -> None:
+    comm = world.comm
+    emb = SparseEmbedding.from_pretrained(table(), sharding="column", comm=comm)
+    assert not emb.weight.requires_grad
+    ids = batches(0, comm.size)[comm.rank]
+    torch.testing.assert_close(emb(ids), F.embedding(ids, table()), rtol=0, atol=0)
+    # a random table is the same for every world size and sharding, and its padding row is zero
+    tables = []
+    for sharding in ("row", "column"):
+        torch.manual_seed(comm.rank)  # the ranks' seeds differ: rank 0's is used by all
+        tables.append(SparseEmbedding(VOCAB, DIM, padding_idx=PAD, sharding=sharding, comm=comm).full_weight())
+    torch.manual_seed(0)
+    single = SparseEmbedding(VOCAB, DIM, padding_idx=PAD).full_weight()
+    torch.testing.assert_close(tables[0], tables[1], rtol=0, atol=0)
+    torch.testing.assert_close(tables[0], single, rtol=0, atol=0)
+    assert torch.equal(single[PAD], torch.zeros(DIM)) and single.std() > 0.5
+
+
+def check_state_dict_full_table_and_other_world(world: World) -> None:
+    comm = world.comm
+    emb = SparseEmbedding.from_pretrained(table() * 2, freeze=False, sharding="row", comm=comm)
+    state = emb.state_dict()
+    torch.testing.assert_close(state["weight"], table() * 2, rtol=0, atol=0)
+    # load into a table cut over half the ranks, over one process, and with the other sharding
+    half = comm.split_groups([list(range(comm.size // 2)), list(range(comm.size // 2, comm.size))])
+    assert half is not None
+    for target in (
+        SparseEmbedding(VOCAB, DIM, sharding="column", comm=half),
+        SparseEmbedding(VOCAB, DIM),
+        SparseEmbedding(VOCAB, DIM, sharding="column", comm=comm),
+    ):
+        target.load_state_dict(state)
+        torch.testing.assert_close(target.full_weight(), table() * 2, rtol=0, atol=0)
+    wrong = {"weight": torch.zeros(VOCAB + 1, DIM)}
+    with raises(RuntimeError, f"shape \\({VOCAB + 1}, {DIM}\\)"):
+        emb.load_state_dict(wrong)
+
+
+def check_bad_ids_raise_on_every_rank(world: World) -> None:
+    comm = world.comm
+    for sharding in ("row", "column"):
+        emb = SparseEmbedding(VOCAB, DIM, sharding=sharding, comm=comm, name="tok_emb")
+        good = torch.tensor([1, 2, 3])
+        bad_rank = comm.size - 1
+        with raises(InputError, f"rank {bad_rank}|this rank.*tok_emb got id {VOCAB}, outside"):
+            emb(torch.tensor([1, VOCAB, 2]) if comm.rank == bad_rank else good)
+        with raises(InputError, "tok_emb got id -1"):
+            emb(torch.tensor([-1]) if comm.rank == 0 else good)
+        with raises(InputError, "tok_emb got ids of dtype float32; ids must be integers"):
+            emb(good.float() if comm.rank == 1 else good)
+        # the ranks are still in step: a normal lookup works
+        torch.testing.assert_close(emb(good), emb.full_weight()[good], rtol=0, atol=0)
+
+
+def check_bad_config_raises_on_every_rank(world: World) -> None:
+    comm = world.comm
+    odd = 2 * comm.size + 1
+    with raises(ConfigError, f"embedding_dim \\({odd}\\) divisible by the world size \\({comm.size}\\)"):
+        SparseEmbedding(VOCAB, odd, sharding="column", comm=comm)
+    with raises(ConfigError, f"over a world of {comm.size} ranks"):
+        SparseEmbedding(comm.size - 1, DIM, comm=comm)
+    with raises(ConfigError, "rank 0 built it with embedding_dim=8 but rank 1 with embedding_dim=9"):
+        SparseEmbedding(VOCAB, DIM + min(comm.rank, 1), comm=comm)
+    with raises(ConfigError, "rank 0: padding_idx=99 is outside|this rank: padding_idx=99 is outside"):
+        SparseEmbedding(VOCAB, DIM, padding_idx=99 if comm.rank == 0 else None, comm=comm)
+
+
+CHECKS = [
+    check_forward_matches_and_repeats_summed_once,
+    check_row_sgd,
+    check_row_adam,
+    check_column_sgd,
+    check_column_adam,
+    check_uneven_and_empty_batches,
+    check_from_pretrained_frozen_and_random_init,
+    check_state_dict_full_table_and_other_world,
+    check_bad_ids_raise_on_every_rank,
+    check_bad_config_raises_on_every_rank,
+]
+
+if __name__ == "__main__":
+    world, _ = start()
+    finish(world, run_checks(world, CHECKS))
