@@ -87,8 +87,9 @@ class HierarchicalAllToAll:
     ) -> torch.Tensor | Handle[torch.Tensor]:
         """Same contract as `Communicator.all_to_all` over `comm`: x [n, *rest] split by
         `send_splits` (rows per destination rank of `comm`), returns [sum(recv), *rest]
-        ordered by source rank. With `async_op`, the intra-node step starts now and the
-        inter-node step when the handle is waited.
+        ordered by source rank. With `async_op`, the intra-node step runs before this
+        returns (it crosses only the node's loopback) and the inter-node step, the slow
+        one, travels until the handle is waited: that is the part worth overlapping.
         """
         out, _, _ = self._start_all_to_all(x, send_splits, recv_splits, check)
         return out if async_op else out.wait()
@@ -96,7 +97,7 @@ class HierarchicalAllToAll:
     def _start_all_to_all(
         self, x: torch.Tensor, send_splits: Sequence[int] | None, recv_splits: Sequence[int] | None, check: bool | None
     ) -> tuple[Handle[torch.Tensor], list[int], list[int]]:
-        """Validate, exchange counts, start step 1; returns (handle, send, recv) as the
+        """Validate, exchange counts, run step 1, start step 2; returns (handle, send, recv) as the
         flat form does, so `sparta.comm.all_to_all` differentiates through it."""
         name = f"hierarchical all_to_all on {self.where} [{self.backend}]"
         x = Communicator._require_tensor(x, name)
@@ -129,25 +130,20 @@ class HierarchicalAllToAll:
         step1_in = _reorder(x, send, [grid[n][lo] for lo in range(local) for n in range(n_nodes)])
         intra_send = s_mat.sum(0).tolist()
         intra_recv = [sum(row) for row in c1_list]
-        h1 = self.intra.all_to_all(step1_in, intra_send, intra_recv, async_op=True, check=False)
-        assert isinstance(h1, Handle)
-
-        def finish() -> torch.Tensor:
-            got = h1.wait()
-            # blocks arrive as (ls, n'); the inter step wants them as (n', ls)
-            sizes1 = [c1_list[ls][n] for ls in range(local) for n in range(n_nodes)]
-            step2_in = _reorder(got, sizes1, [ls * n_nodes + n for n in range(n_nodes) for ls in range(local)])
-            inter_send = [sum(c1_list[ls][n] for ls in range(local)) for n in range(n_nodes)]
-            inter_recv = [sum(row) for row in c2_list]
-            out = self.inter.all_to_all(step2_in, inter_send, inter_recv, check=False)
-            assert isinstance(out, torch.Tensor)
-            if self._rank_major:
-                return out
-            n_of = [self.position[r] for r in range(self.size)]
-            sizes2 = [c2_list[n][lo] for n in range(n_nodes) for lo in range(local)]
-            return _reorder(out, sizes2, [n * local + lo for n, lo in n_of])
-
-        return Handle(finish), send, recv
+        got = self.intra.all_to_all(step1_in, intra_send, intra_recv, check=False)
+        assert isinstance(got, torch.Tensor)
+        # blocks arrive as (ls, n'); the inter step wants them as (n', ls)
+        sizes1 = [c1_list[ls][n] for ls in range(local) for n in range(n_nodes)]
+        step2_in = _reorder(got, sizes1, [ls * n_nodes + n for n in range(n_nodes) for ls in range(local)])
+        inter_send = [sum(c1_list[ls][n] for ls in range(local)) for n in range(n_nodes)]
+        inter_recv = [sum(row) for row in c2_list]
+        h2 = self.inter.all_to_all(step2_in, inter_send, inter_recv, async_op=True, check=False)
+        assert isinstance(h2, Handle)
+        if self._rank_major:
+            return h2, send, recv
+        sizes2 = [c2_list[n][lo] for n in range(n_nodes) for lo in range(local)]
+        by_source = [n * local + lo for n, lo in (self.position[r] for r in range(self.size))]
+        return h2.then(lambda out: _reorder(out, sizes2, by_source)), send, recv
 
     def _settle_send(self, x: torch.Tensor, send_splits: Sequence[int] | None) -> tuple[list[int], Finding]:
         if x.dim() == 0:
