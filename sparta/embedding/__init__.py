@@ -9,5 +9,15 @@ dense rest of a model stays on DDP / Horovod all-reduce (see `parallelize`).
 
 from sparta.embedding.layer import SparseEmbedding
 from sparta.embedding.layout import SHARDINGS, ShardLayout
+from sparta.embedding.optim import HybridOptimizer
+from sparta.embedding.parallelize import parallelize, sharded_parameter_names, swap_embeddings
 
-__all__ = ["SHARDINGS", "ShardLayout", "SparseEmbedding"]
+__all__ = [
+    "SHARDINGS",
+    "HybridOptimizer",
+    "ShardLayout",
+    "SparseEmbedding",
+    "parallelize",
+    "sharded_parameter_names",
+    "swap_embeddings",
+]

@@ -1,0 +1,15 @@
+"""A transformer LM with SparseEmbedding under DDP and Horovod trains like one with
+nn.Embedding under plain DDP / Horovod (see dist/embedding_hybrid_checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+from launch import assert_all_ok, launch
+
+from tests.dist.embedding_hybrid_checks import CHECKS
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "horovodrun"])
+def test_lm_with_sparse_embeddings_matches_dense_data_parallel(launcher: str) -> None:
+    results = launch(launcher, "embedding_hybrid_checks.py", nprocs=4, timeout=240)
+    assert_all_ok(results, nprocs=4, expected_checks=len(CHECKS))
