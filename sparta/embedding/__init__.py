@@ -11,13 +11,16 @@ from sparta.embedding.layer import SparseEmbedding
 from sparta.embedding.layout import SHARDINGS, ShardLayout
 from sparta.embedding.optim import HybridOptimizer
 from sparta.embedding.parallelize import parallelize, sharded_parameter_names, swap_embeddings
+from sparta.embedding.vocab_parallel import VocabParallelHead, vocab_parallel_cross_entropy
 
 __all__ = [
     "SHARDINGS",
     "HybridOptimizer",
     "ShardLayout",
     "SparseEmbedding",
+    "VocabParallelHead",
     "parallelize",
     "sharded_parameter_names",
     "swap_embeddings",
+    "vocab_parallel_cross_entropy",
 ]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from runner import finish, raises, run_checks, start
 
 from sparta.comm import Communicator, World
-from sparta.embedding import SparseEmbedding
+from sparta.embedding import SparseEmbedding, VocabParallelHead, vocab_parallel_cross_entropy
 from sparta.errors import ConfigError, InputError
 
 VOCAB, DIM, PAD = 37, 8, 5
@@ -180,6 +180,63 @@ def check_bad_config_raises_on_every_rank(world: World) -> None:
         SparseEmbedding(VOCAB, DIM, padding_idx=99 if comm.rank == 0 else None, comm=comm)
 
 
+def check_vocab_parallel_cross_entropy_equals_full_logits(world: World) -> None:
+    comm = world.comm
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(11, VOCAB, generator=gen) * 3
+    targets = torch.randint(0, VOCAB, (11,), generator=gen)
+    weights = torch.rand(11, generator=gen)  # a weighted sum, so every token's gradient differs
+    ref = full.clone().requires_grad_()
+    ref_loss = (F.cross_entropy(ref, targets, reduction="none") * weights).sum()
+    ref_loss.backward()
+    r0, r1 = SparseEmbedding(VOCAB, DIM, comm=comm).layout.row_range(comm.rank)
+    mine = full[:, r0:r1].clone().requires_grad_()
+    loss = (vocab_parallel_cross_entropy(mine, targets, r0, comm) * weights).sum()
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    torch.testing.assert_close(mine.grad, ref.grad[:, r0:r1], **TOL)
+
+
+def check_vocab_parallel_head_data_parallel_and_tied(world: World) -> None:
+    comm = world.comm
+    w = table()
+    hidden = [torch.randn(3 + r, 2, DIM, generator=torch.Generator().manual_seed(r)) for r in range(comm.size)]
+    targets = [
+        (torch.rand(3 + r, 2, generator=torch.Generator().manual_seed(50 + r)) * VOCAB).long() for r in range(comm.size)
+    ]
+    # reference: one process, the mean of the ranks' losses, like DDP
+    ref_w = w.clone().requires_grad_()
+    ref_h = [h.clone().requires_grad_() for h in hidden]
+    ref_losses = [
+        F.cross_entropy((h @ ref_w.t()).flatten(0, 1), t.flatten()) for h, t in zip(ref_h, targets, strict=True)
+    ]
+    (sum(ref_losses) / comm.size).backward()
+
+    head = VocabParallelHead(DIM, VOCAB, comm)
+    with torch.no_grad():
+        head.weight.copy_(head.layout.cut(w))
+    h = hidden[comm.rank].clone().requires_grad_()
+    loss = head(h, targets[comm.rank])
+    loss.backward()
+    torch.testing.assert_close(loss, ref_losses[comm.rank].detach(), **TOL)
+    torch.testing.assert_close(h.grad, ref_h[comm.rank].grad * comm.size, **TOL)  # dL_r/dh_r, unaveraged
+    torch.testing.assert_close(head.weight.grad, head.layout.cut(ref_w.grad), **TOL)
+    assert head.weight.shape[0] <= VOCAB // comm.size + 1
+
+    # tied to the input embedding: both gradients land in one shard
+    emb = SparseEmbedding.from_pretrained(w, freeze=False, sharding="row", comm=comm)
+    tied = VocabParallelHead(DIM, VOCAB, comm, tie=emb)
+    ids = targets[comm.rank].flip(0)
+    tied(emb(ids).tanh(), targets[comm.rank]).backward()
+    ref_t = w.clone().requires_grad_()
+    ref_tied = [
+        F.cross_entropy((F.embedding(t.flip(0), ref_t).tanh() @ ref_t.t()).flatten(0, 1), t.flatten()) for t in targets
+    ]
+    (sum(ref_tied) / comm.size).backward()
+    assert list(tied.parameters()) == [emb.weight]
+    torch.testing.assert_close(emb.weight.grad, emb.layout.cut(ref_t.grad), **TOL)
+
+
 CHECKS = [
     check_forward_matches_and_repeats_summed_once,
     check_row_sgd,
@@ -191,6 +248,8 @@ CHECKS = [
     check_state_dict_full_table_and_other_world,
     check_bad_ids_raise_on_every_rank,
     check_bad_config_raises_on_every_rank,
+    check_vocab_parallel_cross_entropy_equals_full_logits,
+    check_vocab_parallel_head_data_parallel_and_tied,
 ]
 
 if __name__ == "__main__":

@@ -1,0 +1,160 @@
+"""Vocabulary-parallel output layer and cross-entropy: rank r holds the rows of the output
+projection for its vocabulary range and computes only those logits; the softmax statistics
+(max and sum of exponentials per token) are combined across ranks, so no rank ever holds a
+`[tokens, vocab]` logits tensor.
+
+Two uses:
+  * tokens replicated over `comm` (a tensor-parallel group): each rank's logits are
+    `[tokens, vocab / world]`, 1/world of the full logits;
+  * data parallel (`gather_tokens=True`): each rank's own tokens are gathered first, so the
+    logits are `[all ranks' tokens, vocab / world]` (as many numbers as one rank's full
+    logits) while the projection and its optimizer state shrink to vocab / world rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparta.comm import Communicator
+from sparta.embedding.layer import SparseEmbedding
+from sparta.embedding.layout import ShardLayout
+from sparta.errors import ConfigError, InputError
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """logits [T, V_r] (this rank's vocabulary columns), targets [T] -> losses [T]."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, start: int, comm: Communicator, sum_grads: bool
+    ) -> torch.Tensor:
+        local_max = logits.detach().max(dim=1).values
+        # the Communicator reduces by sum only: gather the [world, T] maxima and take the max
+        top = torch.stack(comm.all_gather(local_max)).max(dim=0).values  # type: ignore[arg-type]
+        exp = (logits.detach() - top.unsqueeze(1)).exp()
+        local = targets - start
+        mine = (local >= 0) & (local < logits.shape[1])
+        safe = local.clamp(0, logits.shape[1] - 1)
+        target_logit = torch.where(mine, logits.detach().gather(1, safe.unsqueeze(1)).squeeze(1) - top, 0.0)
+        stats = comm.all_reduce(torch.stack([exp.sum(dim=1), target_logit], dim=1))
+        assert isinstance(stats, torch.Tensor)
+        sum_exp, target_logit = stats.unbind(1)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(1)), safe, mine)
+        ctx.comm, ctx.sum_grads = comm, sum_grads
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        softmax, safe, mine = ctx.saved_tensors
+        if ctx.sum_grads:  # each rank's loss covers its own tokens: every rank needs all of them
+            grad = ctx.comm.all_reduce(grad.contiguous())
+        out = softmax * grad.unsqueeze(1)
+        out.scatter_add_(1, safe.unsqueeze(1), -(grad * mine).unsqueeze(1))
+        return out, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, comm: Communicator
+) -> torch.Tensor:
+    """Per-token cross-entropy over a vocabulary split by columns across `comm`.
+
+    logits: [T, V_r], this rank's columns `vocab_start .. vocab_start + V_r` of the full
+    `[T, vocab]` logits; targets: [T] full-vocabulary ids, the same T tokens on every rank.
+    Returns [T] losses, equal to `F.cross_entropy(full_logits, targets, reduction="none")`
+    on every rank; the gradient reaches each rank's slice of the logits. Two small
+    collectives forward (an all-gather of [T] maxima, an all-reduce of [T, 2]), none back.
+    """
+    return _VocabParallelCE.apply(logits, targets.long(), int(vocab_start), comm, False)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """x [T_me, d] -> every rank's tokens [sum(counts), d]; backward sums each rank's block."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, counts: list[int], comm: Communicator) -> torch.Tensor:
+        ctx.counts, ctx.comm = counts, comm
+        return torch.cat(comm.all_gather(x.contiguous()))  # type: ignore[arg-type]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        comm, mine = ctx.comm, ctx.counts[ctx.comm.rank]
+        parts = comm.all_to_all(grad.contiguous(), ctx.counts, [mine] * comm.size, check=False)
+        return parts.view(comm.size, mine, -1).sum(0), None, None  # type: ignore[union-attr]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class VocabParallelHead(nn.Module):
+    """`nn.Linear(in_features, num_embeddings, bias=False)` + cross-entropy, vocabulary-sharded.
+
+    `head(hidden, targets)` with hidden [*, in_features] and targets [*] (this rank's
+    tokens) returns the mean cross-entropy over this rank's tokens, equal to
+    `F.cross_entropy(hidden @ W.T, targets)` with the full W. The shard's gradient is
+    averaged over ranks (DDP's convention).
+
+    tie: a row-sharded SparseEmbedding over the same `comm` whose table is the projection
+        (weight tying); otherwise the head owns a shard initialised like nn.Linear.
+    gather_tokens: True when each rank has its own tokens (data parallel); False when the
+        tokens are the same on every rank of `comm` (tensor parallel), which skips the
+        gather and keeps the loss's gradient as is.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        num_embeddings: int,
+        comm: Communicator,
+        tie: SparseEmbedding | None = None,
+        gather_tokens: bool = True,
+    ) -> None:
+        super().__init__()
+        self.comm, self.gather_tokens = comm, gather_tokens
+        if tie is not None:
+            if tie.sharding != "row" or tie.comm is not comm or tie.weight.shape[1] != in_features:
+                raise ConfigError(
+                    f"tie={tie.table_name} must be row-sharded over the same comm with dim {in_features} "
+                    f"(it is {tie.sharding}-sharded with dim {tie.embedding_dim}); build it with sharding='row'"
+                )
+            self.layout = tie.layout
+            self.tied = tie
+        else:
+            self.layout = ShardLayout(num_embeddings, in_features, "row", comm.size, comm.rank)
+            bound = in_features**-0.5  # nn.Linear's default init range
+            self.weight = nn.Parameter(torch.empty(self.layout.shard_shape).uniform_(-bound, bound))
+
+    def shard(self) -> torch.Tensor:
+        """This rank's `[rows of its vocabulary range, in_features]` projection."""
+        return self.tied.weight if hasattr(self, "tied") else self.weight
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """hidden [*, d], targets [*] -> scalar mean loss over this rank's tokens."""
+        if hidden.shape[:-1] != targets.shape:
+            raise InputError(
+                f"VocabParallelHead: hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree; "
+                "targets must have hidden's shape without its last dim"
+            )
+        x, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        weight = self.shard()
+        if self.gather_tokens:
+            counts = [int(c) for c in self.comm.all_gather(torch.tensor([x.shape[0]]))]  # type: ignore[union-attr]
+            x = _GatherTokens.apply(x, counts, self.comm)
+            t = torch.cat(self.comm.all_gather(t.long().contiguous()))  # type: ignore[arg-type]
+            weight = _ScaleGrad.apply(weight, 1.0 / self.comm.size)
+        start = self.layout.row_range(self.comm.rank)[0]
+        losses = _VocabParallelCE.apply(x @ weight.t(), t, start, self.comm, self.gather_tokens)
+        if self.gather_tokens:
+            first = sum(counts[: self.comm.rank])
+            losses = losses[first : first + counts[self.comm.rank]]
+        return losses.mean()
