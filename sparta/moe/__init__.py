@@ -1,1 +1,80 @@
-"""sparta.moe (arrives with its issue)."""
+"""Mixture-of-Experts layers.
+
+``MoELayer(d_model, d_ff, num_experts, ...)`` maps ``[..., d_model]`` activations to the same
+shape. Inside, for ``T`` tokens, ``E`` experts and ``k`` experts per token:
+
+- a router (``TopKRouter``, ``SwitchRouter``, ``SigmoidRouter``, ``XMoERouter``,
+  ``ExpertChoiceRouter``, ``SoftRouter``) turns ``[T, d_model]`` into a ``RouterOutput``:
+  flat (token, expert, weight) pairs ``[P]`` (``P = T * k`` for token choice) plus float32
+  logits ``[T, E]`` and unscaled scalar aux / z losses;
+- ``plan_dispatch`` sorts the pairs by expert and applies the capacity, giving counts ``[E]``
+  and the grouped order (``N = P`` pairs dropless, fewer with a capacity); ``dispatch``
+  also gathers the rows ``[N, d_model]``;
+- ``GroupedExperts`` runs every expert's MLP on its rows (grouped GEMM, or an expert loop
+  that fuses gather, MLP and combine on one process);
+- ``combine`` adds the weighted outputs back into token order ``[T, d_model]``.
+
+With ``ep_size > 1`` the rows travel to the rank holding their expert and back by
+all-to-all between dispatch and combine (``sparta.moe.parallel``).
+
+Around the layer: ``moeify(model, ...)`` swaps an existing model's MLPs for MoE layers
+(upcycling their weights); ``expert_parallel_groups`` / ``sync_gradients`` combine expert
+parallelism with data parallelism; ``state_dict()`` saves experts under their global ids and
+``full_state_dict`` gathers them, so a checkpoint reloads under any ``ep_size``.
+
+Soft MoE mixes tokens into ``E * slots_per_expert`` slots per sequence instead
+(``soft_dispatch`` / ``soft_combine``).
+"""
+
+from __future__ import annotations
+
+from sparta.moe.checkpoint import full_state_dict
+from sparta.moe.config import ACTIVATIONS, ROUTERS, MoEConfig
+from sparta.moe.data_parallel import ExpertGroups, expert_parallel_groups, sharded_expert_parameters, sync_gradients
+from sparta.moe.dispatch import Dispatched, DispatchPlan, combine, dispatch, expert_capacity, plan_dispatch
+from sparta.moe.experts import GroupedExperts
+from sparta.moe.layer import MoELayer, MoEStats
+from sparta.moe.moeify import DenseMLP, moeify, read_dense_mlp
+from sparta.moe.routers import (
+    ExpertChoiceRouter,
+    Router,
+    RouterOutput,
+    SigmoidRouter,
+    SoftRouter,
+    SwitchRouter,
+    TopKRouter,
+    XMoERouter,
+    build_router,
+)
+
+__all__ = [
+    "ACTIVATIONS",
+    "ROUTERS",
+    "DenseMLP",
+    "DispatchPlan",
+    "Dispatched",
+    "ExpertChoiceRouter",
+    "ExpertGroups",
+    "GroupedExperts",
+    "MoEConfig",
+    "MoELayer",
+    "MoEStats",
+    "Router",
+    "RouterOutput",
+    "SigmoidRouter",
+    "SoftRouter",
+    "SwitchRouter",
+    "TopKRouter",
+    "XMoERouter",
+    "build_router",
+    "combine",
+    "dispatch",
+    "expert_capacity",
+    "expert_parallel_groups",
+    "full_state_dict",
+    "moeify",
+    "plan_dispatch",
+    "read_dense_mlp",
+    "sharded_expert_parameters",
+    "sync_gradients",
+]

@@ -31,7 +31,7 @@ class MoEConfig:
     Sizes are counts of features or experts; ``capacity_factor`` multiplies the fair share
     ``tokens * top_k / num_experts`` of (token, expert) pairs per expert.
 
-    Router-specific fields only matter for their router: ``jitter_eps`` (topk, switch, xmoe:
+    Router-specific fields only matter for their router: ``jitter_eps`` (topk, switch:
     multiplicative input noise in training), ``bias_update_rate`` (sigmoid: step of the
     aux-loss-free balancing bias), ``xmoe_dim`` (xmoe: dimension of the routing space),
     ``slots_per_expert`` (soft). ``expert_gemm`` picks the expert kernel: ``"grouped_mm"``
@@ -85,9 +85,9 @@ class MoEConfig:
             )
         if self.capacity_factor is not None:
             cf = self.capacity_factor
-            if not isinstance(cf, (int, float)) or isinstance(cf, bool) or not cf > 0:
+            if not isinstance(cf, (int, float)) or isinstance(cf, bool) or not 0 < cf < math.inf:
                 raise ConfigError(
-                    f"capacity_factor={cf!r} is invalid: use a number > 0 (e.g. 1.25), "
+                    f"capacity_factor={cf!r} is invalid: use a finite number > 0 (e.g. 1.25), "
                     "or None for dropless routing"
                 )
         if self.router == "switch" and self.top_k != 1:

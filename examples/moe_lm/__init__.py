@@ -1,0 +1,1 @@
+"""The pieces of examples/train_moe_lm.py: data, model, training loop."""

@@ -1,0 +1,246 @@
+"""MoELayer: router -> dispatch -> experts (local or expert-parallel) -> combine."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from sparta.errors import ConfigError, InputError
+from sparta.moe.config import MoEConfig
+from sparta.moe.dispatch import (
+    Dispatched,
+    DispatchPlan,
+    combine,
+    dispatch,
+    expert_capacity,
+    plan_dispatch,
+    soft_combine,
+    soft_dispatch,
+)
+from sparta.moe.experts import GroupedExperts
+from sparta.moe.parallel import T, expert_parallel_mlp, fail_together
+from sparta.moe.routers import RouterOutput, build_router
+
+if TYPE_CHECKING:
+    from sparta.comm import Communicator
+
+
+@dataclass
+class MoEStats:
+    """Counts from the last forward, summed over the expert-parallel ranks.
+
+    ``tokens_per_expert[e]``: (token, expert) pairs expert ``e`` processed (after capacity;
+    for Soft MoE, slots). ``routed_per_expert[e]``: pairs the router sent to ``e`` before
+    capacity. ``tokens_dropped``: pairs removed by capacity (their tokens got nothing from
+    that expert).
+    """
+
+    tokens_per_expert: list[int]
+    routed_per_expert: list[int]
+    tokens_dropped: int
+
+
+class _AuxLossInBackward(torch.autograd.Function):
+    """Identity on ``carrier`` whose backward also back-propagates ``aux_loss`` with gradient
+    1, so the aux loss trains the router without the user adding it to their loss.
+
+    The carrier is the routing weights rather than the layer output: an output made by a
+    custom Function could not be modified in place by the caller (``y += x``)."""
+
+    @staticmethod
+    def forward(ctx: Any, carrier: Tensor, aux_loss: Tensor) -> Tensor:
+        ctx.aux_dtype, ctx.aux_device = aux_loss.dtype, aux_loss.device
+        return carrier.view_as(carrier)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        return grad, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts MLP: ``y = moe(x)``, ``x`` ``[..., d_model]`` -> same shape.
+
+    Each token goes to experts chosen by ``router`` (see ``MoEConfig`` for the choices and
+    options); their outputs are summed with the routing weights. In training, backward also
+    applies ``aux_loss_coef * aux_loss + z_loss_coef * z_loss`` to the router: do not add
+    them to your loss. After each forward, ``aux_loss`` holds that weighted sum (detached,
+    float32) and ``last_stats`` the per-expert counts (``MoEStats``).
+
+    ``ep_size > 1`` shards the experts over the ``ep_size`` ranks of ``comm`` (a
+    ``sparta.comm.Communicator``): rank ``r`` holds global experts ``[r * E / ep_size,
+    (r + 1) * E / ep_size)``. Each forward then issues, in this order on every rank, three
+    all-to-alls (counts, rows, outputs) and one all-reduce (the counts behind ``last_stats``
+    and the sigmoid router's load); each backward two all-to-alls. With ``ep_size == 1``
+    ``comm`` is ignored and no collective is issued.
+
+    ``name`` identifies the layer in error messages (give it the module path).
+    Extra keyword ``options`` are the other ``MoEConfig`` fields (``jitter_eps``,
+    ``bias_update_rate``, ``xmoe_dim``, ``slots_per_expert``, ``expert_gemm``).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        num_experts: int,
+        top_k: int = 2,
+        router: str = "topk",
+        capacity_factor: float | None = None,
+        activation: str = "gelu",
+        ep_size: int = 1,
+        aux_loss_coef: float = 1e-2,
+        z_loss_coef: float = 1e-3,
+        comm: Communicator | None = None,
+        name: str = "moe",
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        known = {f.name for f in fields(MoEConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(
+                f"MoELayer got unknown options {unknown}: the options are {sorted(known)}"
+            )
+        config = MoEConfig(
+            d_model=d_model,
+            d_ff=d_ff,
+            num_experts=num_experts,
+            top_k=top_k,
+            router=router,
+            capacity_factor=capacity_factor,
+            activation=activation,
+            ep_size=ep_size,
+            aux_loss_coef=aux_loss_coef,
+            z_loss_coef=z_loss_coef,
+            **options,
+        )
+        first_expert = 0
+        if config.ep_size > 1:
+            if comm is None or comm.size != config.ep_size:
+                got = "no comm" if comm is None else f"a comm of size {comm.size}"
+                raise ConfigError(
+                    f"ep_size={config.ep_size} needs a Communicator of size {config.ep_size}, "
+                    f"got {got}: pass comm= for the expert-parallel group, or set ep_size=1"
+                )
+            first_expert = comm.rank * config.num_local_experts
+        self.config = config
+        self.comm = comm if config.ep_size > 1 else None
+        self.router = build_router(config)
+        self.experts = GroupedExperts(
+            config.num_local_experts,
+            config.d_model,
+            config.d_ff,
+            activation=config.activation,
+            gemm=config.expert_gemm,
+            first_expert=first_expert,
+        )
+        self.name = name
+        self.aux_loss: Tensor = torch.zeros(())
+        self.last_stats: MoEStats | None = None
+
+    @classmethod
+    def from_config(
+        cls, config: MoEConfig, comm: Communicator | None = None, name: str = "moe"
+    ) -> MoELayer:
+        """Build a layer from a (e.g. YAML-loaded) ``MoEConfig``."""
+        values = {f.name: getattr(config, f.name) for f in fields(MoEConfig)}
+        return cls(**values, comm=comm, name=name)
+
+    @property
+    def name(self) -> str:
+        return self.router.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self.router.name = value
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._guard(lambda: self._check_input(x))
+        d_model = self.config.d_model
+        if self.config.router == "soft":
+            seq_len = x.shape[-2] if x.dim() > 1 else 1
+            sequences = math.prod(x.shape[:-2])
+            return self._forward_soft(x.reshape(sequences, seq_len, d_model)).view(x.shape)
+        return self._forward_sparse(x.reshape(-1, d_model)).view(x.shape)
+
+    def _check_input(self, x: Tensor) -> None:
+        d_model = self.config.d_model
+        if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[-1] != d_model:
+            shape = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else f"a {type(x).__name__}"
+            raise InputError(
+                f"MoE layer {self.name!r} expects [..., d_model={d_model}] input, got {shape}: "
+                "pass tokens with d_model features in the last dimension"
+            )
+        if not x.is_floating_point():
+            raise InputError(
+                f"MoE layer {self.name!r} got {x.dtype} input: pass floating-point activations"
+            )
+
+    def _guard(self, step: Callable[[], T]) -> T:
+        """Local work before the first collective: an error on one rank raises on all."""
+        return fail_together(step, self.config.num_experts, self.comm, self.name, self.experts.w1.device)
+
+    def _forward_sparse(self, tokens: Tensor) -> Tensor:
+        cfg = self.config
+        route = self._guard(lambda: self.router(tokens))
+        capacity = None
+        if cfg.capacity_factor is not None and cfg.router != "expert_choice":
+            capacity = expert_capacity(tokens.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+        weight = self._attach_aux_loss(route, route.weight)
+        pairs = (route.token_idx, route.expert_idx, weight, cfg.num_experts, capacity)
+        if self.comm is None:
+            plan = plan_dispatch(*pairs)
+            self._record(plan)
+            return self.experts.forward_tokens(tokens, plan)
+        routed = dispatch(tokens, *pairs)
+        out = expert_parallel_mlp(routed.rows, routed.counts, self.experts, self.comm, self.name)
+        self._record(routed)
+        return combine(out, routed, tokens.shape[0])
+
+    def _forward_soft(self, groups: Tensor) -> Tensor:
+        route = self._guard(lambda: self.router(groups))
+        slots = soft_dispatch(groups, route.dispatch_weights, self.config.num_experts)
+        out = self._run_experts(slots)
+        self._record(slots)
+        combine_weights = self._attach_aux_loss(route, route.combine_weights)
+        return soft_combine(out, combine_weights, self.config.num_experts)
+
+    def _run_experts(self, routed: Dispatched) -> Tensor:
+        if self.comm is None:
+            return self.experts(routed.rows, routed.counts, routed.counts_list)
+        return expert_parallel_mlp(routed.rows, routed.counts, self.experts, self.comm, self.name)
+
+    def _attach_aux_loss(self, route: RouterOutput, carrier: Tensor) -> Tensor:
+        total = self.config.aux_loss_coef * route.aux_loss + self.config.z_loss_coef * route.z_loss
+        self.aux_loss = total.detach()
+        if self.training and total.requires_grad and carrier.requires_grad:
+            return _AuxLossInBackward.apply(carrier, total)
+        return carrier
+
+    def _record(self, routed: DispatchPlan) -> None:
+        num_experts = self.config.num_experts
+        counts = torch.cat(
+            [routed.routed, routed.counts, routed.counts.new_tensor([routed.dropped])]
+        )
+        if self.comm is not None:
+            counts = self.comm.all_reduce(counts, op="sum")
+        if self.training:
+            self.router.update_load(counts[:num_experts])
+        values = counts.tolist()
+        self.last_stats = MoEStats(
+            tokens_per_expert=values[num_experts : 2 * num_experts],
+            routed_per_expert=values[:num_experts],
+            tokens_dropped=values[-1],
+        )
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        return (
+            f"name={self.name!r}, router={cfg.router}, top_k={cfg.top_k}, "
+            f"capacity_factor={cfg.capacity_factor}, ep_size={cfg.ep_size}"
+        )

@@ -1,0 +1,102 @@
+"""Expert parallelism: send each expert's rows to the rank that holds it, and back.
+
+Rank ``r`` of an ``ep_size`` communicator holds global experts ``[r * L, (r + 1) * L)``
+with ``L = num_experts / ep_size``. Dispatch leaves the rows sorted by global expert, hence
+already grouped by destination rank: ``send_splits[r]`` is the sum of the counts of rank
+``r``'s experts. This is the only place sparta.moe calls ``sparta.comm``, and only for a
+layer with ``ep_size > 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import suppress
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+from torch import Tensor
+
+from sparta.comm import all_to_all
+from sparta.errors import InputError, SpartaError
+from sparta.moe.experts import GroupedExperts
+
+if TYPE_CHECKING:
+    from sparta.comm import Communicator
+
+
+def rank_splits(counts: Tensor, ep_size: int) -> list[int]:
+    """Rows per destination rank, given ``counts`` ``[ep_size * L]`` rows per global expert."""
+    return counts.view(ep_size, -1).sum(dim=1).tolist()
+
+
+def exchange_counts(counts: Tensor, comm: Communicator, layer: str, failed: bool = False) -> Tensor:
+    """Send ``counts`` ``[E]`` (rows per global expert) to the ranks holding those experts;
+    returns ``recv_counts`` ``[ep_size * L]``, entry ``s * L + j`` being the rows source rank
+    ``s`` sends to local expert ``j``.
+
+    Each message also carries a flag: a rank that rejected its input (``failed=True``) still
+    takes part, so that every rank raises ``InputError`` here instead of waiting forever for
+    it in the next collective.
+    """
+    ep_size = comm.size
+    local = counts.numel() // ep_size
+    flag = counts.new_full((ep_size, 1), int(failed))
+    send = torch.cat([counts.view(ep_size, local), flag], dim=1).reshape(-1)
+    splits = [local + 1] * ep_size
+    recv = comm.all_to_all(send, send_splits=splits, recv_splits=splits).view(ep_size, local + 1)
+    failed_ranks = recv[:, -1].nonzero().flatten().tolist()
+    if failed_ranks:
+        raise InputError(
+            f"MoE layer {layer!r}: expert-parallel rank(s) {failed_ranks} of {comm.where} rejected "
+            "their input (their own error says why); this rank stops with them instead of hanging"
+        )
+    return recv[:, :-1].reshape(-1)
+
+
+T = TypeVar("T")
+
+
+def fail_together(
+    step: Callable[[], T], num_experts: int, comm: Communicator | None, layer: str, device: torch.device
+) -> T:
+    """Run ``step``, a local stage before the layer's first collective (input checks,
+    routing). If it raises a ``SpartaError`` on one rank, that rank still joins the counts
+    exchange, flagged, so that every rank of ``comm`` raises instead of hanging."""
+    try:
+        return step()
+    except SpartaError:
+        if comm is not None:
+            # The flag we sent comes back as an InputError; this rank raises its own error.
+            with suppress(InputError):
+                # Counts live on the input's device, and engines pick the transport by device.
+                zeros = torch.zeros(num_experts, dtype=torch.int64, device=device)
+                exchange_counts(zeros, comm, layer, failed=True)
+        raise
+
+
+def expert_parallel_mlp(
+    rows: Tensor, counts: Tensor, experts: GroupedExperts, comm: Communicator, layer: str
+) -> Tensor:
+    """Run ``rows`` ``[N, d]`` (grouped by global expert, ``counts`` ``[E]`` int64) through
+    the experts of every rank; returns ``[N, d]`` in the same order. Differentiable: the
+    backward sends the gradients back along the reverse all-to-all.
+
+    Collectives, identical in order on every rank: one all-to-all of counts (int64,
+    ``[E + ep_size]``, equal splits, see ``exchange_counts``), one of rows, one of outputs.
+    """
+    ep_size, local = comm.size, experts.num_experts
+    recv_counts = exchange_counts(counts, comm, layer)
+    send_splits = rank_splits(counts, ep_size)
+    recv_splits = rank_splits(recv_counts, ep_size)
+    received = all_to_all(rows, send_splits, recv_splits, comm)
+
+    # Received rows are grouped by (source rank, local expert); the experts need them grouped
+    # by local expert, so re-sort stably (keeping source-rank order within an expert).
+    local_ids = torch.arange(local, device=rows.device).repeat(ep_size)
+    row_expert = torch.repeat_interleave(local_ids, recv_counts.to(rows.device))
+    by_expert = torch.sort(row_expert, stable=True).indices
+    local_counts = recv_counts.view(ep_size, local).sum(dim=0)
+    out = experts(received.index_select(0, by_expert), local_counts, local_counts.tolist())
+    back_to_sources = torch.empty_like(by_expert)
+    back_to_sources[by_expert] = torch.arange(by_expert.numel(), device=rows.device)
+    return all_to_all(out.index_select(0, back_to_sources), recv_splits, send_splits, comm)

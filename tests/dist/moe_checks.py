@@ -1,0 +1,211 @@
+"""Expert parallelism over real engines, checked against one process holding every expert.
+
+Run by tests/moe/test_parallel_dist.py on 2 and 4 ranks under torchrun, mpirun and
+horovodrun. The oracle is a one-process MoELayer built from the same seed: for each rank of
+an expert-parallel group it runs that rank's tokens alone (routing and capacity are per rank),
+and the group's expert gradients are the sum of those runs'.
+"""
+
+from __future__ import annotations
+
+import torch
+from runner import finish, raises, run_checks, start
+from torch import nn
+
+from sparta.comm import Communicator, World
+from sparta.errors import InputError
+from sparta.moe import MoELayer, expert_parallel_groups, full_state_dict, sync_gradients
+
+EXPERTS, D_MODEL, D_FF, SEQ = 8, 8, 16, 9
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+CASES = [
+    {"router": "topk", "capacity_factor": None, "activation": "gelu"},
+    {"router": "topk", "capacity_factor": 1.25, "activation": "swiglu"},
+    {"router": "switch", "top_k": 1, "capacity_factor": None, "activation": "relu"},
+    {"router": "switch", "top_k": 1, "capacity_factor": 1.25, "activation": "gelu"},
+    {"router": "sigmoid", "capacity_factor": None, "activation": "relu"},
+    {"router": "sigmoid", "capacity_factor": 1.25, "activation": "swiglu"},
+    {"router": "xmoe", "capacity_factor": None, "activation": "gelu"},
+    {"router": "xmoe", "capacity_factor": 1.25, "activation": "gelu"},
+    {"router": "expert_choice", "capacity_factor": None, "activation": "gelu"},
+    {"router": "soft", "capacity_factor": None, "activation": "gelu"},
+]
+
+
+def inputs(world_size: int, batches: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every world rank's tokens and upstream gradient (the same lists on every rank)."""
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(b, SEQ, D_MODEL, generator=gen) + 0.3 * r for r, b in enumerate(batches)]
+    ups = [torch.randn(b, SEQ, D_MODEL, generator=gen) for b in batches]
+    return xs, ups
+
+
+def compare_with_one_process(world: World, ep: Communicator, case: dict, batches: list[int]) -> None:
+    """The layer sharded over ``ep`` against one process, for this rank's tokens."""
+    torch.manual_seed(0)
+    whole = MoELayer(D_MODEL, D_FF, EXPERTS, **case).train()
+    torch.manual_seed(0)
+    shard = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=ep.size, comm=ep, **case).train()
+    xs, ups = inputs(world.size, batches)
+    x = xs[world.rank].clone().requires_grad_()
+    y = shard(x)
+    (y * ups[world.rank]).sum().backward()
+
+    bias0 = whole.router.expert_bias.clone() if case["router"] == "sigmoid" else None
+    expert_grads = {name: torch.zeros_like(p) for name, p in whole.experts.named_parameters()}
+    routed = torch.zeros(EXPERTS, dtype=torch.int64)
+    for member in ep.ranks:  # the world ranks of my expert-parallel group
+        if bias0 is not None:  # the sharded layer updated its bias once, from the group's load
+            whole.router.expert_bias.copy_(bias0)
+        whole.zero_grad()
+        xr = xs[member].clone().requires_grad_()
+        yr = whole(xr)
+        (yr * ups[member]).sum().backward()
+        routed += torch.tensor(whole.last_stats.routed_per_expert)
+        for name, p in whole.experts.named_parameters():
+            expert_grads[name] += p.grad
+        if member == world.rank:
+            torch.testing.assert_close(y, yr, **TOL, msg=lambda m: f"{case}: output: {m}")
+            torch.testing.assert_close(x.grad, xr.grad, **TOL, msg=lambda m: f"{case}: input grad: {m}")
+            for name, p in whole.router.named_parameters():
+                got = dict(shard.router.named_parameters())[name].grad
+                torch.testing.assert_close(got, p.grad, **TOL, msg=lambda m, n=name: f"{case}: router {n}: {m}")
+    local = EXPERTS // ep.size
+    mine = slice(ep.rank * local, (ep.rank + 1) * local)
+    for name, p in shard.experts.named_parameters():
+        torch.testing.assert_close(p.grad, expert_grads[name][mine], **TOL, msg=lambda m, n=name: f"{case}: {n}: {m}")
+    assert shard.last_stats.routed_per_expert == routed.tolist(), (case, shard.last_stats, routed)
+    if bias0 is not None:
+        want = bias0 + shard.config.bias_update_rate * torch.sign(routed.float().mean() - routed.float())
+        torch.testing.assert_close(shard.router.expert_bias, want)
+
+
+def check_every_router_sharded_over_all_ranks(world: World) -> None:
+    batches = [2] * world.size
+    for case in CASES:
+        compare_with_one_process(world, world.comm, case, batches)
+
+
+def check_every_router_with_expert_data_parallel_groups(world: World) -> None:
+    """ep_size = 2 inside a larger world: two expert-parallel groups side by side."""
+    if world.size < 4:
+        return
+    groups = expert_parallel_groups(world.comm, 2)
+    assert groups.ep.size == 2 and groups.expert_dp is not None and groups.expert_dp.size == world.size // 2
+    for case in CASES:
+        compare_with_one_process(world, groups.ep, case, [2] * world.size)
+
+
+def check_empty_ranks_and_idle_experts(world: World) -> None:
+    # The last rank has no tokens; a gate that sends every token to expert 0 leaves the
+    # other experts idle: no hang, zero gradients for them.
+    for case in CASES[:1] + CASES[-2:]:
+        compare_with_one_process(world, world.comm, case, [2] * (world.size - 1) + [0])
+    torch.manual_seed(0)
+    layer = MoELayer(D_MODEL, D_FF, EXPERTS, router="switch", top_k=1, ep_size=world.size, comm=world.comm)
+    with torch.no_grad():
+        layer.router.gate.weight.zero_()
+        layer.router.gate.weight[0] = 1.0
+    x = torch.rand(3, SEQ, D_MODEL) + 0.1  # positive: expert 0's logit is the largest
+    layer(x).sum().backward()
+    assert layer.last_stats.tokens_per_expert == [3 * SEQ * world.size] + [0] * (EXPERTS - 1)
+    for p in layer.experts.parameters():
+        idle = p.grad if world.rank > 0 else p.grad[1:]
+        assert torch.count_nonzero(idle) == 0, "an expert without tokens got a gradient"
+
+
+def check_checkpoint_loads_under_other_expert_parallel_sizes(world: World) -> None:
+    case = {"router": "topk", "activation": "swiglu"}
+    torch.manual_seed(3)
+    written = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=world.size, comm=world.comm, **case).eval()
+    local = written.state_dict()
+    per_rank = EXPERTS // world.size
+    mine = range(world.rank * per_rank, (world.rank + 1) * per_rank)
+    assert {k for k in local if k.startswith("experts.w1.")} == {f"experts.w1.{e}" for e in mine}, sorted(local)
+    full = full_state_dict(written)
+    assert {k for k in full if k.startswith("experts.w2.")} == {f"experts.w2.{e}" for e in range(EXPERTS)}
+    x = torch.randn(2, SEQ, D_MODEL, generator=torch.Generator().manual_seed(world.rank))
+    with torch.no_grad():
+        want = written(x)
+    sizes = [s for s in (1, 2, world.size // 2) if s < world.size]
+    for ep_size in dict.fromkeys(sizes):
+        comm = expert_parallel_groups(world.comm, ep_size).ep if ep_size > 1 else None
+        torch.manual_seed(99)  # other initial weights: everything must come from the checkpoint
+        loaded = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=ep_size, comm=comm, **case).eval()
+        loaded.load_state_dict(full)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), want, **TOL, msg=lambda m, s=ep_size: f"ep_size={s}: {m}")
+    one = MoELayer(D_MODEL, D_FF, EXPERTS, **case)
+    with raises(RuntimeError, r"Missing key\(s\).*experts\.w1\."):
+        one.load_state_dict(local)  # one rank's shard lacks the other experts
+
+
+class TinyModel(nn.Module):
+    def __init__(self, ep_size: int, comm: Communicator | None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_MODEL, D_MODEL)
+        self.moe = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=ep_size, comm=comm, aux_loss_coef=0.0)
+        self.out = nn.Linear(D_MODEL, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(h + self.moe(h))
+
+
+def check_gradients_equal_one_process_on_the_global_batch(world: World) -> None:
+    """Expert parallel inside data parallel: after sync_gradients every rank holds the
+    gradient of the mean loss over all ranks' batches."""
+    ep_size = 2 if world.size >= 4 else world.size
+    groups = expert_parallel_groups(world.comm, ep_size)
+    torch.manual_seed(5)
+    full = TinyModel(1, None)
+    torch.manual_seed(5)
+    model = TinyModel(ep_size, groups.ep)
+    xs, _ = inputs(world.size, [3] * world.size)
+    targets = [x.sum(-1, keepdim=True).tanh() for x in xs]
+    # The whole global batch in one forward: the z-loss (a mean over tokens) is then the mean
+    # of the ranks' z-losses, as sync_gradients makes it. (Dropless top-k routes each token
+    # alone, so the batch split does not change routing.)
+    full_loss = nn.functional.mse_loss(full(torch.cat(xs)), torch.cat(targets))
+    full_loss.backward()
+    local_loss = nn.functional.mse_loss(model(xs[world.rank]), targets[world.rank])
+    local_loss.backward()
+    loss, norm = sync_gradients(model, world.comm, groups.expert_dp, loss=local_loss)
+    assert abs(loss - full_loss.item()) < 1e-5, (loss, full_loss.item())
+    full_norm = torch.cat([p.grad.flatten() for p in full.parameters()]).norm()
+    torch.testing.assert_close(norm, full_norm, **TOL)
+    local = EXPERTS // ep_size
+    mine = slice(groups.ep.rank * local, (groups.ep.rank + 1) * local)
+    for (name, p), q in zip(model.named_parameters(), full.parameters(), strict=True):
+        want = q.grad[mine] if name.startswith("moe.experts.") else q.grad
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def check_bad_input_on_one_rank_raises_on_every_rank(world: World) -> None:
+    torch.manual_seed(0)
+    layer = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=world.size, comm=world.comm, name="blocks.3.moe")
+    last = world.size - 1
+    others = rf"rank\(s\) \[{last}\] of .* rejected their input"
+    wrong = torch.randn(2, D_MODEL + 1) if world.rank == last else torch.randn(2, D_MODEL)
+    with raises(InputError, rf"d_model={D_MODEL}" if world.rank == last else others):
+        layer(wrong)
+    nan = torch.randn(2, D_MODEL)
+    if world.rank == last:
+        nan[1, 0] = float("nan")
+    with raises(InputError, "'blocks.3.moe'.*NaN or infinite" if world.rank == last else others):
+        layer(nan)
+    assert layer(torch.randn(2, D_MODEL)).shape == (2, D_MODEL)  # still in step afterwards
+
+
+CHECKS = [
+    check_every_router_sharded_over_all_ranks,
+    check_every_router_with_expert_data_parallel_groups,
+    check_empty_ranks_and_idle_experts,
+    check_checkpoint_loads_under_other_expert_parallel_sizes,
+    check_gradients_equal_one_process_on_the_global_batch,
+    check_bad_input_on_one_rank_raises_on_every_rank,
+]
+
+if __name__ == "__main__":
+    world, _ = start()
+    finish(world, run_checks(world, CHECKS))

@@ -1,0 +1,72 @@
+"""Bad configurations and inputs raise Sparta errors that name the value and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparta.errors import ConfigError, InputError, SpartaError
+from sparta.moe import GroupedExperts, MoEConfig, MoELayer
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"num_experts": 6, "ep_size": 4}, r"num_experts=6 is not divisible by ep_size=4"),
+        ({"num_experts": 4, "top_k": 5}, r"top_k=5 exceeds num_experts=4: use top_k <= 4"),
+        ({"top_k": 0}, r"top_k=0 is invalid: route each token to at least 1 expert"),
+        ({"capacity_factor": 0.0}, r"capacity_factor=0.0 is invalid: use a finite number > 0.*or None"),
+        ({"capacity_factor": float("inf")}, r"capacity_factor=inf is invalid"),
+        ({"capacity_factor": -1.5}, r"capacity_factor=-1.5 is invalid"),
+        (
+            {"router": "hash"},
+            r"router='hash' is unknown: choose one of topk, switch, sigmoid, xmoe, expert_choice, soft",
+        ),
+        ({"activation": "tanh"}, r"activation='tanh' is unknown: choose one of gelu, relu, swiglu"),
+        ({"router": "switch", "top_k": 2}, r"router='switch'.*top_k=2: set top_k=1"),
+        ({"router": "soft", "capacity_factor": 1.0}, r"router='soft' never drops tokens.*capacity_factor=None"),
+        ({"d_model": 0}, r"d_model=0 is invalid: it must be an integer >= 1"),
+        ({"aux_loss_coef": -0.1}, r"aux_loss_coef=-0.1 is invalid: it must be a number >= 0"),
+        ({"expert_gemm": "cuda"}, r"expert_gemm='cuda' is unknown: choose one of auto, grouped_mm, loop"),
+    ],
+)
+def test_bad_config(kwargs: dict[str, object], pattern: str) -> None:
+    values: dict[str, object] = {"d_model": 8, "d_ff": 16, "num_experts": 4, **kwargs}
+    with pytest.raises(ConfigError, match=pattern):
+        MoEConfig(**values)
+    with pytest.raises(ConfigError, match=pattern):
+        MoELayer(**values)
+
+
+def test_unknown_option_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"unknown options \['jitter'\]: the options are .*'jitter_eps'"):
+        MoELayer(8, 16, 4, jitter=0.1)
+
+
+def test_expert_parallel_needs_matching_comm() -> None:
+    with pytest.raises(ConfigError, match=r"ep_size=2 needs a Communicator of size 2, got no comm"):
+        MoELayer(8, 16, 4, ep_size=2)
+
+
+def test_wrong_last_dim() -> None:
+    layer = MoELayer(8, 16, 4)
+    with pytest.raises(InputError, match=r"'moe' expects \[\.\.\., d_model=8\] input, got shape \(2, 3, 7\)"):
+        layer(torch.randn(2, 3, 7))
+
+
+def test_integer_input() -> None:
+    with pytest.raises(InputError, match=r"got torch.int64 input: pass floating-point"):
+        MoELayer(8, 16, 4)(torch.ones(3, 8, dtype=torch.int64))
+
+
+def test_grouped_mm_forced_on_unaligned_sizes() -> None:
+    experts = GroupedExperts(2, 6, 10, gemm="grouped_mm")  # 24-byte rows: not 16-byte aligned
+    with pytest.raises(InputError, match=r"d_model=6, d_ff=10.*use expert_gemm='auto'"):
+        experts(torch.randn(4, 6), torch.tensor([2, 2]), [2, 2])
+    assert issubclass(InputError, SpartaError)
+
+
+def test_expert_counts_must_match_rows() -> None:
+    experts = GroupedExperts(2, 8, 16)
+    with pytest.raises(InputError, match=r"counts \[2, 1\] for 4 rows and 2 experts"):
+        experts(torch.randn(4, 8), torch.tensor([2, 1]), [2, 1])

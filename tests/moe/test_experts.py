@@ -1,0 +1,87 @@
+"""GroupedExperts: kernels agree, empty experts, initialisation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparta.moe import GroupedExperts, MoELayer
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "swiglu"])
+@pytest.mark.parametrize("counts", [[3, 0, 5, 2], [4, 4, 4, 4], [0, 0, 0, 0]])
+def test_grouped_mm_equals_loop(activation: str, counts: list[int]) -> None:
+    fast = GroupedExperts(4, 8, 12, activation=activation, gemm="grouped_mm")
+    slow = GroupedExperts(4, 8, 12, activation=activation, gemm="loop")
+    slow.load_state_dict(fast.state_dict())
+    rows = torch.randn(sum(counts), 8, requires_grad=True)
+    count_tensor = torch.tensor(counts)
+    outs, grads = [], []
+    for experts in (fast, slow):
+        out = experts(rows, count_tensor, counts)
+        out.sum().backward()  # a broadcast gradient, which grouped_mm alone rejects
+        outs.append(out)
+        grads.append([rows.grad.clone(), *(p.grad.clone() for p in experts.parameters())])
+        rows.grad = None
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    for fast_grad, slow_grad in zip(*grads, strict=True):
+        torch.testing.assert_close(fast_grad, slow_grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gemm", ["grouped_mm", "loop"])
+def test_expert_without_tokens_gets_zero_gradient(gemm: str) -> None:
+    experts = GroupedExperts(3, 8, 16, activation="swiglu", gemm=gemm)
+    counts = [4, 0, 2]
+    experts(torch.randn(6, 8), torch.tensor(counts), counts).square().sum().backward()
+    for weight in (experts.w1, experts.w2, experts.w3):
+        assert torch.equal(weight.grad[1], torch.zeros_like(weight.grad[1]))
+        assert weight.grad[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("gemm", ["auto", "loop"])
+def test_layer_expert_without_tokens_gets_zero_gradient(gemm: str) -> None:
+    layer = MoELayer(8, 16, 4, top_k=2, expert_gemm=gemm).train()
+    with torch.no_grad():
+        layer.router.gate.weight[3] = -10.0  # positive inputs never pick expert 3
+    x = torch.rand(20, 8) + 0.1
+    layer(x).sum().backward()
+    assert layer.last_stats.tokens_per_expert[3] == 0
+    assert torch.equal(layer.experts.w1.grad[3], torch.zeros(8, 16))
+    assert torch.equal(layer.experts.w2.grad[3], torch.zeros(16, 8))
+    assert layer.experts.w1.grad[:3].abs().sum() > 0
+
+
+def test_init_like_linear_and_deterministic() -> None:
+    torch.manual_seed(7)
+    a = GroupedExperts(4, 64, 256)
+    torch.manual_seed(7)
+    b = GroupedExperts(4, 64, 256)
+    assert torch.equal(a.w1, b.w1) and torch.equal(a.w2, b.w2)
+    # nn.Linear(fan_in, fan_out) draws U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+    for weight, fan_in in ((a.w1, 64), (a.w2, 256)):
+        bound = 1 / math.sqrt(fan_in)
+        assert weight.abs().max() <= bound
+        assert weight.abs().max() > 0.99 * bound
+        torch.testing.assert_close(weight.std(), torch.tensor(bound / math.sqrt(3)), rtol=0.02, atol=0)
+    assert not torch.equal(a.w1[0], a.w1[1])
+
+
+def test_init_independent_of_expert_parallel_layout() -> None:
+    torch.manual_seed(3)
+    whole = GroupedExperts(4, 8, 16, activation="swiglu")
+    torch.manual_seed(3)
+    second_half = GroupedExperts(2, 8, 16, activation="swiglu", first_expert=2)
+    for name in ("w1", "w2", "w3"):
+        assert torch.equal(getattr(whole, name)[2:], getattr(second_half, name))
+
+
+def test_bfloat16_rows_run_on_grouped_mm() -> None:
+    experts = GroupedExperts(2, 8, 16, gemm="grouped_mm").to(torch.bfloat16)
+    reference = GroupedExperts(2, 8, 16, gemm="loop").to(torch.bfloat16)
+    reference.load_state_dict(experts.state_dict())
+    rows = torch.randn(5, 8, dtype=torch.bfloat16)
+    out = experts(rows, torch.tensor([2, 3]), [2, 3])
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference(rows, torch.tensor([2, 3]), [2, 3]), atol=2e-2, rtol=2e-2)
