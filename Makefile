@@ -18,12 +18,12 @@ mpi:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null; }
 
-$(VENV)/.stamp-deps: setup.py | mpi
+$(VENV)/.stamp-deps: setup.py Makefile | mpi
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	@echo "[setup] installing torch (CPU wheel), numpy, mpi4py, test tools into $(VENV)"
 	@# torch first and pinned, so nothing after it can pull another (CUDA) build
 	$(PIP) install $(TORCH)
-	$(PIP) install numpy mpi4py pytest pytest-timeout ruff tqdm
+	$(PIP) install numpy mpi4py pytest pytest-timeout ruff tqdm tokenizers transformers
 	$(PIP) install --no-deps -e .
 	@touch $@
 
@@ -37,15 +37,18 @@ test: setup
 	$(PY) -m ruff check sparta tests benchmarks examples
 	$(PY) -m pytest -q tests
 
+# A GPT-style MoE LM trained on Python's standard library, experts sharded over 4 CPU ranks.
 demo: setup
-	$(PY) benchmarks/collectives.py --table
+	$(PY) -m torch.distributed.run --nproc-per-node=4 --master-addr=127.0.0.1 --master-port=$$(( 20000 + $$$$ % 20000 )) \
+	  examples/train_moe_lm.py
 
 # --- extras ----------------------------------------------------------------------------------
 lint: $(VENV)/.stamp-deps
 	$(PY) -m ruff check sparta tests benchmarks examples
 
 bench: setup
-	$(PY) benchmarks/collectives.py
+	$(PY) benchmarks/collectives.py --table
+	$(PY) benchmarks/moe_layer.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
