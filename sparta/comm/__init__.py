@@ -16,6 +16,7 @@ from sparta.comm.communicator import CommConfig, Communicator
 from sparta.comm.handle import Handle
 from sparta.comm.hierarchical import HierarchicalAllToAll
 from sparta.comm.launch import LaunchInfo, detect
+from sparta.comm.priority import PriorityQueue, QueueConfig, TaskKey
 from sparta.comm.world import BACKENDS, World, init
 
 __all__ = [
@@ -25,6 +26,9 @@ __all__ = [
     "Handle",
     "HierarchicalAllToAll",
     "LaunchInfo",
+    "PriorityQueue",
+    "QueueConfig",
+    "TaskKey",
     "World",
     "all_to_all",
     "detect",

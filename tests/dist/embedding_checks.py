@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from embedding_priority_checks import PRIORITY_CHECKS
 from runner import finish, raises, run_checks, start
 
 from sparta.comm import Communicator, World
@@ -250,6 +251,7 @@ CHECKS = [
     check_bad_config_raises_on_every_rank,
     check_vocab_parallel_cross_entropy_equals_full_logits,
     check_vocab_parallel_head_data_parallel_and_tied,
+    *PRIORITY_CHECKS,
 ]
 
 if __name__ == "__main__":
