@@ -11,7 +11,7 @@ from torch import nn
 from sparta.comm import Communicator
 from sparta.embedding.checks import agree_config, inspect_ids
 from sparta.embedding.layout import SHARDINGS, ShardLayout
-from sparta.embedding.lookup import ShardedLookup, plan_route
+from sparta.embedding.lookup import Route, ShardedLookup, plan_route
 from sparta.errors import ConfigError, InputError
 
 
@@ -31,6 +31,7 @@ class SparseEmbedding(nn.Module):
     ranks as DDP would. `state_dict()` holds the full table in vocabulary order (every rank
     must call it: it gathers), and `load_state_dict` takes a full table written under any
     world size. Every rank must run forward and backward together (they are collective).
+    `last_route` (a lookup.Route) says which ids the last forward sent where, for logging.
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class SparseEmbedding(nn.Module):
         dtype = dtype or torch.get_default_dtype()
         shard = layout.cut(_weight).to(dtype) if _weight is not None else layout.seeded_shard(seed, dtype)
         self.weight = nn.Parameter(shard)
+        self.last_route: Route | None = None
         if _weight is None:
             self._zero_padding_row()
 
@@ -117,6 +119,7 @@ class SparseEmbedding(nn.Module):
                 raise InputError(finding.message(self.table_name))
             return nn.functional.embedding(ids, self.weight, self.padding_idx)
         route = plan_route(ids, self.layout, self.comm, finding, self.table_name)
+        self.last_route = route
         rows = ShardedLookup.apply(self.weight, route, self.layout, self.comm, self.padding_idx)
         return rows[route.inverse].view(*ids.shape, self.embedding_dim)
 
