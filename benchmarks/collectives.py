@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,13 @@ from pathlib import Path
 
 import torch
 
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB ... 64 MiB
 LAUNCHES = {
     "torch": lambda py, n, me: [
@@ -34,7 +42,7 @@ LAUNCHES = {
         "torch.distributed.run",
         f"--nproc-per-node={n}",
         "--master-addr=127.0.0.1",
-        "--master-port=29622",
+        f"--master-port={free_port()}",
         me,
     ],
     "mpi": lambda py, n, me: [
