@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class MoEStats:
-    """Counts from the last forward, summed over the expert-parallel ranks.
+    """Counts from the last forward, summed over the ranks of the layer's ``stats_comm``
+    (by default its expert-parallel group; one process: this process's own).
 
     ``tokens_per_expert[e]``: (token, expert) pairs expert ``e`` processed (after capacity;
     for Soft MoE, slots). ``routed_per_expert[e]``: pairs the router sent to ``e`` before
@@ -78,6 +79,12 @@ class MoELayer(nn.Module):
     and the sigmoid router's load); each backward two all-to-alls. With ``ep_size == 1``
     ``comm`` is ignored and no collective is issued.
 
+    ``stats_comm`` widens that all-reduce to every rank that trains the layer (e.g. the
+    world, when expert-parallel groups are replicated for data parallelism, or when
+    ``ep_size == 1`` under data parallelism): ``last_stats`` then counts the global batch
+    and the sigmoid router's balancing bias stays identical on every replica. It must
+    contain ``comm``'s ranks; every rank of it runs the layer's forward.
+
     ``name`` identifies the layer in error messages (give it the module path).
     Extra keyword ``options`` are the other ``MoEConfig`` fields (``jitter_eps``,
     ``bias_update_rate``, ``xmoe_dim``, ``slots_per_expert``, ``expert_gemm``).
@@ -97,6 +104,7 @@ class MoELayer(nn.Module):
         z_loss_coef: float = 1e-3,
         comm: Communicator | None = None,
         name: str = "moe",
+        stats_comm: Communicator | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -130,6 +138,12 @@ class MoELayer(nn.Module):
             first_expert = comm.rank * config.num_local_experts
         self.config = config
         self.comm = comm if config.ep_size > 1 else None
+        if stats_comm is not None and self.comm is not None and stats_comm.size % self.comm.size:
+            raise ConfigError(
+                f"stats_comm of size {stats_comm.size} cannot contain the expert-parallel group of "
+                f"size {self.comm.size}: pass the world (or data-parallel) communicator that holds it"
+            )
+        self.stats_comm = stats_comm if stats_comm is not None else self.comm
         self.router = build_router(config)
         self.experts = GroupedExperts(
             config.num_local_experts,
@@ -145,11 +159,15 @@ class MoELayer(nn.Module):
 
     @classmethod
     def from_config(
-        cls, config: MoEConfig, comm: Communicator | None = None, name: str = "moe"
+        cls,
+        config: MoEConfig,
+        comm: Communicator | None = None,
+        name: str = "moe",
+        stats_comm: Communicator | None = None,
     ) -> MoELayer:
         """Build a layer from a (e.g. YAML-loaded) ``MoEConfig``."""
         values = {f.name: getattr(config, f.name) for f in fields(MoEConfig)}
-        return cls(**values, comm=comm, name=name)
+        return cls(**values, comm=comm, name=name, stats_comm=stats_comm)
 
     @property
     def name(self) -> str:
@@ -227,8 +245,8 @@ class MoELayer(nn.Module):
         counts = torch.cat(
             [routed.routed, routed.counts, routed.counts.new_tensor([routed.dropped])]
         )
-        if self.comm is not None:
-            counts = self.comm.all_reduce(counts, op="sum")
+        if self.stats_comm is not None:
+            counts = self.stats_comm.all_reduce(counts, op="sum")
         if self.training:
             self.router.update_load(counts[:num_experts])
         values = counts.tolist()

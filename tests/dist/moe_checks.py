@@ -94,6 +94,14 @@ def check_every_router_with_expert_data_parallel_groups(world: World) -> None:
     assert groups.ep.size == 2 and groups.expert_dp is not None and groups.expert_dp.size == world.size // 2
     for case in CASES:
         compare_with_one_process(world, groups.ep, case, [2] * world.size)
+    # Counted over the whole world, the sigmoid bias stays the same on every replica.
+    torch.manual_seed(0)
+    layer = MoELayer(D_MODEL, D_FF, EXPERTS, router="sigmoid", ep_size=2, comm=groups.ep, stats_comm=world.comm)
+    for step in range(3):
+        layer(torch.randn(2, SEQ, D_MODEL, generator=torch.Generator().manual_seed(10 * step + world.rank)))
+    assert sum(layer.last_stats.routed_per_expert) == 2 * SEQ * 2 * world.size, layer.last_stats
+    biases = world.comm.all_gather(layer.router.expert_bias)
+    assert all(torch.equal(b, biases[0]) for b in biases) and biases[0].abs().sum() > 0, biases
 
 
 def check_empty_ranks_and_idle_experts(world: World) -> None:
