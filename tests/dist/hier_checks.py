@@ -6,8 +6,10 @@ horovodrun-over-MPI.
 
 from __future__ import annotations
 
+import os
+
 import torch
-from runner import finish, raises, run_checks, start
+from runner import raises, run_checks, start
 
 import sparta
 from sparta.comm import HierarchicalAllToAll, World
@@ -130,4 +132,8 @@ CHECKS = [
 
 if __name__ == "__main__":
     world, _ = start(ranks_per_node=2)
-    finish(world, run_checks(world, CHECKS))
+    failures = run_checks(world, CHECKS)
+    world.shutdown()
+    # torch 2.13's gloo aborts now and then in its C++ teardown at interpreter exit after
+    # collectives ("terminate called without an active exception"): skip that teardown
+    os._exit(1 if failures else 0)

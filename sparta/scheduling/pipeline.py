@@ -1,0 +1,262 @@
+"""Chunked expert-parallel exchange: chunk i+1 travels while chunk i is computed.
+
+An expert-parallel layer sends rows to the ranks that own their experts (dispatch), computes
+them there, and sends the results back (combine). Done whole, the network idles while the
+experts compute and the experts idle while the network moves rows. Cut every expert's rows
+into `degree` pieces and the exchange becomes a pipeline:
+
+    dispatch 0 | dispatch 1 | combine 0 + dispatch 2 | combine 1 + ...    (network, async)
+               | compute 0  | compute 1              | compute 2  ...     (this thread)
+
+The backward pass runs the same pipeline on the gradients, with its own degree (the best
+one differs: backward computes about twice as much per row). When the degrees are equal
+the forward's autograd graphs are reused; otherwise each backward chunk recomputes its
+forward first (from the saved received rows), which is exact because `compute` is row-wise.
+
+This module knows nothing of MoE: rows arrive grouped by destination rank and, within one,
+by a "slot" of that rank (its local experts), and `compute` is any row-wise function. The
+collectives are the same in number and order on every rank for a given degree, so every
+rank must use the same degrees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from sparta.comm.handle import Handle
+from sparta.errors import ConfigError, InputError
+
+# compute(rows [M, d_in], counts [size, slots] int64) -> [M, d_out]: rows grouped by source
+# rank, then slot, `counts[s, j]` of them from source s for slot j; output rows in the same order
+Compute = Callable[[Tensor, Tensor], Tensor]
+
+
+class Exchange(Protocol):
+    """What the pipeline needs of a communicator: `Communicator` and `HierarchicalAllToAll` both fit."""
+
+    size: int
+
+    def all_to_all(
+        self,
+        x: Tensor,
+        send_splits: Sequence[int] | None = None,
+        recv_splits: Sequence[int] | None = None,
+        async_op: bool = False,
+        check: bool | None = None,
+    ) -> Tensor | Handle[Tensor]: ...
+
+
+@dataclass(frozen=True)
+class PipelineDegrees:
+    """How many chunks the forward and the backward exchange are cut into (1 = no pipeline)."""
+
+    forward: int = 1
+    backward: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"PipelineDegrees.{name} = {value!r}; use an int >= 1 (1 means no pipelining)")
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """`degree` chunks of a buffer grouped into segments of `counts` rows (dim 0).
+
+    Chunk i takes rows [c*i//degree, c*(i+1)//degree) of every segment of c rows, so every
+    chunk stays grouped by segment. index[i]: its row indices [rows_i] (int64); counts[i]:
+    its rows per segment; splits[i]: its rows per rank (segments are `slots` per rank).
+    """
+
+    index: tuple[Tensor, ...]
+    counts: tuple[Tensor, ...]
+    splits: tuple[list[int], ...]
+
+    @classmethod
+    def cut(cls, counts: Tensor, degree: int, ranks: int) -> Chunks:
+        counts = counts.to(torch.int64).cpu()
+        starts = torch.cumsum(counts, 0) - counts
+        index, per_chunk, splits = [], [], []
+        for i in range(degree):
+            lo = starts + counts * i // degree
+            sizes = starts + counts * (i + 1) // degree - lo
+            total = int(sizes.sum())
+            # row k of the chunk is row (k - first row of its segment in the chunk) + lo of the segment
+            shift = torch.repeat_interleave(lo - (torch.cumsum(sizes, 0) - sizes), sizes)
+            index.append(torch.arange(total, dtype=torch.int64) + shift)
+            per_chunk.append(sizes)
+            splits.append(sizes.view(ranks, -1).sum(1).tolist())
+        return cls(tuple(index), tuple(per_chunk), tuple(splits))
+
+
+@dataclass
+class _Plan:
+    """Everything the autograd Function needs besides tensors."""
+
+    exchange: Exchange
+    compute: Compute
+    degrees: PipelineDegrees
+    send_fwd: Chunks  # over my rows: segments are (destination rank, slot)
+    recv_fwd: Chunks  # over rows I receive: segments are (source rank, slot)
+    send_bwd: Chunks
+    recv_bwd: Chunks
+    slots: int
+
+
+def pipelined_exchange(
+    rows: Tensor,
+    counts: Tensor,
+    compute: Compute,
+    exchange: Exchange,
+    degrees: PipelineDegrees,
+    params: Sequence[Tensor] = (),
+    recv_counts: Tensor | None = None,
+) -> Tensor:
+    """Send `rows` to their ranks, `compute` them there, bring the results back; pipelined.
+
+    rows: [N, d_in], grouped by destination rank and within one by slot (for MoE: sorted by
+        global expert, rank r owning experts [r*L, (r+1)*L)).
+    counts: [size * slots] int64, rows per (destination rank, slot), on any device.
+    compute: row-wise function of (received rows [M, d_in], their counts [size, slots]) ->
+        [M, d_out], rows grouped by source rank then slot (see `Compute`).
+    exchange: a Communicator or HierarchicalAllToAll of `size` ranks.
+    params: tensors `compute` reads that need gradients (e.g. expert weights); their
+        gradients are returned through autograd like any input's.
+    recv_counts: [size * slots], rows each source sends me per slot, if already known;
+        otherwise exchanged here (one small all-to-all).
+    Returns [N, d_out] in the order of `rows`; differentiable in `rows` and `params`.
+    """
+    size = exchange.size
+    if counts.dim() != 1 or counts.numel() % size or counts.numel() == 0:
+        raise InputError(
+            f"pipelined_exchange: counts has shape {tuple(counts.shape)}; give [size * slots] = "
+            f"[{size} * slots] rows per (destination rank, slot)"
+        )
+    if int(counts.sum()) != rows.shape[0]:
+        raise InputError(f"pipelined_exchange: counts sum to {int(counts.sum())} but rows has {rows.shape[0]} rows")
+    slots = counts.numel() // size
+    if recv_counts is None:
+        got = exchange.all_to_all(counts.cpu(), [slots] * size, [slots] * size, check=False)
+        assert isinstance(got, Tensor)
+        recv_counts = got
+    plan = _Plan(
+        exchange,
+        compute,
+        degrees,
+        Chunks.cut(counts, degrees.forward, size),
+        Chunks.cut(recv_counts, degrees.forward, size),
+        Chunks.cut(counts, degrees.backward, size),
+        Chunks.cut(recv_counts, degrees.backward, size),
+        slots,
+    )
+    return _Pipelined.apply(rows, plan, *params)
+
+
+def _start(exchange: Exchange, x: Tensor, send: list[int], recv: list[int]) -> Handle[Tensor]:
+    handle = exchange.all_to_all(x.contiguous(), send, recv, async_op=True, check=False)
+    assert isinstance(handle, Handle)
+    return handle
+
+
+def _gather(x: Tensor, index: Tensor) -> Tensor:
+    return x.index_select(0, index.to(x.device))
+
+
+def _pipeline(
+    exchange: Exchange,
+    source: Tensor,
+    send: Chunks,
+    recv: Chunks,
+    work: Callable[[int, Tensor], Tensor],
+) -> Tensor:
+    """The pipeline both passes run: chunk i of `source` to its ranks, `work(i, received)`
+    there, the result back into chunk i's rows. Issue order on every rank: out 0, out 1,
+    back 0, out 2, back 1, ... so chunk i+1 travels during work i and back i during work i+1."""
+    degree = len(send.index)
+    outbound = [_start(exchange, _gather(source, send.index[0]), send.splits[0], recv.splits[0])]
+    inbound: list[Handle[Tensor]] = []
+    for i in range(degree):
+        got = outbound[i].wait()
+        if i + 1 < degree:
+            outbound.append(
+                _start(exchange, _gather(source, send.index[i + 1]), send.splits[i + 1], recv.splits[i + 1])
+            )
+        inbound.append(_start(exchange, work(i, got), recv.splits[i], send.splits[i]))
+    result: Tensor | None = None
+    for i, handle in enumerate(inbound):
+        back = handle.wait()
+        if result is None:
+            result = back.new_empty((source.shape[0], *back.shape[1:]))
+        result.index_copy_(0, send.index[i].to(back.device), back)
+    assert result is not None
+    return result
+
+
+class _Pipelined(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, plan: _Plan, *params: Tensor) -> Tensor:
+        ctx.plan = plan
+        keep_graphs = any(ctx.needs_input_grad) and plan.degrees.forward == plan.degrees.backward
+        recompute = any(ctx.needs_input_grad) and not keep_graphs
+        ctx.graphs: list[tuple[Tensor, Tensor]] = []
+        received: list[Tensor] = []
+
+        def work(i: int, got: Tensor) -> Tensor:
+            counts = plan.recv_fwd.counts[i].view(-1, plan.slots)
+            if not keep_graphs:
+                if recompute:
+                    received.append(got)
+                return plan.compute(got, counts).detach()
+            leaf = got.detach().requires_grad_()
+            with torch.enable_grad():
+                out = plan.compute(leaf, counts)
+            ctx.graphs.append((leaf, out))
+            return out.detach()
+
+        y = _pipeline(plan.exchange, rows, plan.send_fwd, plan.recv_fwd, work)
+        if recompute:
+            # all received rows in one buffer, grouped by (source, slot), for the backward's chunks
+            full = rows.new_empty((sum(r.shape[0] for r in received), *rows.shape[1:]))
+            for i, got in enumerate(received):
+                full.index_copy_(0, plan.recv_fwd.index[i].to(got.device), got)
+            ctx.save_for_backward(full, *params)
+        else:
+            ctx.save_for_backward(*params)
+        ctx.recompute = recompute
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        plan: _Plan = ctx.plan
+        saved = ctx.saved_tensors
+        full, params = (saved[0], saved[1:]) if ctx.recompute else (None, saved)
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[2:], strict=True) if need]
+        sums: list[Tensor | None] = [None] * len(wanted)
+
+        def work(i: int, got: Tensor) -> Tensor:
+            if full is None:
+                leaf, out = ctx.graphs[i]
+            else:
+                leaf = _gather(full, plan.recv_bwd.index[i]).requires_grad_()
+                with torch.enable_grad():
+                    out = plan.compute(leaf, plan.recv_bwd.counts[i].view(-1, plan.slots))
+            grads = torch.autograd.grad(out, [leaf, *wanted], got, allow_unused=True)
+            for k, g in enumerate(grads[1:]):
+                if g is not None:
+                    sums[k] = g if sums[k] is None else sums[k] + g
+            return torch.zeros_like(leaf) if grads[0] is None else grads[0]
+
+        grad_rows = _pipeline(plan.exchange, grad, plan.send_bwd, plan.recv_bwd, work)
+        ctx.graphs = []
+        found = iter(sums)
+        param_grads = []
+        for p, need in zip(params, ctx.needs_input_grad[2:], strict=True):
+            g = next(found) if need else None
+            param_grads.append(torch.zeros_like(p) if need and g is None else g)
+        return (grad_rows if ctx.needs_input_grad[0] else None, None, *param_grads)

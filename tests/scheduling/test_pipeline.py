@@ -1,0 +1,34 @@
+"""The pipelined exchange equals the unpipelined computation on 4 real ranks, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+from launch import assert_all_ok, launch
+
+from sparta.errors import ConfigError
+from sparta.scheduling.pipeline import Chunks, PipelineDegrees
+from tests.dist.sched_pipeline_checks import CHECKS
+
+
+def test_chunks_cover_every_row_once_in_segment_order() -> None:
+    import torch
+
+    counts = torch.tensor([5, 0, 3, 1, 7, 2])
+    chunks = Chunks.cut(counts, 3, ranks=2)
+    assert [c.tolist() for c in chunks.counts] == [[1, 0, 1, 0, 2, 0], [2, 0, 1, 0, 2, 1], [2, 0, 1, 1, 3, 1]]
+    assert chunks.splits == ([2, 2], [3, 3], [3, 5])
+    everything = torch.cat(chunks.index)
+    assert sorted(everything.tolist()) == list(range(18))
+    # segment 0 holds rows 0..4; chunk 0 takes its first row, chunk 1 the next two
+    assert chunks.index[0].tolist()[:1] == [0] and chunks.index[1].tolist()[:2] == [1, 2]
+
+
+def test_degrees_validated() -> None:
+    with pytest.raises(ConfigError, match="backward = 0"):
+        PipelineDegrees(1, 0)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "horovodrun"])
+def test_pipelined_equals_unpipelined(launcher: str) -> None:
+    results = launch(launcher, "sched_pipeline_checks.py", nprocs=4, timeout=240)
+    assert_all_ok(results, nprocs=4, expected_checks=len(CHECKS))
