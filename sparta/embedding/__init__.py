@@ -4,18 +4,21 @@
     y = emb(ids)                       # ids [batch, seq] per rank -> [batch, seq, 512]
 
 Only the rows a step touches move (all-to-all to their owners, forward and backward); the
-dense rest of a model stays on DDP / Horovod all-reduce (see `parallelize`).
+dense rest of a model stays on DDP / Horovod / PriorityQueue all-reduce (see `parallelize`).
+VocabParallelHead and vocab_parallel_cross_entropy shard the output layer by vocabulary.
 """
 
 from sparta.embedding.layer import SparseEmbedding
 from sparta.embedding.layout import SHARDINGS, ShardLayout
 from sparta.embedding.optim import HybridOptimizer
 from sparta.embedding.parallelize import parallelize, sharded_parameter_names, swap_embeddings
+from sparta.embedding.queued import QueuedGradients
 from sparta.embedding.vocab_parallel import VocabParallelHead, vocab_parallel_cross_entropy
 
 __all__ = [
     "SHARDINGS",
     "HybridOptimizer",
+    "QueuedGradients",
     "ShardLayout",
     "SparseEmbedding",
     "VocabParallelHead",

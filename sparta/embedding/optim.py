@@ -7,6 +7,7 @@ optimizer of their own; this class lets the training loop keep its single `opt.s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,17 +18,21 @@ class HybridOptimizer:
 
     parts: named optimizers, e.g. {"sparse": Adam(shards), "dense": hvd.DistributedOptimizer(...)};
     steps run in insertion order. `param_groups` lists every part's groups (the same dicts,
-    so a learning-rate change made through it reaches the part).
+    so a learning-rate change made through it reaches the part). `before_step` runs first
+    (e.g. waiting for queued gradient all-reduces).
     """
 
-    def __init__(self, parts: dict[str, torch.optim.Optimizer]) -> None:
+    def __init__(self, parts: dict[str, torch.optim.Optimizer], before_step: Callable[[], None] | None = None) -> None:
         self.parts = parts
+        self.before_step = before_step
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return [group for opt in self.parts.values() for group in opt.param_groups]
 
     def step(self) -> None:
+        if self.before_step is not None:
+            self.before_step()
         for opt in self.parts.values():
             opt.step()
 

@@ -1,5 +1,5 @@
 """Hybrid data parallelism in three lines: sharded embeddings move rows by all-to-all, the
-dense rest of the model is all-reduced by torch DDP or Horovod.
+dense rest of the model is all-reduced by torch DDP, Horovod, or sparta.comm's PriorityQueue.
 
     world = sparta.init()
     model, opt = parallelize(model, world.comm, lambda ps: torch.optim.Adam(ps, lr=1e-3))
@@ -15,11 +15,13 @@ import torch
 from torch import nn
 
 from sparta.comm import Communicator
+from sparta.comm.priority import QueueConfig
 from sparta.embedding.layer import SparseEmbedding
 from sparta.embedding.optim import HybridOptimizer
+from sparta.embedding.queued import QueuedGradients
 from sparta.errors import ConfigError
 
-DATA_PARALLEL = ("auto", "ddp", "horovod")
+DATA_PARALLEL = ("auto", "ddp", "horovod", "sparta")
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -67,6 +69,7 @@ def parallelize(
     make_optimizer: OptimizerFactory,
     data_parallel: str = "auto",
     sharding: str = "row",
+    queue_config: QueueConfig | None = None,
     **ddp_kwargs: Any,
 ) -> tuple[nn.Module, HybridOptimizer]:
     """Swap `model`'s embeddings for SparseEmbeddings and data-parallelise the rest.
@@ -74,7 +77,9 @@ def parallelize(
     data_parallel: "ddp" wraps the model in DistributedDataParallel over the torch engine's
         process group, with the shards excluded from its buckets; "horovod" wraps the dense
         parameters' optimizer in `hvd.DistributedOptimizer` (the shards get their own);
-        "auto" picks by `comm.backend`.
+        "sparta" averages dense gradients through sparta.comm's PriorityQueue on any engine
+        (keyed by parameter order, chunked by `queue_config`); "auto" picks DDP on the torch
+        engine, Horovod on the Horovod engine, "sparta" on MPI.
     make_optimizer: builds a torch optimizer from parameters (called once or twice).
     Returns (model to call, optimizer to step). Gradients follow DDP's convention: averaged
     over ranks, so training matches one process on the global batch.
@@ -91,11 +96,14 @@ def parallelize(
         DDP._set_params_and_buffers_to_ignore_for_model(model, sorted(sharded))
         wrapped = DDP(model, process_group=comm.pg, **ddp_kwargs)  # type: ignore[attr-defined]
         return wrapped, HybridOptimizer({"all": make_optimizer([p for _, p in named])})
-    import horovod.torch as hvd
-
     with torch.no_grad():  # every replica starts from rank 0's dense weights
         for _, p in dense:
             p.copy_(comm.broadcast(p.detach().contiguous(), src=0))  # type: ignore[arg-type]
+    if mode == "sparta":
+        queued = QueuedGradients(model, dense, comm, queue_config)
+        return model, HybridOptimizer({"all": make_optimizer([p for _, p in named])}, queued.synchronize)
+    import horovod.torch as hvd
+
     dense_opt = hvd.DistributedOptimizer(
         make_optimizer([p for _, p in dense]),
         named_parameters=dense,
@@ -108,10 +116,12 @@ def _resolve(data_parallel: str, comm: Communicator) -> str:
     if data_parallel not in DATA_PARALLEL:
         raise ConfigError(f"data_parallel={data_parallel!r} is unknown; use one of {DATA_PARALLEL}")
     needs = {"ddp": "torch", "horovod": "horovod"}
-    mode = {b: m for m, b in needs.items()}.get(comm.backend) if data_parallel == "auto" else data_parallel
-    if mode is None or needs[mode] != comm.backend:
+    auto = {"torch": "ddp", "horovod": "horovod"}.get(comm.backend, "sparta")
+    mode = auto if data_parallel == "auto" else data_parallel
+    if mode in needs and needs[mode] != comm.backend:
         raise ConfigError(
             f"data_parallel={data_parallel!r} cannot run over a {comm.backend!r} communicator: DDP needs "
-            "sparta.init(backend='torch') (torchrun), Horovod needs backend='horovod' (horovodrun)"
+            "sparta.init(backend='torch') (torchrun), Horovod needs backend='horovod' (horovodrun); "
+            "data_parallel='sparta' runs on every engine"
         )
     return mode
