@@ -21,6 +21,7 @@ embedding's parameter + gradient bytes, and the process's peak RSS.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -141,6 +142,7 @@ def worker(args: argparse.Namespace) -> None:
             result["peak_rss_mib_max_rank"] = int(max(float(w[1]) for w in worst))
             if world.rank == 0:
                 print(json.dumps(result), flush=True)
+    gc.collect()  # DDP's reducers must go before the process group, or the exit aborts
     world.shutdown()
 
 
