@@ -14,7 +14,9 @@ from runner import raises, run_checks, start
 import sparta
 from sparta.comm import HierarchicalAllToAll, World
 from sparta.errors import ConfigError, InputError
+from sparta.scheduling.cost_model import CostModel, LayerShape
 from sparta.scheduling.pipeline import Exchange, PipelineDegrees, pipelined_exchange
+from sparta.scheduling.profiler import ProfileConfig, Profiler
 
 SLOTS, D_IN, D_OUT = 3, 5, 4
 DEGREES = [(1, 1), (2, 2), (3, 2), (1, 4), (5, 5)]
@@ -114,7 +116,26 @@ def check_bad_input(world: World) -> None:
         pipelined_exchange(torch.ones(3, 1), torch.tensor([3, 0, 0]), torch.tanh, world.comm, PipelineDegrees())  # type: ignore[arg-type]
 
 
-CHECKS = [check_float64_exact, check_float32_within_1e6, check_no_grad_and_frozen_params, check_bad_input]
+def check_profile_agreed_on_every_rank(world: World) -> None:
+    """Profiles of real collectives and GEMMs: every rank gets the same fits and plan."""
+    intra, inter = world.node_comms()
+    config = ProfileConfig(bytes=(4096, 65536), rows=(16, 64), repeats=1, warmup=1)
+    profiler = Profiler(world.comm, {"world": world.comm, "intra": intra, "inter": inter}, config)
+    profile = profiler.collectives() | profiler.expert_mlp(d_model=16, d_ff=32)
+    assert {"all_to_all/inter", "all_reduce/world", "all_gather/intra", "expert_bwd/16x32"} <= set(profile.fits)
+    plan = CostModel(profile).plan(LayerShape(tokens=64, top_k=2, d_model=16, d_ff=32, ep_size=4))
+    mine = torch.tensor([f.alpha for f in profile.fits.values()] + [plan.degrees.forward, plan.degrees.backward])
+    every = world.comm.all_gather(mine)
+    assert all(torch.equal(t, mine) for t in every), "ranks disagree on the profile or the plan"
+
+
+CHECKS = [
+    check_profile_agreed_on_every_rank,
+    check_float64_exact,
+    check_float32_within_1e6,
+    check_no_grad_and_frozen_params,
+    check_bad_input,
+]
 
 if __name__ == "__main__":
     world, _ = start(ranks_per_node=2)

@@ -1,0 +1,158 @@
+"""Cost model of an expert-parallel MoE exchange, and the choice of its pipeline degrees.
+
+From a Profile's fits it predicts the time of the dispatch -> experts -> combine part of an
+MoE layer, forward and backward, for a pipeline degree r and a flat or hierarchical
+all-to-all, by replaying the exact issue order of `pipeline._pipeline` on two resources:
+the network (one FIFO channel: the slow link carries one transfer at a time) and this
+rank's compute thread. The hierarchical all-to-all's intra-node step blocks the compute
+thread (it is waited before the call returns); its inter-node step queues on the network.
+
+    model = CostModel(profile)
+    plan = model.plan(LayerShape(tokens=4096, top_k=2, d_model=512, d_ff=1024, ep_size=4))
+    plan.degrees.forward, plan.degrees.backward, plan.hierarchical, plan.forward_s
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparta.errors import ConfigError
+from sparta.scheduling.pipeline import PipelineDegrees
+from sparta.scheduling.profiler import LinearFit, Profile
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One rank's share of an MoE layer. tokens: rows entering the layer on this rank;
+    top_k: experts per token; d_model, d_ff: expert MLP sizes; ep_size: ranks the experts
+    are spread over; element_bytes: 4 for float32. Routing is taken as balanced: each rank
+    receives about tokens * top_k rows."""
+
+    tokens: int
+    top_k: int
+    d_model: int
+    d_ff: int
+    ep_size: int
+    element_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "top_k", "d_model", "d_ff", "ep_size", "element_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"LayerShape.{name} = {getattr(self, name)}; use >= 1")
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * self.top_k
+
+    @property
+    def exchange_bytes(self) -> int:
+        """Bytes one all-to-all moves per rank (dispatch, or combine)."""
+        return self.rows * self.d_model * self.element_bytes
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted seconds of one configuration: forward and backward at degree r."""
+
+    degree: int
+    hierarchical: bool
+    forward_s: float
+    backward_s: float  # with backward at the same degree as forward (graphs reused)
+
+
+@dataclass(frozen=True)
+class SchedulePlan:
+    """What the co-scheduler chose and why: the chosen degrees and all-to-all form, their
+    predicted seconds, and every configuration it weighed (for logs and traces)."""
+
+    degrees: PipelineDegrees
+    hierarchical: bool
+    forward_s: float
+    backward_s: float
+    candidates: tuple[Prediction, ...]
+
+
+def simulate(degree: int, comm_s: float, compute_s: float, blocking_s: float = 0.0) -> float:
+    """Seconds until the last chunk is back, for `degree` chunks of `comm_s` network time
+    each way, `compute_s` compute, and `blocking_s` spent on this thread to start each
+    transfer (the hierarchical intra-node step). Mirrors pipeline._pipeline's order."""
+    now, free = 0.0, 0.0  # compute thread clock; time the network channel frees up
+
+    def start() -> float:
+        nonlocal now, free
+        now += blocking_s
+        free = max(now, free) + comm_s
+        return free
+
+    outbound = [start()]
+    back = 0.0
+    for i in range(degree):
+        now = max(now, outbound[i])
+        if i + 1 < degree:
+            outbound.append(start())
+        now += compute_s
+        back = start()
+    return max(now, back)
+
+
+class CostModel:
+    """Predictions from a Profile holding "all_to_all/world" (flat), "all_to_all/intra" and
+    "all_to_all/inter" (hierarchical), "expert_fwd/DxF" and "expert_bwd/DxF"."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+
+    def _exchange(self, shape: LayerShape, degree: int, hierarchical: bool) -> tuple[float, float]:
+        """(network seconds, blocking seconds) of one chunk's all-to-all."""
+        nbytes = shape.exchange_bytes / degree
+        if not hierarchical:
+            return self.profile.fit("all_to_all", "world")(nbytes), 0.0
+        return self.profile.fit("all_to_all", "inter")(nbytes), self.profile.fit("all_to_all", "intra")(nbytes)
+
+    def _compute(self, shape: LayerShape, kind: str) -> LinearFit:
+        return self.profile.fit(f"expert_{kind}", f"{shape.d_model}x{shape.d_ff}")
+
+    def predict(self, shape: LayerShape, degree: int, hierarchical: bool, recompute: bool = False) -> Prediction:
+        """Forward and backward seconds at `degree`; `recompute` adds the forward's compute to
+        the backward's (what the pipeline does when the two degrees differ)."""
+        if degree < 1:
+            raise ConfigError(f"CostModel.predict: degree = {degree}; use >= 1")
+        comm, blocking = self._exchange(shape, degree, hierarchical)
+        rows = shape.rows / degree
+        fwd_compute = self._compute(shape, "fwd")(rows)
+        bwd_compute = self._compute(shape, "bwd")(rows) + (fwd_compute if recompute else 0.0)
+        return Prediction(
+            degree,
+            hierarchical,
+            simulate(degree, comm, fwd_compute, blocking),
+            simulate(degree, comm, bwd_compute, blocking),
+        )
+
+    def plan(self, shape: LayerShape, max_degree: int = 8, hierarchical: bool | None = None) -> SchedulePlan:
+        """The degrees (forward and backward chosen apart) and all-to-all form that minimise
+        the predicted forward + backward time. `hierarchical=None` weighs both forms when
+        the profile has the intra/inter fits; True or False forces one."""
+        if max_degree < 1:
+            raise ConfigError(f"CostModel.plan: max_degree = {max_degree}; use >= 1")
+        has_hier = "all_to_all/inter" in self.profile.fits and "all_to_all/intra" in self.profile.fits
+        forms = [hierarchical] if hierarchical is not None else ([False, True] if has_hier else [False])
+        candidates = tuple(self.predict(shape, r, h) for h in forms for r in range(1, max_degree + 1))
+        best: tuple[float, SchedulePlan] | None = None
+        for h in forms:
+            mine = [c for c in candidates if c.hierarchical == h]
+            fwd = min(mine, key=lambda c: c.forward_s)
+            bwd = min(mine, key=lambda c: c.backward_s)
+            # unequal degrees make the backward recompute the forward: price that in
+            bwd_s = bwd.backward_s
+            if bwd.degree != fwd.degree:
+                recomputed = self.predict(shape, bwd.degree, h, recompute=True).backward_s
+                if recomputed > fwd.backward_s:
+                    bwd, bwd_s = fwd, fwd.backward_s
+                else:
+                    bwd_s = recomputed
+            total = fwd.forward_s + bwd_s
+            if best is None or total < best[0]:
+                plan = SchedulePlan(PipelineDegrees(fwd.degree, bwd.degree), h, fwd.forward_s, bwd_s, candidates)
+                best = (total, plan)
+        assert best is not None
+        return best[1]

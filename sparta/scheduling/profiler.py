@@ -1,0 +1,172 @@
+"""Online profiler: time collectives and expert GEMMs at several sizes, fit t = alpha + beta * n.
+
+Every operation is timed on every rank and the slowest rank's time is kept (a collective is
+as slow as its slowest member), so every rank ends with the same fits and hence makes the
+same scheduling decisions: the pipeline needs identical degrees on every rank.
+
+    profiler = Profiler(world.comm, {"world": world.comm, "intra": intra, "inter": inter})
+    profile = profiler.collectives() | profiler.expert_mlp(d_model=512, d_ff=1024)
+    profile.save("profile.json"); Profile.load("profile.json").fit("all_to_all", "inter")
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from sparta.comm.communicator import Communicator
+from sparta.errors import ConfigError, InputError
+
+COLLECTIVES = ("all_to_all", "all_reduce", "all_gather")
+KIB = 1024
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """t = alpha + beta * n, fitted by least squares.
+
+    alpha: seconds (latency); beta: seconds per unit of n (bytes for collectives, rows for
+    GEMMs); rel_error: root-mean-square of (fit - measured) / measured over the samples;
+    samples: the (n, seconds) points it was fitted to.
+    """
+
+    alpha: float
+    beta: float
+    rel_error: float
+    samples: tuple[tuple[float, float], ...]
+
+    def __call__(self, n: float) -> float:
+        """Predicted seconds for size n."""
+        return self.alpha + self.beta * n
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[float, float]]) -> LinearFit:
+        """Least squares over (n, t); alpha and beta are clamped at 0 (a cost is never negative)."""
+        if len({n for n, _ in samples}) < 2:
+            raise InputError(f"LinearFit.fit needs samples at two or more sizes, got {list(samples)}")
+        a = torch.tensor([[1.0, float(n)] for n, _ in samples], dtype=torch.float64)
+        t = torch.tensor([float(s) for _, s in samples], dtype=torch.float64)
+        alpha, beta = torch.linalg.lstsq(a, t.unsqueeze(1)).solution.squeeze(1).tolist()
+        if alpha < 0:  # refit through the origin
+            alpha, beta = 0.0, float((a[:, 1] @ t) / (a[:, 1] @ a[:, 1]))
+        beta = max(beta, 0.0)
+        pred = alpha + beta * a[:, 1]
+        rel = float((((pred - t) / t.clamp_min(1e-12)) ** 2).mean().sqrt())
+        return cls(alpha, beta, rel, tuple((float(n), float(s)) for n, s in samples))
+
+
+@dataclass
+class Profile:
+    """Fits keyed "op/group" (e.g. "all_to_all/inter") or "op/shape" (e.g. "expert_fwd/512x1024")."""
+
+    fits: dict[str, LinearFit] = field(default_factory=dict)
+
+    def fit(self, op: str, group: str) -> LinearFit:
+        key = f"{op}/{group}"
+        if key not in self.fits:
+            raise ConfigError(f"the profile has no fit for {key!r}; it has {sorted(self.fits)}. Profile it first")
+        return self.fits[key]
+
+    def __or__(self, other: Profile) -> Profile:
+        return Profile({**self.fits, **other.fits})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({k: asdict(f) for k, f in sorted(self.fits.items())}, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        raw = json.loads(Path(path).read_text())
+        return cls(
+            {
+                k: LinearFit(f["alpha"], f["beta"], f["rel_error"], tuple(map(tuple, f["samples"])))
+                for k, f in raw.items()
+            }
+        )
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """bytes: per-rank payload sizes for collectives; rows: GEMM row counts; repeats: timed
+    runs per size (the median counts); warmup: untimed runs first (connections, caches)."""
+
+    bytes: tuple[int, ...] = (64 * KIB, 256 * KIB, 1024 * KIB, 4096 * KIB)
+    rows: tuple[int, ...] = (256, 1024, 4096)
+    repeats: int = 3
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        if len(set(self.bytes)) < 2 or min(self.bytes) < 4:
+            raise ConfigError(f"ProfileConfig.bytes = {self.bytes}; give two or more sizes >= 4 bytes")
+        if len(set(self.rows)) < 2 or min(self.rows) < 1:
+            raise ConfigError(f"ProfileConfig.rows = {self.rows}; give two or more row counts >= 1")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ConfigError(f"ProfileConfig repeats = {self.repeats}, warmup = {self.warmup}; use >= 1 and >= 0")
+
+
+class Profiler:
+    """Times operations on `groups` ({name: communicator}); `comm` spans every rank of every
+    group and agrees the timings (slowest rank). All methods are collective over `comm`."""
+
+    def __init__(
+        self, comm: Communicator, groups: Mapping[str, Communicator], config: ProfileConfig | None = None
+    ) -> None:
+        self.comm, self.groups, self.config = comm, dict(groups), config or ProfileConfig()
+
+    def _time(self, run: Callable[[], object]) -> float:
+        """Median seconds of `run` on this rank, then the slowest rank's."""
+        for _ in range(self.config.warmup):
+            run()
+        self.comm.barrier()
+        times = []
+        for _ in range(self.config.repeats):
+            begin = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - begin)
+        mine = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
+        every = self.comm.all_gather(mine)
+        return float(torch.cat(every).max())  # type: ignore[arg-type]
+
+    def collectives(self, ops: Sequence[str] = COLLECTIVES) -> Profile:
+        """all-to-all, all-reduce, all-gather on every group at every size; n = bytes per rank."""
+        unknown = [op for op in ops if op not in COLLECTIVES]
+        if unknown:
+            raise ConfigError(f"Profiler.collectives: unknown ops {unknown}; known: {COLLECTIVES}")
+        fits = {}
+        for name, group in self.groups.items():
+            for op in ops:
+                samples = []
+                for nbytes in self.config.bytes:
+                    n = max(group.size, nbytes // 4 // group.size * group.size)  # float32, divisible
+                    x = torch.ones(n)
+                    samples.append((n * 4, self._time(lambda op=op, x=x, g=group: getattr(g, op)(x))))
+                fits[f"{op}/{name}"] = LinearFit.fit(samples)
+        return Profile(fits)
+
+    def compute(self, name: str, make: Callable[[int], Callable[[], object]]) -> Profile:
+        """Time `make(rows)()` at every row count; fit under `name`."""
+        return Profile({name: LinearFit.fit([(n, self._time(make(n))) for n in self.config.rows])})
+
+    def expert_mlp(self, d_model: int, d_ff: int, dtype: torch.dtype = torch.float32) -> Profile:
+        """An expert's two GEMMs (d_model -> d_ff -> d_model, GELU): "expert_fwd/{d_model}x{d_ff}"
+        (forward) and "expert_bwd/..." (backward alone: forward+backward minus forward)."""
+        w1 = torch.randn(d_model, d_ff, dtype=dtype, requires_grad=True)
+        w2 = torch.randn(d_ff, d_model, dtype=dtype, requires_grad=True)
+
+        def forward(rows: int) -> Callable[[], object]:
+            x = torch.randn(rows, d_model, dtype=dtype)
+            return lambda: torch.nn.functional.gelu(x @ w1) @ w2
+
+        def both(rows: int) -> Callable[[], object]:
+            x = torch.randn(rows, d_model, dtype=dtype, requires_grad=True)
+            return lambda: (torch.nn.functional.gelu(x @ w1) @ w2).sum().backward()
+
+        shape = f"{d_model}x{d_ff}"
+        fwd = self.compute(f"expert_fwd/{shape}", forward).fits[f"expert_fwd/{shape}"]
+        fb = self.compute(f"expert_fwdbwd/{shape}", both).fits[f"expert_fwdbwd/{shape}"]
+        bwd = [(n, max(t - fwd(n), 1e-9)) for n, t in fb.samples]
+        return Profile({f"expert_fwd/{shape}": fwd, f"expert_bwd/{shape}": LinearFit.fit(bwd)})

@@ -1,0 +1,84 @@
+"""Least-squares fits, profile files, the pipeline simulation and the degree choice (one process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sparta.errors import ConfigError
+from sparta.scheduling.cost_model import CostModel, LayerShape, simulate
+from sparta.scheduling.profiler import LinearFit, Profile, ProfileConfig
+
+SHAPE = LayerShape(tokens=4096, top_k=2, d_model=512, d_ff=1024, ep_size=4)
+
+
+def line(alpha: float, beta: float, ns: tuple[float, ...] = (1e3, 1e4, 1e5, 1e6)) -> LinearFit:
+    return LinearFit.fit([(n, alpha + beta * n) for n in ns])
+
+
+def profile(inter_beta: float, world_beta: float, compute_beta: float, alpha: float = 1e-4) -> Profile:
+    """A synthetic profile: seconds per byte on the links, per row for the experts."""
+    rows = (256.0, 1024.0, 4096.0)
+    return Profile(
+        {
+            "all_to_all/world": line(alpha, world_beta),
+            "all_to_all/inter": line(alpha, inter_beta),
+            "all_to_all/intra": line(alpha, 1e-10),
+            "expert_fwd/512x1024": line(1e-5, compute_beta, rows),
+            "expert_bwd/512x1024": line(2e-5, 2 * compute_beta, rows),
+        }
+    )
+
+
+def test_fit_recovers_a_line_and_reports_its_error() -> None:
+    fit = line(2e-3, 5e-9)
+    assert fit.alpha == pytest.approx(2e-3) and fit.beta == pytest.approx(5e-9)
+    assert fit.rel_error < 1e-9 and fit(1e6) == pytest.approx(2e-3 + 5e-3)
+    noisy = LinearFit.fit([(1, 1.0), (2, 2.5), (3, 2.9)])
+    assert noisy.rel_error > 0.05
+    with pytest.raises(Exception, match="two or more sizes"):
+        LinearFit.fit([(1, 1.0), (1, 2.0)])
+
+
+def test_profile_round_trips_through_json(tmp_path: Path) -> None:
+    p = profile(1e-8, 2e-8, 1e-6)
+    p.save(tmp_path / "p.json")
+    q = Profile.load(tmp_path / "p.json")
+    assert q.fits == p.fits
+    with pytest.raises(ConfigError, match="no fit for 'all_gather/world'"):
+        q.fit("all_gather", "world")
+
+
+def test_simulation_bounds() -> None:
+    # one chunk: out, compute, back, nothing overlaps
+    assert simulate(1, 2.0, 3.0) == pytest.approx(7.0)
+    # many chunks approach the busier resource (network carries out + back: 4.0)
+    assert simulate(64, 2.0 / 64, 3.0 / 64) == pytest.approx(4.0 + 2 * 3.0 / 64, rel=0.05)
+    assert simulate(4, 1.0, 1.0) < simulate(1, 4.0, 4.0)
+
+
+def test_plan_pipelines_when_comm_and_compute_balance() -> None:
+    # 16 MiB per exchange at ~8 ns/byte = 0.13 s; 8192 rows at 16 us/row = 0.13 s
+    model = CostModel(profile(8e-9, 1e-8, 1.6e-5))
+    plan = model.plan(SHAPE)
+    assert plan.degrees.forward > 1 and plan.degrees.backward > 1
+    flat1 = model.predict(SHAPE, 1, hierarchical=False)
+    assert plan.forward_s + plan.backward_s < (flat1.forward_s + flat1.backward_s) / 1.3
+    assert plan.hierarchical  # its inter link is cheaper per byte than the flat exchange here
+    assert len(plan.candidates) == 16
+
+
+def test_plan_keeps_one_chunk_when_latency_dominates() -> None:
+    model = CostModel(profile(1e-13, 1e-13, 1e-9, alpha=0.05))
+    plan = model.plan(SHAPE, hierarchical=False)
+    assert (plan.degrees.forward, plan.degrees.backward, plan.hierarchical) == (1, 1, False)
+
+
+def test_bad_values() -> None:
+    with pytest.raises(ConfigError, match="top_k = 0"):
+        LayerShape(tokens=1, top_k=0, d_model=1, d_ff=1, ep_size=1)
+    with pytest.raises(ConfigError, match="bytes"):
+        ProfileConfig(bytes=(8,))
+    with pytest.raises(ConfigError, match="max_degree = 0"):
+        CostModel(profile(1e-8, 1e-8, 1e-6)).plan(SHAPE, max_degree=0)
