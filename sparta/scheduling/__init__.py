@@ -1,1 +1,28 @@
-"""sparta.scheduling (arrives with its issue)."""
+"""sparta.scheduling: measure, model and schedule communication against computation.
+
+    profiler.py   Profiler, ProfileConfig, Profile, LinearFit: time collectives and expert
+                  GEMMs at several sizes, fit t = alpha + beta * n, save/load JSON
+    cost_model.py CostModel, LayerShape, SchedulePlan: predict an expert-parallel exchange's
+                  forward/backward time for degree r, flat or hierarchical; choose r_fwd, r_bwd
+    pipeline.py   pipelined_exchange, PipelineDegrees: chunk i+1 travels while chunk i computes
+    cluster.py    EmulatedCluster, ClusterConfig: nodes as network namespaces behind tbf links
+
+Imports point down only: this package uses sparta.comm and never sparta.moe.
+"""
+
+from sparta.scheduling.cost_model import CostModel, LayerShape, Prediction, SchedulePlan
+from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
+from sparta.scheduling.profiler import LinearFit, Profile, ProfileConfig, Profiler
+
+__all__ = [
+    "CostModel",
+    "LayerShape",
+    "LinearFit",
+    "PipelineDegrees",
+    "Prediction",
+    "Profile",
+    "ProfileConfig",
+    "Profiler",
+    "SchedulePlan",
+    "pipelined_exchange",
+]
