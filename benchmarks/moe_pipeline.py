@@ -43,7 +43,7 @@ def worker(args: argparse.Namespace) -> None:
     mib = 2**20
     profiler = Profiler(
         world.comm,
-        {"world": world.comm, "intra": intra, "inter": inter},
+        {"world": world.comm, "hier": hier},
         ProfileConfig(bytes=(mib, 4 * mib, 8 * mib), rows=(1024, 4096, 8192), repeats=2),
     )
     profile = profiler.collectives(("all_to_all",)) | profiler.expert_mlp(D_MODEL, D_FF)

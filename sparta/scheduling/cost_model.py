@@ -96,8 +96,9 @@ def simulate(degree: int, comm_s: float, compute_s: float, blocking_s: float = 0
 
 
 class CostModel:
-    """Predictions from a Profile holding "all_to_all/world" (flat), "all_to_all/intra" and
-    "all_to_all/inter" (hierarchical), "expert_fwd/DxF" and "expert_bwd/DxF"."""
+    """Predictions from a Profile holding "all_to_all/world" (flat), "all_to_all/hier" or
+    "all_to_all/intra" and "all_to_all/inter" (hierarchical), "expert_fwd/DxF" and
+    "expert_bwd/DxF"."""
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
@@ -107,6 +108,10 @@ class CostModel:
         nbytes = shape.exchange_bytes / degree
         if not hierarchical:
             return self.profile.fit("all_to_all", "world")(nbytes), 0.0
+        if "all_to_all/hier" in self.profile.fits:
+            # measured whole (its block permutations and count exchanges included): more
+            # faithful than the sum of its two steps
+            return self.profile.fit("all_to_all", "hier")(nbytes), 0.0
         return self.profile.fit("all_to_all", "inter")(nbytes), self.profile.fit("all_to_all", "intra")(nbytes)
 
     def _compute(self, shape: LayerShape, kind: str) -> LinearFit:
@@ -134,7 +139,8 @@ class CostModel:
         the profile has the intra/inter fits; True or False forces one."""
         if max_degree < 1:
             raise ConfigError(f"CostModel.plan: max_degree = {max_degree}; use >= 1")
-        has_hier = "all_to_all/inter" in self.profile.fits and "all_to_all/intra" in self.profile.fits
+        fits = self.profile.fits
+        has_hier = "all_to_all/hier" in fits or ("all_to_all/inter" in fits and "all_to_all/intra" in fits)
         forms = [hierarchical] if hierarchical is not None else ([False, True] if has_hier else [False])
         candidates = tuple(self.predict(shape, r, h) for h in forms for r in range(1, max_degree + 1))
         best: tuple[float, SchedulePlan] | None = None

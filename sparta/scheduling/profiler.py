@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from sparta.comm.communicator import Communicator
+from sparta.comm.hierarchical import HierarchicalAllToAll
 from sparta.errors import ConfigError, InputError
 
 COLLECTIVES = ("all_to_all", "all_reduce", "all_gather")
@@ -110,10 +111,14 @@ class ProfileConfig:
 
 class Profiler:
     """Times operations on `groups` ({name: communicator}); `comm` spans every rank of every
-    group and agrees the timings (slowest rank). All methods are collective over `comm`."""
+    group and agrees the timings (slowest rank). All methods are collective over `comm`. A
+    HierarchicalAllToAll may be a group (named "hier" for the cost model) for "all_to_all"."""
 
     def __init__(
-        self, comm: Communicator, groups: Mapping[str, Communicator], config: ProfileConfig | None = None
+        self,
+        comm: Communicator,
+        groups: Mapping[str, Communicator | HierarchicalAllToAll],
+        config: ProfileConfig | None = None,
     ) -> None:
         self.comm, self.groups, self.config = comm, dict(groups), config or ProfileConfig()
 

@@ -82,3 +82,9 @@ def test_bad_values() -> None:
         ProfileConfig(bytes=(8,))
     with pytest.raises(ConfigError, match="max_degree = 0"):
         CostModel(profile(1e-8, 1e-8, 1e-6)).plan(SHAPE, max_degree=0)
+
+
+def test_whole_hierarchical_fit_is_preferred_over_its_steps() -> None:
+    p = profile(1e-9, 8e-9, 1.6e-5)  # by its steps, hierarchical looks far cheaper...
+    p.fits["all_to_all/hier"] = line(1e-4, 2e-8)  # ...but measured whole it is the slower
+    assert not CostModel(p).plan(SHAPE).hierarchical
