@@ -180,9 +180,11 @@ def driver(args: argparse.Namespace) -> None:
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
         for line in proc.stdout.splitlines():
-            if line.startswith("{"):
-                print(line, flush=True)
-                rows.append(json.loads(line))
+            # horovodrun prefixes every line with "[rank]<stdout>:"
+            record = line[line.find("{") :]
+            if record.startswith("{") and record.endswith("}"):
+                print(record, flush=True)
+                rows.append(json.loads(record))
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
             raise SystemExit(f"{backend} benchmark failed with exit code {proc.returncode}")
