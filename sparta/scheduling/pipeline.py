@@ -21,6 +21,7 @@ rank must use the same degrees.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -30,6 +31,7 @@ from torch import Tensor
 
 from sparta.comm.handle import Handle
 from sparta.errors import ConfigError, InputError
+from sparta.scheduling.trace import Tracer
 
 # compute(rows [M, d_in], counts [size, slots] int64) -> [M, d_out]: rows grouped by source
 # rank, then slot, `counts[s, j]` of them from source s for slot j; output rows in the same order
@@ -107,6 +109,7 @@ class _Plan:
     send_bwd: Chunks
     recv_bwd: Chunks
     slots: int
+    tracer: Tracer | None
 
 
 def pipelined_exchange(
@@ -117,6 +120,7 @@ def pipelined_exchange(
     degrees: PipelineDegrees,
     params: Sequence[Tensor] = (),
     recv_counts: Tensor | None = None,
+    tracer: Tracer | None = None,
 ) -> Tensor:
     """Send `rows` to their ranks, `compute` them there, bring the results back; pipelined.
 
@@ -130,6 +134,7 @@ def pipelined_exchange(
         gradients are returned through autograd like any input's.
     recv_counts: [size * slots], rows each source sends me per slot, if already known;
         otherwise exchanged here (one small all-to-all).
+    tracer: records each chunk's transfers and compute, forward and backward (trace.py).
     Returns [N, d_out] in the order of `rows`; differentiable in `rows` and `params`.
     """
     size = exchange.size
@@ -154,14 +159,9 @@ def pipelined_exchange(
         Chunks.cut(counts, degrees.backward, size),
         Chunks.cut(recv_counts, degrees.backward, size),
         slots,
+        tracer,
     )
     return _Pipelined.apply(rows, plan, *params)
-
-
-def _start(exchange: Exchange, x: Tensor, send: list[int], recv: list[int]) -> Handle[Tensor]:
-    handle = exchange.all_to_all(x.contiguous(), send, recv, async_op=True, check=False)
-    assert isinstance(handle, Handle)
-    return handle
 
 
 def _gather(x: Tensor, index: Tensor) -> Tensor:
@@ -174,23 +174,40 @@ def _pipeline(
     send: Chunks,
     recv: Chunks,
     work: Callable[[int, Tensor], Tensor],
+    tracer: Tracer | None,
+    label: str,
 ) -> Tensor:
     """The pipeline both passes run: chunk i of `source` to its ranks, `work(i, received)`
     there, the result back into chunk i's rows. Issue order on every rank: out 0, out 1,
-    back 0, out 2, back 1, ... so chunk i+1 travels during work i and back i during work i+1."""
+    back 0, out 2, back 1, ... so chunk i+1 travels during work i and back i during work i+1.
+    `tracer` gets spans "{label} out|compute|back {i}" on tracks "send", "compute", "return"."""
     degree = len(send.index)
-    outbound = [_start(exchange, _gather(source, send.index[0]), send.splits[0], recv.splits[0])]
-    inbound: list[Handle[Tensor]] = []
+    clock = time.perf_counter
+
+    def start(x: Tensor, splits: list[int], back: list[int]) -> tuple[Handle[Tensor], float]:
+        handle = exchange.all_to_all(x.contiguous(), splits, back, async_op=True, check=False)
+        assert isinstance(handle, Handle)
+        return handle, clock()
+
+    outbound = [start(_gather(source, send.index[0]), send.splits[0], recv.splits[0])]
+    inbound: list[tuple[Handle[Tensor], float]] = []
     for i in range(degree):
-        got = outbound[i].wait()
+        handle, issued = outbound[i]
+        got = handle.wait()
+        if tracer is not None:
+            tracer.record(f"{label} out {i}", "send", issued, clock(), chunk=i, rows=int(got.shape[0]))
         if i + 1 < degree:
-            outbound.append(
-                _start(exchange, _gather(source, send.index[i + 1]), send.splits[i + 1], recv.splits[i + 1])
-            )
-        inbound.append(_start(exchange, work(i, got), recv.splits[i], send.splits[i]))
+            outbound.append(start(_gather(source, send.index[i + 1]), send.splits[i + 1], recv.splits[i + 1]))
+        begin = clock()
+        done = work(i, got)
+        if tracer is not None:
+            tracer.record(f"{label} compute {i}", "compute", begin, clock(), chunk=i, rows=int(got.shape[0]))
+        inbound.append(start(done, recv.splits[i], send.splits[i]))
     result: Tensor | None = None
-    for i, handle in enumerate(inbound):
+    for i, (handle, issued) in enumerate(inbound):
         back = handle.wait()
+        if tracer is not None:
+            tracer.record(f"{label} back {i}", "return", issued, clock(), chunk=i, rows=int(back.shape[0]))
         if result is None:
             result = back.new_empty((source.shape[0], *back.shape[1:]))
         result.index_copy_(0, send.index[i].to(back.device), back)
@@ -219,7 +236,7 @@ class _Pipelined(torch.autograd.Function):
             ctx.graphs.append((leaf, out))
             return out.detach()
 
-        y = _pipeline(plan.exchange, rows, plan.send_fwd, plan.recv_fwd, work)
+        y = _pipeline(plan.exchange, rows, plan.send_fwd, plan.recv_fwd, work, plan.tracer, "fwd")
         if recompute:
             # all received rows in one buffer, grouped by (source, slot), for the backward's chunks
             full = rows.new_empty((sum(r.shape[0] for r in received), *rows.shape[1:]))
@@ -252,7 +269,7 @@ class _Pipelined(torch.autograd.Function):
                     sums[k] = g if sums[k] is None else sums[k] + g
             return torch.zeros_like(leaf) if grads[0] is None else grads[0]
 
-        grad_rows = _pipeline(plan.exchange, grad, plan.send_bwd, plan.recv_bwd, work)
+        grad_rows = _pipeline(plan.exchange, grad, plan.send_bwd, plan.recv_bwd, work, plan.tracer, "bwd")
         ctx.graphs = []
         found = iter(sums)
         param_grads = []

@@ -6,6 +6,8 @@ one all-to-all back. Run by tests/scheduling/test_pipeline.py under several laun
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 
 import torch
@@ -17,6 +19,7 @@ from sparta.errors import ConfigError, InputError
 from sparta.scheduling.cost_model import CostModel, LayerShape
 from sparta.scheduling.pipeline import Exchange, PipelineDegrees, pipelined_exchange
 from sparta.scheduling.profiler import ProfileConfig, Profiler
+from sparta.scheduling.trace import Tracer, gather, write_chrome_trace
 
 SLOTS, D_IN, D_OUT = 3, 5, 4
 DEGREES = [(1, 1), (2, 2), (3, 2), (1, 4), (5, 5)]
@@ -129,7 +132,34 @@ def check_profile_agreed_on_every_rank(world: World) -> None:
     assert all(torch.equal(t, mine) for t in every), "ranks disagree on the profile or the plan"
 
 
+def check_chrome_trace(world: World) -> None:
+    rows, counts, (w, b) = problem(world, 0, torch.float32)
+    tracer = Tracer()
+    x = rows.clone().requires_grad_()
+    y = pipelined_exchange(x, counts, slot_mlp(w, b, world.size), world.comm, PipelineDegrees(3, 2), tracer=tracer)
+    y.sum().backward()
+    names = sorted(s.name for s in tracer.spans)
+    want = sorted(
+        f"{p} {k} {i}" for p, r in (("fwd", 3), ("bwd", 2)) for k in ("out", "compute", "back") for i in range(r)
+    )
+    assert names == want, names
+    computes = sorted((s.start_s, s.end_s) for s in tracer.spans if s.track == "compute")
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(computes)), "compute spans overlap"
+    spans = gather(world.comm, tracer)
+    if world.rank == 0:
+        assert spans is not None and sorted(spans) == list(range(world.size))
+        path = os.path.join(os.environ["SPARTA_TEST_RESULTS"], "trace.json")
+        write_chrome_trace(path, spans)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        assert sum(e["ph"] == "X" for e in events) == len(want) * world.size
+        assert {e["args"]["name"] for e in events if e["name"] == "thread_name"} == {"send", "compute", "return"}
+    else:
+        assert spans is None
+
+
 CHECKS = [
+    check_chrome_trace,
     check_profile_agreed_on_every_rank,
     check_float64_exact,
     check_float32_within_1e6,
