@@ -34,6 +34,7 @@ def worker(args: argparse.Namespace) -> None:
     from sparta.scheduling.cost_model import CostModel, LayerShape
     from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
     from sparta.scheduling.profiler import ProfileConfig, Profiler
+    from sparta.scheduling.trace import Tracer, gather, write_chrome_trace
 
     torch.set_num_threads(1)
     world = sparta.init(backend="torch", ranks_per_node=args.ranks_per_node)
@@ -67,11 +68,12 @@ def worker(args: argparse.Namespace) -> None:
         out = torch.cat([torch.nn.functional.gelu(p @ w1[e]) @ w2[e] for e, p in enumerate(parts)])
         return torch.empty_like(out).index_copy_(0, order, out)
 
-    def step(degrees: PipelineDegrees, hierarchical: bool) -> float:
+    def step(degrees: PipelineDegrees, hierarchical: bool, tracer: Tracer | None = None) -> float:
         x = rows.clone().requires_grad_()
         world.comm.barrier()
         begin = time.perf_counter()
-        y = pipelined_exchange(x, counts, experts_mlp, hier if hierarchical else world.comm, degrees, [w1, w2])
+        exchange = hier if hierarchical else world.comm
+        y = pipelined_exchange(x, counts, experts_mlp, exchange, degrees, [w1, w2], tracer=tracer)
         y.backward(torch.ones_like(y))
         return time.perf_counter() - begin
 
@@ -100,6 +102,13 @@ def worker(args: argparse.Namespace) -> None:
     compute_s = time.perf_counter() - begin
     bound = torch.tensor([comm_s, compute_s], dtype=torch.float64)
     bound = torch.stack(world.comm.all_gather(bound)).max(0).values  # type: ignore[arg-type]
+
+    if args.trace:
+        tracer = Tracer()
+        step(plan.degrees, plan.hierarchical, tracer)
+        spans = gather(world.comm, tracer)
+        if spans is not None:
+            write_chrome_trace(args.trace.replace("RATE", args.rate), spans)
 
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     if world.rank == 0:
@@ -135,6 +144,7 @@ def main() -> int:
     ap.add_argument("--rates", default="100mbit,300mbit,1gbit", help="inter-node rates, comma-separated")
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per configuration")
     ap.add_argument("--timeout", type=float, default=1200.0)
+    ap.add_argument("--trace", default="", help="write a Chrome trace of one auto step; RATE is replaced by the rate")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rate", default="", help=argparse.SUPPRESS)
     ap.add_argument("--ranks-per-node", type=int, default=2, help=argparse.SUPPRESS)
@@ -146,6 +156,8 @@ def main() -> int:
     for rate in args.rates.split(","):
         config = ClusterConfig(nodes=2, ranks_per_node=2, rate=rate)
         cmd = [sys.executable, __file__, "--worker", f"--rate={rate}", f"--repeats={args.repeats}"]
+        if args.trace:
+            cmd.append(f"--trace={Path(args.trace).resolve()}")
         with EmulatedCluster(config) as cluster:
             codes = cluster.run(cmd, timeout_s=args.timeout)
         failed += any(codes)

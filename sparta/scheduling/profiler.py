@@ -158,20 +158,21 @@ class Profiler:
 
     def expert_mlp(self, d_model: int, d_ff: int, dtype: torch.dtype = torch.float32) -> Profile:
         """An expert's two GEMMs (d_model -> d_ff -> d_model, GELU): "expert_fwd/{d_model}x{d_ff}"
-        (forward) and "expert_bwd/..." (backward alone: forward+backward minus forward)."""
+        (forward) and "expert_bwd/..." (backward alone, through a graph built untimed)."""
         w1 = torch.randn(d_model, d_ff, dtype=dtype, requires_grad=True)
         w2 = torch.randn(d_ff, d_model, dtype=dtype, requires_grad=True)
 
+        def mlp(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.gelu(x @ w1) @ w2
+
         def forward(rows: int) -> Callable[[], object]:
             x = torch.randn(rows, d_model, dtype=dtype)
-            return lambda: torch.nn.functional.gelu(x @ w1) @ w2
+            return lambda: mlp(x)
 
-        def both(rows: int) -> Callable[[], object]:
-            x = torch.randn(rows, d_model, dtype=dtype, requires_grad=True)
-            return lambda: (torch.nn.functional.gelu(x @ w1) @ w2).sum().backward()
+        def backward(rows: int) -> Callable[[], object]:
+            out = mlp(torch.randn(rows, d_model, dtype=dtype, requires_grad=True))
+            grad = torch.ones_like(out)
+            return lambda: out.backward(grad, retain_graph=True)
 
         shape = f"{d_model}x{d_ff}"
-        fwd = self.compute(f"expert_fwd/{shape}", forward).fits[f"expert_fwd/{shape}"]
-        fb = self.compute(f"expert_fwdbwd/{shape}", both).fits[f"expert_fwdbwd/{shape}"]
-        bwd = [(n, max(t - fwd(n), 1e-9)) for n, t in fb.samples]
-        return Profile({f"expert_fwd/{shape}": fwd, f"expert_bwd/{shape}": LinearFit.fit(bwd)})
+        return self.compute(f"expert_fwd/{shape}", forward) | self.compute(f"expert_bwd/{shape}", backward)
