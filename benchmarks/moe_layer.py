@@ -1,12 +1,13 @@
-"""Benchmark one MoE layer (forward + backward) on one process; prints one JSON line each.
+"""Benchmark one MoE layer (forward + backward); prints one JSON line per point.
 
 Candidates, all fed the same input and sharing router / expert weights:
-  dense            floor: one MLP (d_model -> d_ff -> d_model) on T * top_k tokens, no routing
-  naive            top-k routing, then a loop over experts with boolean masks
-  deepspeed        deepspeed.moe.layer.MoE, if ``import deepspeed`` works
-  sparta_dropless  MoELayer(capacity_factor=None), expert_gemm=auto (on CPU: the expert loop)
+  dense              floor: one MLP (d_model -> d_ff -> d_model) on T * top_k tokens, no routing
+  naive              top-k routing, then a loop over experts with boolean masks
+  deepspeed_dropless deepspeed.moe.layer.MoE(drop_tokens=False), if ``import deepspeed`` works
+  deepspeed_cap1.25  deepspeed.moe.layer.MoE(capacity_factor=1.25)
+  sparta_dropless    MoELayer(capacity_factor=None), expert_gemm=auto (on CPU: the expert loop)
   sparta_grouped_mm  MoELayer(capacity_factor=None), expert_gemm=grouped_mm (torch._grouped_mm)
-  sparta_cap1.25   MoELayer(capacity_factor=1.25)
+  sparta_cap1.25     MoELayer(capacity_factor=1.25)
 
 Times: each repeat runs every candidate once, in a rotated order, so that machine noise
 hits all of them alike; the median (and the minimum) over repeats is reported with its
@@ -15,32 +16,60 @@ one thread the CPU time is the step's own work and moves much less than wall tim
 other processes share the cores (their cache pressure still shows); the wall time is what a
 user waits for on an idle machine.
 
-Memory (``--memory``): each candidate runs one forward + backward in a fresh subprocess;
-``peak_rss_mib`` is that process's peak resident set (``ru_maxrss``) and
+Expert parallelism (``--ranks 2,4``): the script launches itself under torchrun on that
+many ranks (gloo, one thread each). The T tokens are split over the ranks (T / ranks each,
+the one-process input cut in slices); the MoE candidates shard their experts over all ranks
+(``ep_size = ranks``); ``dense`` is the per-rank floor, an MLP on T / ranks * top_k rows
+with no communication. Every step starts with a barrier; a step's wall time is the
+slowest rank's, its CPU time the mean over ranks (time blocked in a collective is wall
+time, not CPU time). ``--ranks 1`` (the default) is the one-process run; ``--ranks 1,2,4``
+does both.
+
+Memory (``--memory``, one process): each candidate runs one forward + backward in a fresh
+subprocess; ``peak_rss_mib`` is that process's peak resident set (``ru_maxrss``) and
 ``step_rss_mib`` that peak minus the resident set just before the step, i.e. what the
 step (activations, parameter gradients, workspace) added on top of weights and input;
 the MoE candidates' parameter gradients are num_experts times the dense MLP's. It is
 process-level memory as the OS sees it (allocator caching included), not a tensor count.
+``step_ratio_to_dense`` compares the step's own memory; ``peak_ratio_to_dense`` also counts
+the interpreter and libraries (DeepSpeed's import alone adds some hundred MiB).
+
+DeepSpeed runs on CPU: its MoE needs deepspeed.comm initialised, so this script (not the
+library) starts a torch.distributed world over gloo -- a world of one with an in-process
+store on one process, torchrun's world otherwise -- and hands it to
+``deepspeed.init_distributed``. Its top-2 gate samples the second expert with Gumbel noise
+by default; that is turned off (``top2_2nd_expert_sampling=False``) so that it routes
+exactly as Sparta's top-k router does on the shared gate weights.
 
   python benchmarks/moe_layer.py [--threads 1] [--repeats 7] [--config small|large|all] [--memory]
+                                 [--ranks 1,2,4] [--candidates dense,sparta_dropless,...]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import os
 import resource
+import socket
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from sparta.moe import MoELayer
+
+if TYPE_CHECKING:
+    from sparta.comm import Communicator
 
 
 @dataclass(frozen=True)
@@ -57,21 +86,52 @@ CONFIGS = {
     "small": BenchConfig("small", tokens=4096, d_model=512, d_ff=1024, num_experts=8),
     "large": BenchConfig("large", tokens=8192, d_model=1024, d_ff=2048, num_experts=16),
 }
-CANDIDATES = ("dense", "naive", "deepspeed", "sparta_dropless", "sparta_grouped_mm", "sparta_cap1.25")
+CANDIDATES = (
+    "dense",
+    "naive",
+    "deepspeed_dropless",
+    "deepspeed_cap1.25",
+    "sparta_dropless",
+    "sparta_grouped_mm",
+    "sparta_cap1.25",
+)
+# Under expert parallelism the naive loop has no meaning (it holds every expert).
+EP_CANDIDATES = ("dense", "deepspeed_dropless", "deepspeed_cap1.25", "sparta_dropless", "sparta_cap1.25")
+AUX_LOSS_COEF = 1e-2  # Sparta's default; DeepSpeed's l_aux gets the same weight in backward
 
 Step = Callable[[], None]
 
 
-def _sparta(cfg: BenchConfig, x: Tensor, capacity_factor: float | None, gemm: str) -> Step:
+@dataclass(frozen=True)
+class Place:
+    """Where a candidate runs: the expert-parallel communicator (None on one process)."""
+
+    comm: Communicator | None = None
+
+    @property
+    def ranks(self) -> int:
+        return 1 if self.comm is None else self.comm.size
+
+
+def _sparta_layer(cfg: BenchConfig, place: Place, capacity_factor: float | None, gemm: str = "auto") -> MoELayer:
+    # Same seed on every rank and for every candidate: the experts of global id e get the
+    # same weights whatever the expert-parallel size, and the router is the same gate.
     torch.manual_seed(0)
-    layer = MoELayer(
+    return MoELayer(
         cfg.d_model,
         cfg.d_ff,
         cfg.num_experts,
         top_k=cfg.top_k,
         capacity_factor=capacity_factor,
+        ep_size=place.ranks,
+        comm=place.comm,
+        aux_loss_coef=AUX_LOSS_COEF,
         expert_gemm=gemm,
     )
+
+
+def _sparta(cfg: BenchConfig, x: Tensor, place: Place, capacity_factor: float | None, gemm: str) -> Step:
+    layer = _sparta_layer(cfg, place, capacity_factor, gemm)
     grad = torch.randn_like(x)
 
     def step() -> None:
@@ -94,8 +154,7 @@ def _dense(cfg: BenchConfig, x: Tensor) -> Step:
 
 
 def _naive(cfg: BenchConfig, x: Tensor) -> Step:
-    torch.manual_seed(0)
-    layer = MoELayer(cfg.d_model, cfg.d_ff, cfg.num_experts, top_k=cfg.top_k)
+    layer = _sparta_layer(cfg, Place(), None)
     gate, experts = layer.router.gate.weight, layer.experts
     grad = torch.randn_like(x)
 
@@ -117,71 +176,164 @@ def _naive(cfg: BenchConfig, x: Tensor) -> Step:
     return step
 
 
-def _deepspeed(cfg: BenchConfig, x: Tensor) -> Step | str:
+def _deepspeed_ready() -> str | None:
+    """Initialise deepspeed.comm on this process's torch.distributed world (starting a world
+    of one over gloo if there is none); returns why DeepSpeed cannot run, or None."""
     try:
-        import deepspeed  # noqa: F401
-    except ImportError as err:
-        return f"not installed ({err})"
-    return "installed, but its MoE needs an initialised deepspeed.comm group: not wired up"
+        # DeepSpeed prints build and group messages on stdout, which carries our JSON lines.
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed
+    except Exception as err:  # not installed, or installed against another torch
+        return f"import deepspeed failed: {type(err).__name__}: {err}"
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    if not dist.is_initialized():
+        # One process: an in-process store, so no port to pick and nothing to rendezvous with.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    except Exception as err:
+        return f"deepspeed.init_distributed over gloo failed: {type(err).__name__}: {err}"
+    return None
 
 
-def build(name: str, cfg: BenchConfig, x: Tensor) -> Step | str:
+def _deepspeed(cfg: BenchConfig, x: Tensor, place: Place, drop_tokens: bool) -> Step | str:
+    why = _deepspeed_ready()
+    if why is not None:
+        return why
+    from deepspeed.moe.layer import MoE
+
+    # Copy Sparta's weights (same seed) so both route the same tokens to the same experts.
+    reference = _sparta_layer(cfg, place, None)
+    expert = nn.Sequential(
+        nn.Linear(cfg.d_model, cfg.d_ff, bias=False), nn.GELU(), nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+    )
+    with contextlib.redirect_stdout(sys.stderr):
+        layer = MoE(
+            cfg.d_model,
+            expert,
+            num_experts=cfg.num_experts,
+            ep_size=place.ranks,
+            k=cfg.top_k,
+            capacity_factor=1.25,
+            eval_capacity_factor=1.25,
+            drop_tokens=drop_tokens,
+            top2_2nd_expert_sampling=False,
+        )
+        layer.set_deepspeed_parallelism()
+    with torch.no_grad():
+        layer.deepspeed_moe.gate.wg.weight.copy_(reference.router.gate.weight)
+        for local, mlp in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
+            mlp[0].weight.copy_(reference.experts.w1[local].t())
+            mlp[2].weight.copy_(reference.experts.w2[local].t())
+    grad = torch.randn_like(x)
+    aux_grad = torch.tensor(AUX_LOSS_COEF)
+
+    def step() -> None:
+        y, l_aux, _ = layer(x)
+        # Its aux loss is returned for the user to add to the loss; Sparta adds its own in backward.
+        torch.autograd.backward([y, l_aux], [grad, aux_grad])
+
+    return step
+
+
+def build(name: str, cfg: BenchConfig, x: Tensor, place: Place | None = None) -> Step | str:
     """The candidate's forward+backward step, or why it cannot run."""
+    place = place or Place()
     if name == "dense":
         return _dense(cfg, x)
     if name == "naive":
         return _naive(cfg, x)
-    if name == "deepspeed":
-        return _deepspeed(cfg, x)
+    if name.startswith("deepspeed"):
+        return _deepspeed(cfg, x, place, drop_tokens=name != "deepspeed_cap1.25")
     if name == "sparta_dropless":
-        return _sparta(cfg, x, None, "auto")
+        return _sparta(cfg, x, place, None, "auto")
     if name == "sparta_grouped_mm":
-        return _sparta(cfg, x, None, "grouped_mm")
-    return _sparta(cfg, x, 1.25, "auto")
+        return _sparta(cfg, x, place, None, "grouped_mm")
+    if name == "sparta_cap1.25":
+        return _sparta(cfg, x, place, 1.25, "auto")
+    raise ValueError(f"unknown candidate {name!r}; known: {CANDIDATES}")
 
 
-def _input(cfg: BenchConfig) -> Tensor:
+def _input(cfg: BenchConfig, rank: int = 0, ranks: int = 1) -> Tensor:
+    """This rank's slice of the one-process input (all of it on one process)."""
     torch.manual_seed(1)
-    return torch.randn(cfg.tokens, cfg.d_model, requires_grad=True)
+    share = cfg.tokens // ranks
+    return torch.randn(cfg.tokens, cfg.d_model)[rank * share : (rank + 1) * share].clone().requires_grad_()
 
 
-def time_candidates(cfg: BenchConfig, candidates: list[str], repeats: int, threads: int) -> None:
-    x = _input(cfg)
-    steps: dict[str, Step] = {}
-    for name in candidates:
-        step = build(name, cfg, x)
-        if isinstance(step, str):
-            print(json.dumps({"bench": "moe_layer", "config": cfg.name, "candidate": name, "skipped": step}))
-            continue
-        step()  # warm-up: first-touch allocations and lazy init stay out of the timings
-        steps[name] = step
-    wall: dict[str, list[float]] = {name: [] for name in steps}
-    cpu: dict[str, list[float]] = {name: [] for name in steps}
+def _emit(record: dict[str, object]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def _timings(
+    steps: dict[str, Step], x: Tensor, repeats: int, comm: Communicator | None
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(wall, cpu) seconds per candidate per repeat; across ranks the wall time is the
+    slowest rank's and the CPU time the mean."""
     names = list(steps)
+    wall = torch.zeros(len(names), repeats, dtype=torch.float64)
+    cpu = torch.zeros_like(wall)
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             x.grad = None
+            if comm is not None:
+                dist.barrier()  # ranks start together: a step is not charged for a late peer
             start_wall, start_cpu = time.perf_counter(), time.process_time()
             steps[name]()
-            cpu[name].append(time.process_time() - start_cpu)
-            wall[name].append(time.perf_counter() - start_wall)
-    for name in names:
-        record = {
-            "bench": "moe_layer",
-            "config": cfg.name,
-            "candidate": name,
-            "median_s": round(statistics.median(wall[name]), 5),
-            "min_s": round(min(wall[name]), 5),
-            "median_cpu_s": round(statistics.median(cpu[name]), 5),
-            "min_cpu_s": round(min(cpu[name]), 5),
-            "ratio_to_dense": round(statistics.median(wall[name]) / statistics.median(wall["dense"]), 4),
-            "cpu_ratio_to_dense": round(statistics.median(cpu[name]) / statistics.median(cpu["dense"]), 4),
-            "min_cpu_ratio_to_dense": round(min(cpu[name]) / min(cpu["dense"]), 4),
-            "repeats": repeats,
-            "threads": threads,
-            **asdict(cfg),
-        }
-        print(json.dumps(record), flush=True)
+            cpu[names.index(name), r] = time.process_time() - start_cpu
+            wall[names.index(name), r] = time.perf_counter() - start_wall
+    if comm is not None:
+        # torch.distributed directly: Sparta's all-reduce has no max (nor needs one).
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+        cpu /= comm.size
+    return (
+        {name: wall[i].tolist() for i, name in enumerate(names)},
+        {name: cpu[i].tolist() for i, name in enumerate(names)},
+    )
+
+
+def time_candidates(
+    cfg: BenchConfig, candidates: list[str], repeats: int, threads: int, comm: Communicator | None = None
+) -> None:
+    place = Place(comm)
+    rank = 0 if comm is None else comm.rank
+    bench = "moe_layer" if comm is None else "moe_layer_ep"
+    x = _input(cfg, rank, place.ranks)
+    steps: dict[str, Step] = {}
+    for name in candidates:
+        step = build(name, cfg, x, place)
+        if isinstance(step, str):
+            if rank == 0:
+                _emit({"bench": bench, "config": cfg.name, "ranks": place.ranks, "candidate": name, "skipped": step})
+            continue
+        step()  # warm-up: first-touch allocations and lazy init stay out of the timings
+        steps[name] = step
+    wall, cpu = _timings(steps, x, repeats, comm)
+    if rank != 0:
+        return
+    for name in steps:
+        _emit(
+            {
+                "bench": bench,
+                "config": cfg.name,
+                "ranks": place.ranks,
+                "candidate": name,
+                "median_s": round(statistics.median(wall[name]), 5),
+                "min_s": round(min(wall[name]), 5),
+                "median_cpu_s": round(statistics.median(cpu[name]), 5),
+                "min_cpu_s": round(min(cpu[name]), 5),
+                "ratio_to_dense": round(statistics.median(wall[name]) / statistics.median(wall["dense"]), 4),
+                "min_ratio_to_dense": round(min(wall[name]) / min(wall["dense"]), 4),
+                "cpu_ratio_to_dense": round(statistics.median(cpu[name]) / statistics.median(cpu["dense"]), 4),
+                "min_cpu_ratio_to_dense": round(min(cpu[name]) / min(cpu["dense"]), 4),
+                "repeats": repeats,
+                "threads": threads,
+                **asdict(cfg),
+                "tokens_per_rank": cfg.tokens // place.ranks,
+            }
+        )
 
 
 def _rss_mib() -> float:
@@ -195,44 +347,117 @@ def measure_peak(name: str, cfg: BenchConfig) -> None:
     x = _input(cfg)
     step = build(name, cfg, x)
     if isinstance(step, str):
-        print(json.dumps({"skipped": step}))
+        _emit({"skipped": step})
         return
     before = _rss_mib()
     step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"peak_rss_mib": round(peak, 1), "step_rss_mib": round(peak - before, 1)}))
+    _emit({"peak_rss_mib": round(peak, 1), "step_rss_mib": round(peak - before, 1)})
 
 
 def memory_candidates(cfg: BenchConfig, candidates: list[str], threads: int) -> None:
+    dense: dict[str, float] = {}
     for name in candidates:
         cmd = [sys.executable, __file__, "--config", cfg.name, "--threads", str(threads), "--_child", name]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-        record = {"bench": "moe_layer_memory", "config": cfg.name, "candidate": name, **json.loads(out)}
-        print(json.dumps(record), flush=True)
+        result = json.loads(out)
+        if name == "dense":
+            dense = result
+        elif "skipped" not in result and dense:
+            result["step_ratio_to_dense"] = round(result["step_rss_mib"] / dense["step_rss_mib"], 4)
+            result["peak_ratio_to_dense"] = round(result["peak_rss_mib"] / dense["peak_rss_mib"], 4)
+        _emit({"bench": "moe_layer_memory", "config": cfg.name, "candidate": name, **result})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(ranks: int, args: argparse.Namespace, configs: list[BenchConfig], candidates: list[str]) -> None:
+    """Run the expert-parallel timings on ``ranks`` processes under torchrun; rank 0's JSON
+    lines come out on our stdout."""
+    # One thread per rank: the ranks share the machine's cores, more would only contend.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for cfg in configs:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={ranks}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={_free_port()}",
+            __file__,
+            "--_ep_worker",
+            "--config",
+            cfg.name,
+            "--repeats",
+            str(args.repeats),
+            "--candidates",
+            ",".join(c for c in candidates if c in EP_CANDIDATES),
+        ]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        for line in lines:
+            print(line, flush=True)
+        if proc.returncode != 0 or not lines:
+            _emit(
+                {
+                    "bench": "moe_layer_ep",
+                    "config": cfg.name,
+                    "ranks": ranks,
+                    "error": f"torchrun exited with {proc.returncode}",
+                    "output_tail": (proc.stdout + proc.stderr)[-2000:],
+                }
+            )
+
+
+def ep_worker(cfg: BenchConfig, candidates: list[str], repeats: int) -> None:
+    """One rank of a torchrun launch: time the expert-parallel candidates."""
+    import sparta
+
+    torch.set_num_threads(1)
+    world = sparta.init(backend="torch")
+    if cfg.num_experts % world.size or cfg.tokens % world.size:
+        raise SystemExit(f"{cfg.name}: {world.size} ranks must divide {cfg.num_experts} experts and {cfg.tokens} rows")
+    time_candidates(cfg, candidates, repeats, threads=1, comm=world.comm)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (one process)")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per candidate (0: memory only)")
     parser.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
-    parser.add_argument("--memory", action="store_true", help="also measure peak RSS per candidate")
+    parser.add_argument("--memory", action="store_true", help="also measure peak RSS per candidate (one process)")
+    parser.add_argument("--ranks", default="1", help="comma-separated process counts; 1 is the one-process run")
     parser.add_argument(
         "--candidates", default=",".join(CANDIDATES), help="comma-separated subset (dense is always timed)"
     )
     parser.add_argument("--_child", help=argparse.SUPPRESS)
+    parser.add_argument("--_ep_worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     configs = list(CONFIGS.values()) if args.config == "all" else [CONFIGS[args.config]]
+    unknown = [c for c in args.candidates.split(",") if c not in CANDIDATES]
+    if unknown:
+        parser.error(f"unknown candidates {unknown}; known: {', '.join(CANDIDATES)}")
+    candidates = ["dense", *(c for c in args.candidates.split(",") if c != "dense")]
+    if args._ep_worker:
+        ep_worker(configs[0], candidates, args.repeats)
+        return
+    torch.set_num_threads(args.threads)
     if args._child:
         measure_peak(args._child, configs[0])
         return
-    candidates = ["dense", *(c for c in args.candidates.split(",") if c in CANDIDATES and c != "dense")]
-    for cfg in configs:
-        if args.repeats > 0:
-            time_candidates(cfg, candidates, args.repeats, args.threads)
-        if args.memory:
-            memory_candidates(cfg, candidates, args.threads)
+    for ranks in (int(r) for r in args.ranks.split(",")):
+        if ranks > 1:
+            launch_ranks(ranks, args, configs, candidates)
+            continue
+        for cfg in configs:
+            if args.repeats > 0:
+                time_candidates(cfg, candidates, args.repeats, args.threads)
+            if args.memory:
+                memory_candidates(cfg, candidates, args.threads)
 
 
 if __name__ == "__main__":
