@@ -5,17 +5,22 @@
     cost_model.py CostModel, LayerShape, SchedulePlan: predict an expert-parallel exchange's
                   forward/backward time for degree r, flat or hierarchical; choose r_fwd, r_bwd
     pipeline.py   pipelined_exchange, PipelineDegrees: chunk i+1 travels while chunk i computes
+    partition.py  partition_gradients: dense all-reduce pieces sized to the backward's network gaps
+    trace.py      Tracer, gather, write_chrome_trace: per-rank timelines for Perfetto
     cluster.py    EmulatedCluster, ClusterConfig: nodes as network namespaces behind tbf links
 
 Imports point down only: this package uses sparta.comm and never sparta.moe.
 """
 
-from sparta.scheduling.cost_model import CostModel, LayerShape, Prediction, SchedulePlan
+from sparta.scheduling.cost_model import CostModel, LayerShape, Prediction, SchedulePlan, Timeline
+from sparta.scheduling.partition import GradientPartition, partition_gradients
 from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
 from sparta.scheduling.profiler import LinearFit, Profile, ProfileConfig, Profiler
+from sparta.scheduling.trace import Tracer, write_chrome_trace
 
 __all__ = [
     "CostModel",
+    "GradientPartition",
     "LayerShape",
     "LinearFit",
     "PipelineDegrees",
@@ -24,5 +29,9 @@ __all__ = [
     "ProfileConfig",
     "Profiler",
     "SchedulePlan",
+    "Timeline",
+    "Tracer",
+    "partition_gradients",
     "pipelined_exchange",
+    "write_chrome_trace",
 ]

@@ -72,16 +72,42 @@ class SchedulePlan:
     candidates: tuple[Prediction, ...]
 
 
-def simulate(degree: int, comm_s: float, compute_s: float, blocking_s: float = 0.0) -> float:
-    """Seconds until the last chunk is back, for `degree` chunks of `comm_s` network time
-    each way, `compute_s` compute, and `blocking_s` spent on this thread to start each
-    transfer (the hierarchical intra-node step). Mirrors pipeline._pipeline's order."""
+@dataclass(frozen=True)
+class Timeline:
+    """One simulated pipeline: when the network carried each transfer and when this rank
+    computed, as (start, end) seconds from the first issue; end_s when the last chunk is back."""
+
+    network: tuple[tuple[float, float], ...]
+    compute: tuple[tuple[float, float], ...]
+    end_s: float
+
+    def idle_network(self) -> tuple[tuple[float, float], ...]:
+        """The (start, end) intervals before end_s when no transfer is on the network: where
+        other traffic (a dense gradient all-reduce) can travel without delaying this one."""
+        gaps, t = [], 0.0
+        for begin, end in sorted(self.network):
+            if begin > t:
+                gaps.append((t, begin))
+            t = max(t, end)
+        if self.end_s > t:
+            gaps.append((t, self.end_s))
+        return tuple(gaps)
+
+
+def timeline(degree: int, comm_s: float, compute_s: float, blocking_s: float = 0.0) -> Timeline:
+    """Replay pipeline._pipeline for `degree` chunks of `comm_s` network time each way,
+    `compute_s` compute, and `blocking_s` spent on this thread to start each transfer (the
+    hierarchical intra-node step). The network is one FIFO channel."""
     now, free = 0.0, 0.0  # compute thread clock; time the network channel frees up
+    network: list[tuple[float, float]] = []
+    compute: list[tuple[float, float]] = []
 
     def start() -> float:
         nonlocal now, free
         now += blocking_s
-        free = max(now, free) + comm_s
+        begin = max(now, free)
+        free = begin + comm_s
+        network.append((begin, free))
         return free
 
     outbound = [start()]
@@ -90,9 +116,15 @@ def simulate(degree: int, comm_s: float, compute_s: float, blocking_s: float = 0
         now = max(now, outbound[i])
         if i + 1 < degree:
             outbound.append(start())
+        compute.append((now, now + compute_s))
         now += compute_s
         back = start()
-    return max(now, back)
+    return Timeline(tuple(network), tuple(compute), max(now, back))
+
+
+def simulate(degree: int, comm_s: float, compute_s: float, blocking_s: float = 0.0) -> float:
+    """Seconds until the last chunk is back (see `timeline`)."""
+    return timeline(degree, comm_s, compute_s, blocking_s).end_s
 
 
 class CostModel:
@@ -132,6 +164,12 @@ class CostModel:
             simulate(degree, comm, fwd_compute, blocking),
             simulate(degree, comm, bwd_compute, blocking),
         )
+
+    def backward_timeline(self, shape: LayerShape, degree: int, hierarchical: bool) -> Timeline:
+        """The simulated backward of one layer at `degree` (its network gaps feed the
+        gradient partitioner)."""
+        comm, blocking = self._exchange(shape, degree, hierarchical)
+        return timeline(degree, comm, self._compute(shape, "bwd")(shape.rows / degree), blocking)
 
     def plan(self, shape: LayerShape, max_degree: int = 8, hierarchical: bool | None = None) -> SchedulePlan:
         """The degrees (forward and backward chosen apart) and all-to-all form that minimise
