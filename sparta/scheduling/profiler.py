@@ -156,23 +156,27 @@ class Profiler:
         """Time `make(rows)()` at every row count; fit under `name`."""
         return Profile({name: LinearFit.fit([(n, self._time(make(n))) for n in self.config.rows])})
 
-    def expert_mlp(self, d_model: int, d_ff: int, dtype: torch.dtype = torch.float32) -> Profile:
-        """An expert's two GEMMs (d_model -> d_ff -> d_model, GELU): "expert_fwd/{d_model}x{d_ff}"
-        (forward) and "expert_bwd/..." (backward alone, through a graph built untimed)."""
-        w1 = torch.randn(d_model, d_ff, dtype=dtype, requires_grad=True)
-        w2 = torch.randn(d_ff, d_model, dtype=dtype, requires_grad=True)
-
-        def mlp(x: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.gelu(x @ w1) @ w2
+    def forward_backward(
+        self, shape: str, fn: Callable[[torch.Tensor], torch.Tensor], d_in: int, dtype: torch.dtype = torch.float32
+    ) -> Profile:
+        """Row-wise `fn` ([rows, d_in] -> [rows, d_out]) timed forward ("expert_fwd/{shape}")
+        and backward alone ("expert_bwd/{shape}", through a graph built untimed)."""
 
         def forward(rows: int) -> Callable[[], object]:
-            x = torch.randn(rows, d_model, dtype=dtype)
-            return lambda: mlp(x)
+            x = torch.randn(rows, d_in, dtype=dtype)
+            return lambda: fn(x)
 
         def backward(rows: int) -> Callable[[], object]:
-            out = mlp(torch.randn(rows, d_model, dtype=dtype, requires_grad=True))
+            out = fn(torch.randn(rows, d_in, dtype=dtype, requires_grad=True))
             grad = torch.ones_like(out)
             return lambda: out.backward(grad, retain_graph=True)
 
-        shape = f"{d_model}x{d_ff}"
         return self.compute(f"expert_fwd/{shape}", forward) | self.compute(f"expert_bwd/{shape}", backward)
+
+    def expert_mlp(self, d_model: int, d_ff: int, dtype: torch.dtype = torch.float32) -> Profile:
+        """One expert's two GEMMs (d_model -> d_ff -> d_model, GELU), under "{d_model}x{d_ff}"."""
+        w1 = torch.randn(d_model, d_ff, dtype=dtype, requires_grad=True)
+        w2 = torch.randn(d_ff, d_model, dtype=dtype, requires_grad=True)
+        return self.forward_backward(
+            f"{d_model}x{d_ff}", lambda x: torch.nn.functional.gelu(x @ w1) @ w2, d_model, dtype
+        )
