@@ -26,7 +26,7 @@ time, not CPU time). ``--ranks 1`` (the default) is the one-process run; ``--ran
 does both.
 
 Memory (``--memory``, one process): each candidate runs one forward + backward in a fresh
-subprocess; ``peak_rss_mib`` is that process's peak resident set (``ru_maxrss``) and
+subprocess; ``peak_rss_mib`` is that process's peak resident set (VmHWM) and
 ``step_rss_mib`` that peak minus the resident set just before the step, i.e. what the
 step (activations, parameter gradients, workspace) added on top of weights and input;
 the MoE candidates' parameter gradients are num_experts times the dense MLP's. It is
@@ -52,7 +52,6 @@ import contextlib
 import json
 import logging
 import os
-import resource
 import socket
 import statistics
 import subprocess
@@ -336,22 +335,29 @@ def time_candidates(
         )
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        pages = int(statm.read().split()[1])
-    return pages * resource.getpagesize() / 2**20
+def _status_mib(field: str) -> float:
+    """``VmRSS`` / ``VmHWM`` of this process from /proc/self/status, in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def measure_peak(name: str, cfg: BenchConfig) -> None:
-    """Child process: one step of one candidate, print its memory as JSON."""
+    """Child process: one step of one candidate, print its memory as JSON.
+
+    The peak is VmHWM, this address space's own high-water mark, not ``ru_maxrss``: Linux
+    carries ``ru_maxrss`` over fork and exec, so a child of a parent that had just run the
+    large timings would report the parent's resident set."""
     x = _input(cfg)
     step = build(name, cfg, x)
     if isinstance(step, str):
         _emit({"skipped": step})
         return
-    before = _rss_mib()
+    before = _status_mib("VmRSS")
     step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _status_mib("VmHWM")
     _emit({"peak_rss_mib": round(peak, 1), "step_rss_mib": round(peak - before, 1)})
 
 
