@@ -2,17 +2,24 @@
 
 Two dimensions (EmbRace's 2D scheduling): across tasks, a priority key (the layer's position
 in the next forward, the embedding first, with a name to break ties); inside a task, chunks
-of at most `chunk_bytes`, so a task's all-reduce is many small collectives and the window
-of chunks in flight bounds how long anything queued behind it waits.
+of at most `chunk_bytes`, so a task's all-reduce is many small collectives and a task that
+becomes ready late waits behind a few chunks, never behind a whole huge tensor.
 
-Ranks must issue collectives in the same order or they deadlock. So the order is a pure
-function of the keys: each round declares its tasks (`expect`), every rank sorts them the
-same way, and a task is issued when it and every task before it have been submitted on this
-rank. Submitting in another order, or later, changes when a rank issues, never what.
+Ranks must issue collectives in the same order or they deadlock, so the order is a fixed
+schedule computed from the keys and the order in which the round declares its tasks become
+ready (`expect(keys, ready_order)`: for gradients, the model's layers in reverse). The
+schedule replays that readiness: after each task becomes ready, `chunks_per_ready` chunks
+of the highest-priority ready tasks are placed before the next task becomes ready; once all
+are ready the rest follows in key order. So lower-priority chunks travel while backward
+still computes the higher-priority gradients, and a high-priority task overtakes every chunk
+not yet placed. A rank issues the schedule's next chunk as soon as that chunk's task has
+been submitted on this rank: submitting in another order, or later, changes when a rank
+issues, never what (a rank ahead of its declared order simply waits).
 
     q = PriorityQueue(comm, QueueConfig(chunk_bytes=1 << 20))
-    q.expect([TaskKey(0, "emb"), TaskKey(1, "block.0"), TaskKey(2, "head")])
-    h = q.submit(TaskKey(2, "head"), grad)          # may issue nothing yet
+    q.expect([TaskKey(0, "emb"), TaskKey(1, "block.0"), TaskKey(2, "head")],
+             ready_order=[TaskKey(2, "head"), TaskKey(1, "block.0"), TaskKey(0, "emb")])
+    h = q.submit(TaskKey(2, "head"), grad)          # issued at once: it is ready first
     ...                                              # the other submits
     reduced = h.wait()                               # every rank's grad, summed
 """
@@ -45,15 +52,20 @@ class TaskKey:
 class QueueConfig:
     """chunk_bytes: an all-reduce is cut into pieces of at most this many bytes.
     max_in_flight: chunks issued and not yet completed; issuing one more waits for the oldest.
+    chunks_per_ready: chunks the schedule places after each task becomes ready, before the
+        next one does (how much communication one task's backward compute is expected to
+        hide); 0 issues strictly in key order, after every task has been submitted.
     All-to-all tasks travel whole (their chunk boundaries would need every rank's splits)."""
 
     chunk_bytes: int = 4 << 20
     max_in_flight: int = 4
+    chunks_per_ready: int = 2
 
     def __post_init__(self) -> None:
-        if self.chunk_bytes < 1 or self.max_in_flight < 1:
+        if self.chunk_bytes < 1 or self.max_in_flight < 1 or self.chunks_per_ready < 0:
             raise ConfigError(
-                f"QueueConfig(chunk_bytes={self.chunk_bytes}, max_in_flight={self.max_in_flight}): both must be >= 1"
+                f"QueueConfig(chunk_bytes={self.chunk_bytes}, max_in_flight={self.max_in_flight}, "
+                f"chunks_per_ready={self.chunks_per_ready}): the first two must be >= 1, the last >= 0"
             )
 
 
@@ -71,7 +83,7 @@ class _Task:
 
 
 class PriorityQueue:
-    """Communication tasks over `comm`, issued in key order (see the module docstring).
+    """Communication tasks over `comm`, issued by the agreed schedule (see the module docstring).
 
     `issue_log` lists (key, chunk index) in the order this rank issued them this round.
     """
@@ -81,21 +93,46 @@ class PriorityQueue:
         self.config = config or QueueConfig()
         self._order: list[TaskKey] = []
         self._tasks: dict[TaskKey, _Task] = {}
-        self._next = 0  # index in _order of the first task not fully issued
-        self._chunk = 0  # chunks of that task already issued
         self._in_flight: deque[Handle[torch.Tensor]] = deque()
         self.issue_log: list[tuple[TaskKey, int]] = []
+        self._start_schedule([])
 
-    def expect(self, keys: Iterable[TaskKey]) -> None:
-        """Start a round of these tasks (the same keys on every rank, in any order)."""
-        if self._tasks and self._next < len(self._order):  # a round nobody submitted to may be dropped
-            missing = [k for k in self._order[self._next :] if k not in self._tasks]
+    def _start_schedule(self, ready_order: list[TaskKey]) -> None:
+        """The schedule's replay state: which tasks count as ready, chunks placed, budget."""
+        self._ready_order = ready_order
+        self._ready: list[TaskKey] = []  # kept sorted: the first with chunks left goes next
+        self._placed: dict[TaskKey, int] = {}  # chunks of each ready task already issued
+        self._budget = 0  # chunks still to place before the next task becomes ready
+
+    def expect(self, keys: Iterable[TaskKey], ready_order: Sequence[TaskKey] | None = None) -> None:
+        """Start a round of these tasks (the same keys on every rank, in any order).
+
+        ready_order: the order in which the tasks are declared to become ready (the same on
+        every rank; for gradients, the reverse of the layers' forward order). Default: key
+        order, which issues everything in key order.
+        """
+        if self._tasks and len(self._tasks) < len(self._order):  # a round nobody submitted to may be dropped
+            missing = [k for k in self._order if k not in self._tasks]
             raise InputError(f"PriorityQueue.expect: the last round still waits for {missing}; submit them first")
         order = sorted(keys)
         if len(set(order)) != len(order):
             raise InputError(f"PriorityQueue.expect: keys repeat in {order}; give every task its own key")
+        ready = list(ready_order) if ready_order is not None else order
+        if sorted(ready) != order:
+            raise InputError(
+                f"PriorityQueue.expect: ready_order {ready} must list exactly the round's keys {order}, once each"
+            )
         self._drain()
-        self._order, self._tasks, self._next, self._chunk, self.issue_log = order, {}, 0, 0, []
+        self._order, self._tasks, self.issue_log = order, {}, []
+        self._start_schedule(ready)
+
+    def expects(self, key: TaskKey) -> bool:
+        """Whether `key` is in this round and not submitted yet."""
+        return key in self._order and key not in self._tasks
+
+    def missing(self) -> list[TaskKey]:
+        """This round's keys not submitted yet (all of them before any round started)."""
+        return [k for k in self._order if k not in self._tasks]
 
     def submit(
         self,
@@ -131,18 +168,39 @@ class PriorityQueue:
         self._pump()
         return Handle(lambda: self._finish(task))
 
+    def _next_chunk(self) -> TaskKey | None:
+        """The schedule's next task (None when the round is done), replaying readiness.
+
+        Depends only on the keys, the ready order and the chunk counts of tasks already
+        issued from, so it is the same on every rank. A ready task not yet submitted here
+        is still chosen: it has at least one chunk, and the rank waits for it.
+        """
+        while True:
+            all_ready = len(self._ready) == len(self._ready_order)
+            if self._budget > 0 or all_ready:
+                for key in self._ready:
+                    task = self._tasks.get(key)
+                    if task is None or self._placed[key] < len(task.chunks):
+                        return key
+                if all_ready:
+                    return None
+            key = self._ready_order[len(self._ready)]
+            self._ready.append(key)
+            self._ready.sort()
+            self._placed[key] = 0
+            self._budget = self.config.chunks_per_ready
+
     def _pump(self) -> None:
-        """Issue, in key order, every chunk whose task and predecessors are submitted."""
-        while self._next < len(self._order) and self._order[self._next] in self._tasks:
-            task = self._tasks[self._order[self._next]]
-            while self._chunk < len(task.chunks):
-                if len(self._in_flight) >= self.config.max_in_flight:
-                    self._in_flight.popleft().wait()
-                task.pending.append(self._issue(task, self._chunk))
-                self._in_flight.append(task.pending[-1])
-                self.issue_log.append((task.key, self._chunk))
-                self._chunk += 1
-            self._next, self._chunk = self._next + 1, 0
+        """Issue the schedule's chunks for as long as their tasks are submitted on this rank."""
+        while (key := self._next_chunk()) is not None and key in self._tasks:
+            task, index = self._tasks[key], self._placed[key]
+            if len(self._in_flight) >= self.config.max_in_flight:
+                self._in_flight.popleft().wait()
+            task.pending.append(self._issue(task, index))
+            self._in_flight.append(task.pending[-1])
+            self.issue_log.append((key, index))
+            self._placed[key] += 1
+            self._budget -= 1
 
     def _issue(self, task: _Task, index: int) -> Handle[torch.Tensor]:
         comm, chunk = self.comm, task.chunks[index]
@@ -157,10 +215,10 @@ class PriorityQueue:
     def _finish(self, task: _Task) -> torch.Tensor:
         if task.result is None:
             if len(task.pending) < len(task.chunks):
-                missing = [k for k in self._order[: self._order.index(task.key)] if k not in self._tasks]
+                missing = [self._next_chunk()]
                 raise InputError(
                     f"PriorityQueue: task {task.key} waits behind unsubmitted {missing}; "
-                    "submit those before waiting (every rank issues in key order)"
+                    "submit those before waiting (every rank issues in the same agreed order)"
                 )
             parts = [h.wait() for h in task.pending]
             task.result = torch.cat(parts).view(task.tensor.shape) if task.op == "all_reduce" else parts[0]

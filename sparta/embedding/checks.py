@@ -25,6 +25,7 @@ class IdProblem(IntEnum):
     NOT_A_TENSOR = 1  # ids is not a torch.Tensor
     NOT_INTEGER = 2  # a = dtype code
     OUT_OF_RANGE = 3  # a = the first bad id, b = num_embeddings
+    SHAPE_MISMATCH = 4  # a = hidden's tokens, b = targets' (VocabParallelHead)
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,14 @@ class IdFinding:
             return f"{table} takes a tensor of integer ids; pass torch.tensor(ids, dtype=torch.long)"
         if self.problem == IdProblem.NOT_INTEGER:
             return f"{table} got ids of dtype {dtype_name(self.a)}; ids must be integers, use ids.long()"
+        if self.problem == IdProblem.SHAPE_MISMATCH:
+            return (
+                f"{table} got hidden states of {self.a} tokens but {self.b} targets; "
+                "targets must have hidden's shape without its last dim"
+            )
         return (
             f"{table} got id {self.a}, outside its vocabulary 0..{self.b - 1}; "
-            f"map unknown tokens to a valid id (e.g. an <unk> row) before the lookup"
+            f"map unknown tokens to a valid id (e.g. an <unk> row) first"
         )
 
 
@@ -77,6 +83,20 @@ def exchange_counts(comm: Communicator, send_counts: Sequence[int], finding: IdF
     ones = [1] * comm.size
     got = comm.all_to_all(table_rows, ones, ones, check=False)
     rows = got.tolist()  # type: ignore[union-attr]
+    findings = [IdFinding(IdProblem(p), a, b) for _, p, a, b in rows]
+    raise_if_bad(findings, comm.rank, table, f"{table} on {comm.where} [{comm.backend}]")
+    return [int(row[0]) for row in rows]
+
+
+def gather_with_verdict(comm: Communicator, value: int, finding: IdFinding, table: str) -> list[int]:
+    """Every rank's `value`, gathered with every rank's verdict on its ids.
+
+    For callers with no count exchange to ride on (VocabParallelHead's targets): one
+    all-gather of four integers per rank, after which a bad id anywhere raises the same
+    InputError on every rank. Called by every rank of `comm` in the same order.
+    """
+    mine = torch.tensor([int(value), int(finding.problem), finding.a, finding.b], dtype=torch.int64)
+    rows = [g.tolist() for g in comm.all_gather(mine)]  # type: ignore[union-attr]
     findings = [IdFinding(IdProblem(p), a, b) for _, p, a, b in rows]
     raise_if_bad(findings, comm.rank, table, f"{table} on {comm.where} [{comm.backend}]")
     return [int(row[0]) for row in rows]

@@ -8,10 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparta.comm import Communicator
+from sparta.comm import Communicator, Handle
+from sparta.comm.priority import PriorityQueue, TaskKey
 from sparta.embedding.checks import agree_config, inspect_ids
 from sparta.embedding.layout import SHARDINGS, ShardLayout
-from sparta.embedding.lookup import Route, ShardedLookup, plan_route
+from sparta.embedding.lookup import Route, ShardedLookup, plan_route, rows_to_shard
 from sparta.errors import ConfigError, InputError
 
 
@@ -32,6 +33,8 @@ class SparseEmbedding(nn.Module):
     must call it: it gathers), and `load_state_dict` takes a full table written under any
     world size. Every rank must run forward and backward together (they are collective).
     `last_route` (a lookup.Route) says which ids the last forward sent where, for logging.
+    After `defer_gradients(queue, key)` the backward exchange is a task of that queue and
+    the gradient lands in `weight.grad` at `finish_gradients()` (see there).
     """
 
     def __init__(
@@ -75,6 +78,8 @@ class SparseEmbedding(nn.Module):
         shard = layout.cut(_weight).to(dtype) if _weight is not None else layout.seeded_shard(seed, dtype)
         self.weight = nn.Parameter(shard)
         self.last_route: Route | None = None
+        self._queue: tuple[PriorityQueue, TaskKey] | None = None
+        self._pending: tuple[Handle[torch.Tensor], Route] | None = None
         if _weight is None:
             self._zero_padding_row()
 
@@ -120,8 +125,43 @@ class SparseEmbedding(nn.Module):
             return nn.functional.embedding(ids, self.weight, self.padding_idx)
         route = plan_route(ids, self.layout, self.comm, finding, self.table_name)
         self.last_route = route
-        rows = ShardedLookup.apply(self.weight, route, self.layout, self.comm, self.padding_idx)
+        defer = self._defer if self._queue is not None else None
+        rows = ShardedLookup.apply(self.weight, route, self.layout, self.comm, self.padding_idx, defer)
         return rows[route.inverse].view(*ids.shape, self.embedding_dim)
+
+    # ------------------------------------------------------ queued gradients
+    def defer_gradients(self, queue: PriorityQueue | None, key: TaskKey | None = None) -> None:
+        """Exchange backward's rows as task `key` of `queue` (None: synchronously, the default).
+
+        Backward then submits the rows and returns at once, so the rest of backward computes
+        while they travel in the queue's agreed order; `finish_gradients()` waits for them
+        and adds them to `weight.grad` (HybridOptimizer calls it before stepping the shard).
+        The round must list `key` (`queue.expect`); a lookup whose key is not awaited (a
+        second lookup of the table in one round) exchanges its rows at once, as before.
+        """
+        if (queue is None) != (key is None):
+            raise ConfigError(f"{self.table_name}.defer_gradients takes both a queue and a key, or neither")
+        self._queue = (queue, key) if queue is not None and key is not None else None
+
+    def _defer(self, grad: torch.Tensor, route: Route) -> bool:
+        assert self._queue is not None
+        queue, key = self._queue
+        if self._pending is not None or not queue.expects(key):
+            return False
+        handle = queue.submit(key, grad, op="all_to_all", send_splits=route.send, recv_splits=route.recv)
+        self._pending = (handle, route)
+        return True
+
+    def finish_gradients(self) -> None:
+        """Wait for the deferred rows and add them to `weight.grad` (nothing if none pending)."""
+        if self._pending is None:
+            return
+        (handle, route), self._pending = self._pending, None
+        grad = rows_to_shard(handle.wait(), route, self.weight.shape)
+        if self.weight.grad is None:
+            self.weight.grad = grad
+        else:
+            self.weight.grad += grad
 
     # ------------------------------------------------------------ checkpoints
     def full_weight(self) -> torch.Tensor:

@@ -10,10 +10,14 @@ The caller expands `[u, dim]` to `[*ids.shape, dim]` by indexing with the invers
 autograd sums the gradient of repeated ids into one row per unique id on the sender, and
 only those rows travel. Each rank divides its gradient by the world size before sending,
 so the owner's sum over ranks is what DDP's averaged all-reduce would give the row.
+Backward either exchanges the rows at once, or hands them to a `defer` function (a
+PriorityQueue task, see SparseEmbedding.defer_gradients) so that autograd goes on while
+they travel; `rows_to_shard` then turns the arrived rows into the shard's gradient.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +42,16 @@ class Route:
     send: list[int]
     recv: list[int]
     served: torch.Tensor
+
+
+# defer(rows to send, route) -> True if it took over the exchange (the shard's gradient comes later)
+Defer = Callable[[torch.Tensor, Route], bool]
+
+
+def rows_to_shard(got: torch.Tensor, route: Route, shard_shape: torch.Size) -> torch.Tensor:
+    """The shard's gradient from the rows every rank sent here (summed where ids repeat)."""
+    shard_grad = torch.zeros(shard_shape, dtype=got.dtype, device=got.device)
+    return shard_grad.index_add_(0, route.served, got)
 
 
 def plan_route(ids: torch.Tensor, layout: ShardLayout, comm: Communicator, finding: IdFinding, table: str) -> Route:
@@ -67,9 +81,15 @@ class ShardedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, shard: torch.Tensor, route: Route, layout: ShardLayout, comm: Communicator, padding_idx: int | None
+        ctx: Any,
+        shard: torch.Tensor,
+        route: Route,
+        layout: ShardLayout,
+        comm: Communicator,
+        padding_idx: int | None,
+        defer: Defer | None,
     ) -> torch.Tensor:
-        ctx.route, ctx.layout, ctx.comm, ctx.padding_idx = route, layout, comm, padding_idx
+        ctx.route, ctx.layout, ctx.comm, ctx.padding_idx, ctx.defer = route, layout, comm, padding_idx, defer
         ctx.shard_shape = shard.shape
         rows = comm.all_to_all(shard[route.served], route.recv, route.send, check=False)
         assert isinstance(rows, torch.Tensor)
@@ -80,7 +100,7 @@ class ShardedLookup(torch.autograd.Function):
         return rows.view(comm.size, u, layout.shard_dim).transpose(0, 1).reshape(u, layout.embedding_dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         route, layout, comm = ctx.route, ctx.layout, ctx.comm
         grad = grad / comm.size
         if ctx.padding_idx is not None:
@@ -88,8 +108,9 @@ class ShardedLookup(torch.autograd.Function):
         if layout.sharding == "column":
             u = route.unique.numel()
             grad = grad.view(u, comm.size, layout.shard_dim).transpose(0, 1).reshape(comm.size * u, layout.shard_dim)
-        got = comm.all_to_all(grad.contiguous(), route.send, route.recv, check=False)
+        grad = grad.contiguous()
+        if ctx.defer is not None and ctx.defer(grad, route):
+            return None, None, None, None, None, None
+        got = comm.all_to_all(grad, route.send, route.recv, check=False)
         assert isinstance(got, torch.Tensor)
-        shard_grad = torch.zeros(ctx.shard_shape, dtype=grad.dtype, device=grad.device)
-        shard_grad.index_add_(0, route.served, got)
-        return shard_grad, None, None, None, None
+        return rows_to_shard(got, route, ctx.shard_shape), None, None, None, None, None

@@ -1,8 +1,10 @@
-"""One optimizer object over two: the sharded embeddings' and the dense parameters'.
+"""One torch optimizer over several: the sharded embeddings' and the dense parameters'.
 
 Horovod's DistributedOptimizer all-reduces the gradient of every parameter it holds, so the
-sharded tables (whose gradients already reached their owners by all-to-all) need an
-optimizer of their own; this class lets the training loop keep its single `opt.step()`.
+sharded tables (whose gradients reach their owners by all-to-all) need an optimizer of
+their own; and under the PriorityQueue the shards step as soon as their rows arrive, before
+the dense gradients are waited for. This class keeps the training loop's single
+`opt.step()`, and is a `torch.optim.Optimizer` so LR schedulers and hooks accept it.
 """
 
 from __future__ import annotations
@@ -13,36 +15,45 @@ from typing import Any
 import torch
 
 
-class HybridOptimizer:
-    """`step`, `zero_grad`, `state_dict`, `load_state_dict` and `param_groups` over parts.
+class HybridOptimizer(torch.optim.Optimizer):
+    """`step`, `zero_grad`, `state_dict`, `load_state_dict` over named parts.
 
     parts: named optimizers, e.g. {"sparse": Adam(shards), "dense": hvd.DistributedOptimizer(...)};
-    steps run in insertion order. `param_groups` lists every part's groups (the same dicts,
-    so a learning-rate change made through it reaches the part). `before_step` runs first
-    (e.g. waiting for queued gradient all-reduces).
+    steps run in insertion order. `param_groups` is every part's groups (the same dicts, so
+    a learning-rate change made through it, e.g. by an LR scheduler, reaches the part).
+    before_step: per part name, a function run just before that part steps (waiting for
+    its queued gradients).
     """
 
-    def __init__(self, parts: dict[str, torch.optim.Optimizer], before_step: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, parts: dict[str, torch.optim.Optimizer], before_step: dict[str, Callable[[], None]] | None = None
+    ) -> None:
         self.parts = parts
-        self.before_step = before_step
+        self.before_step = before_step or {}
+        # the parts' own group dicts: add_param_group keeps the objects it is given
+        super().__init__([g for opt in parts.values() for g in opt.param_groups], {})
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [group for opt in self.parts.values() for group in opt.param_groups]
-
-    def step(self) -> None:
-        if self.before_step is not None:
-            self.before_step()
-        for opt in self.parts.values():
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for name, opt in self.parts.items():
+            if name in self.before_step:
+                self.before_step[name]()
             opt.step()
+        return loss
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # over every part's groups: Horovod's optimizer takes no set_to_none
+            super().zero_grad(set_to_none=False)
+            return
         for opt in self.parts.values():
-            opt.zero_grad()  # Horovod's optimizer takes no set_to_none
+            opt.zero_grad()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         return {name: opt.state_dict() for name, opt in self.parts.items()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
         for name, opt in self.parts.items():
             opt.load_state_dict(state[name])

@@ -4,6 +4,10 @@ dense rest of the model is all-reduced by torch DDP, Horovod, or sparta.comm's P
     world = sparta.init()
     model, opt = parallelize(model, world.comm, lambda ps: torch.optim.Adam(ps, lr=1e-3))
     loss = model(batch); loss.backward(); opt.step(); opt.zero_grad()
+
+With `tie_output=True` an output projection that shares its weight with an embedding
+(`head.weight = tok.weight`) becomes a VocabParallelHead tied to the swapped table; the
+model then calls it as `loss = head(hidden, targets)`.
 """
 
 from __future__ import annotations
@@ -19,21 +23,26 @@ from sparta.comm.priority import QueueConfig
 from sparta.embedding.layer import SparseEmbedding
 from sparta.embedding.optim import HybridOptimizer
 from sparta.embedding.queued import QueuedGradients
+from sparta.embedding.vocab_parallel import VocabParallelHead
 from sparta.errors import ConfigError
 
 DATA_PARALLEL = ("auto", "ddp", "horovod", "sparta")
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
-def swap_embeddings(model: nn.Module, comm: Communicator, sharding: str = "row") -> list[str]:
+def swap_embeddings(model: nn.Module, comm: Communicator, sharding: str = "row", tie_output: bool = False) -> list[str]:
     """Replace every `nn.Embedding` of `model` by a SparseEmbedding over `comm`, in place.
 
     The tables start from rank 0's values (one broadcast per table), as DDP starts every
     replica from rank 0's. Each keeps its padding row and `requires_grad`, and takes its
     module path as its name in error messages. Returns the swapped modules' paths.
+    tie_output: replace each bias-free `nn.Linear` whose weight is an embedding's weight by
+        a VocabParallelHead tied to the swapped table (called as `head(hidden, targets)`);
+        without it such a tie is an error, since swapping would silently untie it.
     Collective: every rank of `comm` calls it on the same model.
     """
-    swapped = []
+    ties = _tied_outputs(model, tie_output, sharding)
+    swapped, tables = [], {}
     for path, module in list(model.named_modules()):
         if type(module) is not nn.Embedding:
             continue
@@ -47,10 +56,49 @@ def swap_embeddings(model: nn.Module, comm: Communicator, sharding: str = "row")
         emb = SparseEmbedding.from_pretrained(
             table, not module.weight.requires_grad, module.padding_idx, sharding, comm, name=path
         )
-        parent_path, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), attr, emb)
+        _replace(model, path, emb)
         swapped.append(path)
+        tables[path] = emb
+    for head_path, (emb_path, linear) in ties.items():
+        _replace(
+            model, head_path, VocabParallelHead(linear.in_features, linear.out_features, comm, tie=tables[emb_path])
+        )
     return swapped
+
+
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent_path), attr, module)
+
+
+def _tied_outputs(model: nn.Module, tie_output: bool, sharding: str) -> dict[str, tuple[str, nn.Linear]]:
+    """{linear path: (embedding path, linear)} for the output projections sharing a table's weight.
+
+    Checked before anything is swapped or sent, on every rank alike (the model is the same).
+    """
+    tables = {id(m.weight): path for path, m in model.named_modules() if type(m) is nn.Embedding}
+    ties = {
+        path: (tables[id(m.weight)], m)
+        for path, m in model.named_modules()
+        if isinstance(m, nn.Linear) and id(m.weight) in tables
+    }
+    if ties and not tie_output:
+        raise ConfigError(
+            f"{sorted(ties)} share their weight with {sorted(e for e, _ in ties.values())}; swapping the table would "
+            "untie them: pass tie_output=True (the projection becomes a VocabParallelHead) or untie them"
+        )
+    if tie_output and not ties:
+        raise ConfigError(
+            "tie_output=True but no nn.Linear shares its weight with an nn.Embedding; tie them first "
+            "(head.weight = emb.weight) or pass tie_output=False"
+        )
+    for path, (_, linear) in ties.items():
+        if linear.bias is not None or sharding != "row":
+            raise ConfigError(
+                f"{path}: a tied output projection becomes a VocabParallelHead, which needs bias=False and "
+                f"sharding='row' (got bias={linear.bias is not None}, sharding={sharding!r}); build it so"
+            )
+    return ties
 
 
 def sharded_parameter_names(model: nn.Module) -> list[str]:
@@ -70,6 +118,7 @@ def parallelize(
     data_parallel: str = "auto",
     sharding: str = "row",
     queue_config: QueueConfig | None = None,
+    tie_output: bool = False,
     **ddp_kwargs: Any,
 ) -> tuple[nn.Module, HybridOptimizer]:
     """Swap `model`'s embeddings for SparseEmbeddings and data-parallelise the rest.
@@ -77,18 +126,21 @@ def parallelize(
     data_parallel: "ddp" wraps the model in DistributedDataParallel over the torch engine's
         process group, with the shards excluded from its buckets; "horovod" wraps the dense
         parameters' optimizer in `hvd.DistributedOptimizer` (the shards get their own);
-        "sparta" averages dense gradients through sparta.comm's PriorityQueue on any engine
-        (keyed by parameter order, chunked by `queue_config`); "auto" picks DDP on the torch
-        engine, Horovod on the Horovod engine, "sparta" on MPI.
+        "sparta" sends every gradient through sparta.comm's PriorityQueue on any engine
+        (dense all-reduces and the tables' all-to-alls overlapping backward, see queued.py;
+        chunked and scheduled by `queue_config`); "auto" picks DDP on the torch engine,
+        Horovod on the Horovod engine, "sparta" on MPI.
+    tie_output: turn an output projection tied to an embedding into a VocabParallelHead
+        tied to the swapped table (see swap_embeddings).
     make_optimizer: builds a torch optimizer from parameters (called once or twice).
     Returns (model to call, optimizer to step). Gradients follow DDP's convention: averaged
     over ranks, so training matches one process on the global batch.
     """
     mode = _resolve(data_parallel, comm)
-    swap_embeddings(model, comm, sharding)
+    swap_embeddings(model, comm, sharding, tie_output)
     sharded = set(sharded_parameter_names(model))
     named = list(model.named_parameters())
-    shards = [p for n, p in named if n in sharded]
+    shards = [p for n, p in named if n in sharded and p.requires_grad]
     dense = [(n, p) for n, p in named if n not in sharded]
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -100,8 +152,10 @@ def parallelize(
         for _, p in dense:
             p.copy_(comm.broadcast(p.detach().contiguous(), src=0))  # type: ignore[arg-type]
     if mode == "sparta":
-        queued = QueuedGradients(model, dense, comm, queue_config)
-        return model, HybridOptimizer({"all": make_optimizer([p for _, p in named])}, queued.synchronize)
+        queued = QueuedGradients(model, comm, queue_config)
+        parts = {"sparse": shards, "dense": [p for _, p in dense]}
+        waits = {"sparse": queued.finish_tables, "dense": queued.finish_dense}
+        return model, HybridOptimizer({k: make_optimizer(ps) for k, ps in parts.items() if ps}, waits)
     import horovod.torch as hvd
 
     dense_opt = hvd.DistributedOptimizer(
@@ -109,7 +163,7 @@ def parallelize(
         named_parameters=dense,
         process_set=comm.process_set,  # type: ignore[attr-defined]
     )
-    return model, HybridOptimizer({"sparse": make_optimizer(shards), "dense": dense_opt})
+    return model, HybridOptimizer({**({"sparse": make_optimizer(shards)} if shards else {}), "dense": dense_opt})
 
 
 def _resolve(data_parallel: str, comm: Communicator) -> str:

@@ -1,10 +1,14 @@
-"""Dense gradients all-reduced through sparta.comm's PriorityQueue: data parallelism that
-needs neither DDP nor Horovod, so hybrid training runs on every engine (MPI included).
+"""Gradients exchanged through sparta.comm's PriorityQueue: data parallelism that needs
+neither DDP nor Horovod, so hybrid training runs on every engine (MPI included).
 
-Each dense parameter is one task, keyed by its position in the model (the order the next
-forward needs it), and its gradient is submitted the moment autograd has accumulated it.
-The queue issues the tasks in key order, in chunks, identically on every rank; the
-optimizer step waits for them.
+Every trainable parameter is one task, keyed by its position in the model (the order the
+next forward needs it: the embeddings first). A dense gradient is an all-reduce submitted
+the moment autograd has accumulated it; a SparseEmbedding's rows are an all-to-all
+submitted from its backward (`defer_gradients`). The round declares the tasks ready in the
+reverse of the model's parameter order (the order backward produces them), so the queue's
+agreed schedule issues dense chunks while backward still computes, and the embedding's
+exchange overtakes every dense chunk not yet placed. The optimizer waits only at its step:
+first for the embeddings' rows (their shards step at once), then for the dense gradients.
 """
 
 from __future__ import annotations
@@ -16,46 +20,57 @@ from torch import nn
 
 from sparta.comm import Communicator, Handle
 from sparta.comm.priority import PriorityQueue, QueueConfig, TaskKey
+from sparta.embedding.layer import SparseEmbedding
 from sparta.errors import InputError
 
 
 class QueuedGradients:
-    """Average `params`' gradients over `comm` through a PriorityQueue.
+    """Average `model`'s gradients over `comm` through a PriorityQueue.
 
-    The round starts at each forward of `model` with gradients enabled; `synchronize()`
-    (HybridOptimizer calls it before stepping) waits and writes the averages into `.grad`.
-    Every listed parameter must receive a gradient every step, as under DDP's default.
+    The round starts at each forward of `model` with gradients enabled. `finish_tables()`
+    puts the embeddings' rows into their shards' `.grad`; `finish_dense()` waits and writes
+    the dense averages into `.grad` (HybridOptimizer calls each before stepping its part).
+    Every trainable parameter must receive a gradient every step, as under DDP's default.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        params: list[tuple[str, nn.Parameter]],
-        comm: Communicator,
-        config: QueueConfig | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, comm: Communicator, config: QueueConfig | None = None) -> None:
         self.queue = PriorityQueue(comm, config)
-        self.keys = {p: TaskKey(i, name) for i, (name, p) in enumerate(params) if p.requires_grad}
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        keys = {p: TaskKey(i, name) for i, (name, p) in enumerate(named)}
+        self.tables = [m for m in model.modules() if isinstance(m, SparseEmbedding) and m.weight in keys]
+        shards = {m.weight for m in self.tables}
+        self.dense = {p: k for p, k in keys.items() if p not in shards}
+        self.ready_order = [keys[p] for _, p in reversed(named)]
         self.handles: dict[nn.Parameter, Handle[torch.Tensor]] = {}
         model.register_forward_pre_hook(self._start_round)
-        for p in self.keys:
+        for table in self.tables:
+            table.defer_gradients(self.queue, keys[table.weight])
+        for p in self.dense:
             p.register_post_accumulate_grad_hook(self._submit)
 
     def _start_round(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():
-            self.queue.expect(self.keys.values())
+            self.queue.expect(self.ready_order, self.ready_order)
             self.handles = {}
 
     def _submit(self, p: torch.Tensor) -> None:
-        self.handles[p] = self.queue.submit(self.keys[p], p.grad, reduce="avg")  # type: ignore[index]
+        self.handles[p] = self.queue.submit(self.dense[p], p.grad, reduce="avg")  # type: ignore[index]
 
-    def synchronize(self) -> None:
-        missing = [k.name for p, k in self.keys.items() if p not in self.handles]
+    def _check_round(self) -> None:
+        missing = self.queue.missing()
         if missing:
             raise InputError(
-                f"QueuedGradients: no gradient reached {missing} this step; every dense parameter must be "
-                "used in the loss (or frozen with requires_grad=False before parallelize)"
+                f"QueuedGradients: no gradient reached {[k.name for k in missing]} this step; every trainable "
+                "parameter must be used in the loss (or frozen with requires_grad=False before parallelize)"
             )
+
+    def finish_tables(self) -> None:
+        self._check_round()
+        for table in self.tables:
+            table.finish_gradients()
+
+    def finish_dense(self) -> None:
+        self._check_round()
         with torch.no_grad():
             for p, handle in self.handles.items():
                 p.grad.copy_(handle.wait())  # type: ignore[union-attr]

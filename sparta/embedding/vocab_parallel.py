@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from sparta.comm import Communicator
+from sparta.embedding.checks import IdFinding, IdProblem, gather_with_verdict, inspect_ids
 from sparta.embedding.layer import SparseEmbedding
 from sparta.embedding.layout import ShardLayout
-from sparta.errors import ConfigError, InputError
+from sparta.errors import ConfigError
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -104,6 +105,10 @@ class VocabParallelHead(nn.Module):
     `F.cross_entropy(hidden @ W.T, targets)` with the full W. The shard's gradient is
     averaged over ranks (DDP's convention).
 
+    Targets are checked on every rank together (ids in 0..num_embeddings-1, integer dtype,
+    hidden's shape): a bad one on any rank raises the same InputError on every rank before
+    any logits are computed or exchanged.
+
     tie: a row-sharded SparseEmbedding over the same `comm` whose table is the projection
         (weight tying); otherwise the head owns a shard initialised like nn.Linear.
     gather_tokens: True when each rank has its own tokens (data parallel); False when the
@@ -140,15 +145,15 @@ class VocabParallelHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """hidden [*, d], targets [*] -> scalar mean loss over this rank's tokens."""
-        if hidden.shape[:-1] != targets.shape:
-            raise InputError(
-                f"VocabParallelHead: hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree; "
-                "targets must have hidden's shape without its last dim"
-            )
-        x, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        finding = inspect_ids(targets, self.layout.num_embeddings)
+        if not finding.problem and hidden.shape[:-1] != targets.shape:
+            finding = IdFinding(IdProblem.SHAPE_MISMATCH, hidden.shape[:-1].numel(), targets.numel())
+        x = hidden.reshape(-1, hidden.shape[-1])
+        name = f"VocabParallelHead({x.shape[-1]}, {self.layout.num_embeddings}) targets"
+        counts = gather_with_verdict(self.comm, 0 if finding.problem else x.shape[0], finding, name)
+        t = targets.reshape(-1)
         weight = self.shard()
         if self.gather_tokens:
-            counts = [int(c) for c in self.comm.all_gather(torch.tensor([x.shape[0]]))]  # type: ignore[union-attr]
             x = _GatherTokens.apply(x, counts, self.comm)
             t = torch.cat(self.comm.all_gather(t.long().contiguous()))  # type: ignore[arg-type]
             weight = _ScaleGrad.apply(weight, 1.0 / self.comm.size)

@@ -223,6 +223,17 @@ def check_vocab_parallel_head_data_parallel_and_tied(world: World) -> None:
     torch.testing.assert_close(h.grad, ref_h[comm.rank].grad * comm.size, **TOL)  # dL_r/dh_r, unaveraged
     torch.testing.assert_close(head.weight.grad, head.layout.cut(ref_w.grad), **TOL)
     assert head.weight.shape[0] <= VOCAB // comm.size + 1
+    # bad targets on one rank raise the same error on every rank, before any logits move
+    mine, bad = targets[comm.rank], comm.size - 1
+    with raises(InputError, f"(rank {bad}|this rank): VocabParallelHead\\({DIM}, {VOCAB}\\) targets got id {VOCAB}"):
+        head(h.detach(), torch.full_like(mine, VOCAB) if comm.rank == bad else mine)
+    with raises(InputError, "targets got id -3, outside"):
+        head(h.detach(), torch.full_like(mine, -3) if comm.rank == 0 else mine)
+    with raises(InputError, f"got hidden states of {targets[0].numel()} tokens but 1 targets"):
+        head(h.detach(), mine[:1, :1] if comm.rank == 0 else mine)
+    with raises(InputError, "ids of dtype float32; ids must be integers"):
+        head(h.detach(), mine.float() if comm.rank == 1 else mine)
+    torch.testing.assert_close(head(h.detach(), mine), loss.detach(), **TOL)  # the ranks are still in step
 
     # tied to the input embedding: both gradients land in one shard
     emb = SparseEmbedding.from_pretrained(w, freeze=False, sharding="row", comm=comm)

@@ -1,6 +1,7 @@
 """Hybrid data parallelism: a small transformer LM trained 20 steps with nn.Embedding under
 plain DDP (or Horovod; one process on the global batch under MPI) and with SparseEmbedding
-via `parallelize` (DDP / Horovod, and the PriorityQueue's "sparta" mode) gives the same losses.
+via `parallelize` (DDP / Horovod, and the PriorityQueue's "sparta" mode) gives the same losses,
+also with the output projection tied to the token embedding (`tie_output=True`).
 
 Run under torchrun, horovodrun and mpirun by tests/embedding/test_hybrid_dist.py.
 """
@@ -8,6 +9,7 @@ Run under torchrun, horovodrun and mpirun by tests/embedding/test_hybrid_dist.py
 from __future__ import annotations
 
 import gc
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -15,26 +17,31 @@ from runner import finish, run_checks, start
 from torch import nn
 
 from sparta.comm import QueueConfig, World
-from sparta.embedding import SparseEmbedding, parallelize
+from sparta.embedding import QueuedGradients, SparseEmbedding, VocabParallelHead, parallelize
 
 VOCAB, DIM, SEQ, BATCH, STEPS = 96, 16, 10, 3, 20
 
 
 class TinyLM(nn.Module):
-    """Token + position embeddings, one causal transformer block, a linear head."""
+    """Token + position embeddings, one causal transformer block, a linear head (tied: the
+    token table, which `tie_output=True` turns into a VocabParallelHead)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tied: bool = False) -> None:
         super().__init__()
         self.tok = nn.Embedding(VOCAB, DIM, padding_idx=0)
         self.pos = nn.Embedding(SEQ, DIM)
         self.block = nn.TransformerEncoderLayer(DIM, 2, 32, dropout=0.0, batch_first=True)
-        self.head = nn.Linear(DIM, VOCAB)
+        self.head: nn.Module = nn.Linear(DIM, VOCAB, bias=not tied)
+        if tied:
+            self.head.weight = self.tok.weight
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
         mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
-        logits = self.head(self.block(x, src_mask=mask, is_causal=True))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        hidden = self.block(x, src_mask=mask, is_causal=True)
+        if isinstance(self.head, VocabParallelHead):  # the one line a tied model changes
+            return self.head(hidden, targets)
+        return F.cross_entropy(self.head(hidden).flatten(0, 1), targets.flatten())
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,10 +66,10 @@ def adam(params: object) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2)  # type: ignore[arg-type]
 
 
-def single_process(world: World) -> list[float]:
+def single_process(world: World, tied: bool) -> list[float]:
     """One process, the mean of every rank's loss (what data parallelism computes)."""
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM(tied)
     opt = adam(model.parameters())
     losses = []
     for step in range(STEPS):
@@ -74,12 +81,12 @@ def single_process(world: World) -> list[float]:
     return losses
 
 
-def baseline(world: World) -> list[float]:
+def baseline(world: World, tied: bool = False) -> list[float]:
     """nn.Embedding and the engine's own data parallelism (dense gradients)."""
     if world.backend == "mpi":
-        return single_process(world)
+        return single_process(world, tied)
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM(tied)
     if world.backend == "torch":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -91,20 +98,39 @@ def baseline(world: World) -> list[float]:
 
 
 def check_lm_losses_match_dense_data_parallel(world: World) -> None:
-    want = baseline(world)
+    want = {tied: baseline(world, tied) for tied in (False, True)}
     queue = QueueConfig(chunk_bytes=1024, max_in_flight=3)  # several chunks per weight matrix
-    for sharding, mode in (("row", "auto"), ("column", "auto"), ("row", "sparta")):
+    runs = (("row", "auto", False), ("column", "auto", False), ("row", "sparta", False), ("row", "sparta", True))
+    for sharding, mode, tied in runs:
         torch.manual_seed(0)
-        model = TinyLM()
-        wrapped, opt = parallelize(model, world.comm, adam, mode, sharding, queue)
+        model = TinyLM(tied)
+        wrapped, opt = parallelize(model, world.comm, adam, mode, sharding, queue, tie_output=tied)
         assert isinstance(model.tok, SparseEmbedding) and isinstance(model.pos, SparseEmbedding)
+        assert isinstance(model.head, VocabParallelHead) == tied
         got = train(wrapped, opt, world.rank)
         torch.testing.assert_close(
-            torch.tensor(got), torch.tensor(want), rtol=2e-4, atol=2e-5, msg=f"{sharding} {mode}"
+            torch.tensor(got), torch.tensor(want[tied]), rtol=2e-4, atol=2e-5, msg=f"{sharding} {mode} tied={tied}"
         )
         mean = world.comm.all_reduce(torch.tensor(got), op="avg")  # one rank's 30 tokens are noisy
         first, last = float(mean[:5].mean()), float(mean[-5:].mean())
         assert last < first - 0.1, f"the LM did not learn: {first:.3f} -> {last:.3f}"
+        if mode == "sparta":
+            check_queue_schedule(world, opt.before_step["dense"].__self__)  # type: ignore[attr-defined]
+
+
+def check_queue_schedule(world: World, queued: QueuedGradients) -> None:
+    """The last round's issue order is the same on every rank; it starts with the gradient
+    backward makes first, and the position table's all-to-all, ready late but of high
+    priority, overtook the remaining chunks of a task ready before it."""
+    log = [(key.name, chunk) for key, chunk in queued.queue.issue_log]
+    everyone = world.comm.all_gather(torch.tensor([zlib.crc32(repr(log).encode())]))
+    assert len({int(h) for h in everyone}) == 1, f"ranks issued in different orders: {log[:6]}"
+    names = [name for name, _ in log]
+    assert names[0] == queued.ready_order[0].name, (names[:3], queued.ready_order[:3])
+    assert {"tok.weight", "pos.weight"} <= set(names), names
+    last_chunk = {name: i for i, name in enumerate(names)}
+    pos = names.index("pos.weight")
+    assert any(last_chunk[n] > pos for n in names[:pos]), f"pos.weight overtook nothing: {names}"
 
 
 CHECKS = [check_lm_losses_match_dense_data_parallel]
