@@ -6,10 +6,9 @@ horovodrun-over-MPI.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from runner import raises, run_checks, start
+from sched_runner import finish
 
 import sparta
 from sparta.comm import HierarchicalAllToAll, World
@@ -132,8 +131,4 @@ CHECKS = [
 
 if __name__ == "__main__":
     world, _ = start(ranks_per_node=2)
-    failures = run_checks(world, CHECKS)
-    world.shutdown()
-    # torch 2.13's gloo aborts now and then in its C++ teardown at interpreter exit after
-    # collectives ("terminate called without an active exception"): skip that teardown
-    os._exit(1 if failures else 0)
+    finish(world, run_checks(world, CHECKS))

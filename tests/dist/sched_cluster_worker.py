@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 
 import torch
-from runner import finish, run_checks, start
+from runner import run_checks, start
+from sched_runner import finish
 
 from sparta.comm import Communicator, World
 
