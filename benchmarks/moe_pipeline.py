@@ -35,6 +35,7 @@ def worker(args: argparse.Namespace) -> None:
     from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
     from sparta.scheduling.profiler import ProfileConfig, Profiler
     from sparta.scheduling.trace import Tracer, gather, write_chrome_trace
+    from sparta.scheduling.tuner import UNPIPELINED, OnlineTuner
 
     torch.set_num_threads(1)
     world = sparta.init(backend="torch", ranks_per_node=args.ranks_per_node)
@@ -85,14 +86,18 @@ def worker(args: argparse.Namespace) -> None:
         y.backward(torch.ones_like(y))
         return time.perf_counter() - begin
 
+    # online check: the model's two best choices against r=1, on real steps
+    tuner = OnlineTuner(world.comm, [*plan.ranked(2), UNPIPELINED], trials=2)
+    while tuner.chosen is None:
+        tuner.observe(step(tuner.current.degrees, tuner.current.hierarchical))
+    auto = tuner.chosen
     configs = {
         "flat_r1": (PipelineDegrees(1, 1), False),
         "hier_r1": (PipelineDegrees(1, 1), True),
-        "auto": (plan.degrees, plan.hierarchical),
+        "model": (plan.degrees, plan.hierarchical),
+        "auto": (auto.degrees, auto.hierarchical),
     }
     times: dict[str, list[float]] = {k: [] for k in configs}
-    for cfg in configs.values():
-        step(*cfg)  # warm-up
     for _ in range(args.repeats):
         for name, cfg in configs.items():
             times[name].append(step(*cfg))
@@ -102,7 +107,7 @@ def worker(args: argparse.Namespace) -> None:
     world.comm.barrier()
     begin = time.perf_counter()
     for _ in range(4):  # dispatch + combine, forward and backward
-        (hier if plan.hierarchical else world.comm).all_to_all(xb, check=False)
+        (hier if auto.hierarchical else world.comm).all_to_all(xb, check=False)
     comm_s = time.perf_counter() - begin
     xe = rows.clone().requires_grad_()
     begin = time.perf_counter()
@@ -113,7 +118,7 @@ def worker(args: argparse.Namespace) -> None:
 
     if args.trace:
         tracer = Tracer()
-        step(plan.degrees, plan.hierarchical, tracer)
+        step(auto.degrees, auto.hierarchical, tracer)
         spans = gather(world.comm, tracer)
         if spans is not None:
             write_chrome_trace(args.trace.replace("RATE", args.rate), spans)
@@ -127,13 +132,18 @@ def worker(args: argparse.Namespace) -> None:
                 {
                     "rate": args.rate,
                     "step_s": {k: round(v, 3) for k, v in med.items()},
-                    "chosen": {
+                    "model_choice": {
                         "r_fwd": plan.degrees.forward,
                         "r_bwd": plan.degrees.backward,
                         "hierarchical": plan.hierarchical,
                     },
-                    "predicted_auto_s": round(predicted, 3),
-                    "prediction_error": round(predicted / med["auto"] - 1, 3),
+                    "auto_choice": {
+                        "r_fwd": auto.degrees.forward,
+                        "r_bwd": auto.degrees.backward,
+                        "hierarchical": auto.hierarchical,
+                    },
+                    "predicted_model_s": round(predicted, 3),
+                    "prediction_error": round(predicted / med["model"] - 1, 3),
                     "lower_bound_s": round(lower, 3),
                     "comm_s": round(float(bound[0]), 3),
                     "compute_s": round(float(bound[1]), 3),

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from sparta.errors import ConfigError
 from sparta.scheduling.pipeline import PipelineDegrees
 from sparta.scheduling.profiler import LinearFit, Profile
+from sparta.scheduling.tuner import Choice
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,17 @@ class SchedulePlan:
     forward_s: float
     backward_s: float
     candidates: tuple[Prediction, ...]
+
+    @property
+    def choice(self) -> Choice:
+        return Choice(self.degrees, self.hierarchical)
+
+    def ranked(self, count: int) -> list[Choice]:
+        """This plan's choice, then the best other equal-degree candidates by predicted
+        forward + backward: what an OnlineTuner should try. At most `count` choices."""
+        by_total = sorted(self.candidates, key=lambda c: c.forward_s + c.backward_s)
+        others = [Choice(PipelineDegrees(c.degree, c.degree), c.hierarchical) for c in by_total]
+        return list(dict.fromkeys([self.choice, *others]))[:count]
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from sparta.scheduling.cost_model import CostModel, LayerShape
 from sparta.scheduling.pipeline import Exchange, PipelineDegrees, pipelined_exchange
 from sparta.scheduling.profiler import ProfileConfig, Profiler
 from sparta.scheduling.trace import Tracer, gather, write_chrome_trace
+from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
 
 SLOTS, D_IN, D_OUT = 3, 5, 4
 DEGREES = [(1, 1), (2, 2), (3, 2), (1, 4), (5, 5)]
@@ -159,7 +160,22 @@ def check_chrome_trace(world: World) -> None:
         assert spans is None
 
 
+def check_tuner_agrees_on_the_slowest_rank(world: World) -> None:
+    piped = Choice(PipelineDegrees(4, 2), hierarchical=True)
+    tuner = OnlineTuner(world.comm, [piped, UNPIPELINED, piped], trials=3)
+    assert tuner.candidates == (piped, UNPIPELINED)
+    seen = []
+    while tuner.chosen is None:
+        seen.append(tuner.current)
+        # pipelined: fast everywhere but on rank 2; unpipelined: middling everywhere
+        fast = tuner.current == piped
+        tuner.observe((5.0 if world.rank == 2 else 0.1) if fast else 1.0)
+    assert seen == [piped, UNPIPELINED] * 3
+    assert tuner.chosen == UNPIPELINED and tuner.current == UNPIPELINED
+
+
 CHECKS = [
+    check_tuner_agrees_on_the_slowest_rank,
     check_chrome_trace,
     check_profile_agreed_on_every_rank,
     check_float64_exact,

@@ -67,6 +67,8 @@ def test_plan_pipelines_when_comm_and_compute_balance() -> None:
     assert plan.forward_s + plan.backward_s < (flat1.forward_s + flat1.backward_s) / 1.3
     assert plan.hierarchical  # its inter link is cheaper per byte than the flat exchange here
     assert len(plan.candidates) == 16
+    ranked = plan.ranked(3)
+    assert ranked[0] == plan.choice and len(set(ranked)) == 3
 
 
 def test_plan_keeps_one_chunk_when_latency_dominates() -> None:
