@@ -6,6 +6,7 @@
                   forward/backward time for degree r, flat or hierarchical; choose r_fwd, r_bwd
     pipeline.py   pipelined_exchange, PipelineDegrees: chunk i+1 travels while chunk i computes
     partition.py  partition_gradients: dense all-reduce pieces sized to the backward's network gaps
+    tuner.py      OnlineTuner, Choice: try the model's best plans and r=1 on real steps, keep the fastest
     trace.py      Tracer, gather, write_chrome_trace: per-rank timelines for Perfetto
     cluster.py    EmulatedCluster, ClusterConfig: nodes as network namespaces behind tbf links
 
@@ -17,12 +18,16 @@ from sparta.scheduling.partition import GradientPartition, partition_gradients
 from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
 from sparta.scheduling.profiler import LinearFit, Profile, ProfileConfig, Profiler
 from sparta.scheduling.trace import Tracer, write_chrome_trace
+from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
 
 __all__ = [
+    "UNPIPELINED",
+    "Choice",
     "CostModel",
     "GradientPartition",
     "LayerShape",
     "LinearFit",
+    "OnlineTuner",
     "PipelineDegrees",
     "Prediction",
     "Profile",
