@@ -12,6 +12,13 @@ distribution (s = 1.1). Variants, run in one launch per engine:
   hvd_dense      the same with sparse_as_dense=True (dense all-reduce)
   sparta_row / sparta_column   SparseEmbedding via sparta.embedding.parallelize (dense
                  block on DDP under torchrun, on Horovod under horovodrun)
+  sparta_row_queue     every gradient through the PriorityQueue (data_parallel="sparta"):
+                 dense chunks issued while backward computes, the table's all-to-all an
+                 async task, the shard stepped as soon as its rows arrive (torchrun only)
+  sparta_row_keyorder  the same queue issuing strictly in key order (chunks_per_ready=0):
+                 the table's task comes first, so nothing travels until backward is done
+  dense_block_alone    the dense block's forward+backward+step on one rank's [8, 512, 512]
+                 activations, no embedding and no communication (what the step cannot beat)
 Each line: median step time of the slowest rank (barrier before and after each step),
 bytes this rank sends per step (ring all-reduce: 2 (w-1)/w of the gradient; ring allgather:
 w-1 times the local rows; all-to-all: what goes to other ranks), and memory per rank: the
@@ -68,7 +75,12 @@ def sparta_bytes(emb: nn.Module, world: int, rank: int) -> int:
     return others_send * 8 + others_recv * row + others_send * row + (world - 1) * 4 * 8
 
 
+QUEUES = {"queue": 2, "keyorder": 0}  # chunks_per_ready of the queue variants
+QUEUE_CHUNK_BYTES = 256 << 10  # 4 chunks per dense weight matrix
+
+
 def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
+    from sparta.comm import QueueConfig
     from sparta.embedding import parallelize
 
     comm = world.comm
@@ -93,8 +105,15 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
             sent = ring_allreduce_bytes(vocab * DIM + dense_numel, comm.size)
         else:  # indices (int64) and rows of every looked-up id, undeduplicated, around the ring
             sent = (comm.size - 1) * BATCH * SEQ * (8 + DIM * 4) + ring_allreduce_bytes(dense_numel, comm.size)
+    elif name == "dense_block_alone":
+        hidden = torch.randn(BATCH, SEQ, DIM)
+        net, opt, sent = (lambda ids: model.block(hidden).square().mean()), sgd(model.block.parameters()), 0
     else:
-        net, opt = parallelize(model, comm, sgd, sharding=name.split("_")[1])
+        _, sharding, *queue = name.split("_")
+        mode, config = "auto", None
+        if queue:
+            mode, config = "sparta", QueueConfig(QUEUE_CHUNK_BYTES, chunks_per_ready=QUEUES[queue[0]])
+        net, opt = parallelize(model, comm, sgd, mode, sharding, config)
     batches = zipf_batches(vocab, comm.rank, steps + warmup)
     times, sparta_sent = [], []
     for i, ids in enumerate(batches):
@@ -122,7 +141,7 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
         "ids_per_rank": BATCH * SEQ,
         "median_step_s": round(statistics.median(times), 5),
         "bytes_sent_per_rank_per_step": sent,
-        "embedding_param_grad_bytes_per_rank": 2 * emb_param.numel() * 4,
+        "embedding_param_grad_bytes_per_rank": 0 if name == "dense_block_alone" else 2 * emb_param.numel() * 4,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
     }
 
@@ -132,9 +151,14 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     world = sparta.init()
-    variants = ["ddp"] if world.backend == "torch" else ["hvd_sparse", "hvd_dense"]
+    if world.backend == "torch":
+        variants = ["ddp", "sparta_row", "sparta_column", "sparta_row_queue", "sparta_row_keyorder"]
+    else:
+        variants = ["hvd_sparse", "hvd_dense", "sparta_row", "sparta_column"]
+    if args.dense_alone and world.backend == "torch":
+        variants.append("dense_block_alone")
     for vocab in args.vocabs:
-        for name in [*variants, "sparta_row", "sparta_column"]:
+        for name in variants:
             result = run_variant(name, vocab, world, args.steps, args.warmup)
             # the slowest rank's median is the step time everyone sees
             worst = world.comm.all_gather(torch.tensor([result["median_step_s"], result["peak_rss_mib"]]))
@@ -149,6 +173,7 @@ def worker(args: argparse.Namespace) -> None:
 def launch(args: argparse.Namespace) -> None:
     py, me, n = sys.executable, str(Path(__file__).resolve()), str(args.ranks)
     extra = ["--worker", "--steps", str(args.steps), "--warmup", str(args.warmup), "--vocabs", *map(str, args.vocabs)]
+    extra += ["--dense-alone"] if args.dense_alone else []
     commands = {
         "torch": [py, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-port=29631", me],
         "horovod": [str(Path(py).parent / "horovodrun"), "--gloo", "-np", n, "-H", f"localhost:{n}", py, me],
@@ -170,6 +195,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--dense-alone", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--engines", nargs="+", default=["torch", "horovod"], choices=["torch", "horovod"])
     args = parser.parse_args()
     worker(args) if args.worker else launch(args)

@@ -50,6 +50,10 @@ class QueuedGradients:
 
     def _start_round(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():
+            # a backward earlier in this step (gradient accumulation) keeps its tables' rows;
+            # its dense all-reduces are superseded, as `.grad` accumulates locally
+            for table in self.tables:
+                table.finish_gradients()
             self.queue.expect(self.ready_order, self.ready_order)
             self.handles = {}
 

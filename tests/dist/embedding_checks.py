@@ -13,7 +13,8 @@ from embedding_priority_checks import PRIORITY_CHECKS
 from runner import finish, raises, run_checks, start
 
 from sparta.comm import Communicator, World
-from sparta.embedding import SparseEmbedding, VocabParallelHead, vocab_parallel_cross_entropy
+from sparta.comm.priority import QueueConfig
+from sparta.embedding import SparseEmbedding, VocabParallelHead, parallelize, vocab_parallel_cross_entropy
 from sparta.errors import ConfigError, InputError
 
 VOCAB, DIM, PAD = 37, 8, 5
@@ -249,6 +250,31 @@ def check_vocab_parallel_head_data_parallel_and_tied(world: World) -> None:
     torch.testing.assert_close(emb.weight.grad, emb.layout.cut(ref_t.grad), **TOL)
 
 
+def check_queued_gradients_with_accumulation(world: World) -> None:
+    """data_parallel="sparta": the table's rows travel as a queue task; two backwards per
+    step (gradient accumulation) train like one process on every rank's micro-batches."""
+    comm = world.comm
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(4)
+        return torch.nn.Sequential(torch.nn.Embedding(VOCAB, DIM, padding_idx=PAD), torch.nn.Linear(DIM, 3))
+
+    ref = model()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    net, opt = parallelize(model(), comm, lambda ps: torch.optim.Adam(ps, lr=0.01), "sparta", "column", QueueConfig(64))
+    for step in range(2):
+        micro = [batches(2 * step + m, comm.size) for m in range(2)]
+        for ids in micro:
+            net(ids[comm.rank]).sin().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sum(ref(ids[r]).sin().sum() for ids in micro for r in range(comm.size)).div(comm.size).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    torch.testing.assert_close(net[0].full_weight(), ref[0].weight.detach(), **TOL)
+    torch.testing.assert_close(net[1].weight, ref[1].weight, **TOL)
+
+
 CHECKS = [
     check_forward_matches_and_repeats_summed_once,
     check_row_sgd,
@@ -262,6 +288,7 @@ CHECKS = [
     check_bad_config_raises_on_every_rank,
     check_vocab_parallel_cross_entropy_equals_full_logits,
     check_vocab_parallel_head_data_parallel_and_tied,
+    check_queued_gradients_with_accumulation,
     *PRIORITY_CHECKS,
 ]
 
