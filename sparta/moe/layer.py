@@ -242,9 +242,7 @@ class MoELayer(nn.Module):
 
     def _record(self, routed: DispatchPlan) -> None:
         num_experts = self.config.num_experts
-        counts = torch.cat(
-            [routed.routed, routed.counts, routed.counts.new_tensor([routed.dropped])]
-        )
+        counts = torch.cat([routed.routed, routed.counts, routed.counts.new_tensor([routed.dropped])])
         if self.stats_comm is not None:
             counts = self.stats_comm.all_reduce(counts, op="sum")
         if self.training:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from sparta.comm import all_to_all
+from sparta.comm.dtypes import dtype_code, dtype_name
 from sparta.errors import InputError, SpartaError
 from sparta.moe.experts import GroupedExperts
 
@@ -29,28 +30,38 @@ def rank_splits(counts: Tensor, ep_size: int) -> list[int]:
     return counts.view(ep_size, -1).sum(dim=1).tolist()
 
 
-def exchange_counts(counts: Tensor, comm: Communicator, layer: str, failed: bool = False) -> Tensor:
+def exchange_counts(
+    counts: Tensor, comm: Communicator, layer: str, rows_like: Tensor | None = None, failed: bool = False
+) -> Tensor:
     """Send ``counts`` ``[E]`` (rows per global expert) to the ranks holding those experts;
     returns ``recv_counts`` ``[ep_size * L]``, entry ``s * L + j`` being the rows source rank
     ``s`` sends to local expert ``j``.
 
-    Each message also carries a flag: a rank that rejected its input (``failed=True``) still
-    takes part, so that every rank raises ``InputError`` here instead of waiting forever for
-    it in the next collective.
+    Each message also carries a flag and the dtype and width of the rows to come. A rank that
+    rejected its input (``failed=True``) still takes part, so that every rank raises
+    ``InputError`` here instead of waiting forever for it in the next collective; rows that
+    differ in dtype or width between ranks raise here too. Every rank then knows the row
+    exchanges agree, and they skip the communicator's own input check.
     """
     ep_size = comm.size
     local = counts.numel() // ep_size
-    flag = counts.new_full((ep_size, 1), int(failed))
-    send = torch.cat([counts.view(ep_size, local), flag], dim=1).reshape(-1)
-    splits = [local + 1] * ep_size
-    recv = comm.all_to_all(send, send_splits=splits, recv_splits=splits).view(ep_size, local + 1)
-    failed_ranks = recv[:, -1].nonzero().flatten().tolist()
+    meta = [int(failed), 0, 0] if rows_like is None else [int(failed), dtype_code(rows_like.dtype), rows_like.shape[1]]
+    send = torch.cat([counts.view(ep_size, local), counts.new_tensor(meta).expand(ep_size, 3)], dim=1)
+    splits = [local + 3] * ep_size
+    recv = comm.all_to_all(send.reshape(-1), send_splits=splits, recv_splits=splits).view(ep_size, local + 3)
+    failed_ranks = recv[:, local].nonzero().flatten().tolist()
     if failed_ranks:
         raise InputError(
             f"MoE layer {layer!r}: expert-parallel rank(s) {failed_ranks} of {comm.where} rejected "
             "their input (their own error says why); this rank stops with them instead of hanging"
         )
-    return recv[:, :-1].reshape(-1)
+    kinds = {(dtype_name(int(code)), int(width)) for code, width in recv[:, local + 1 :].tolist()}
+    if len(kinds) > 1:
+        raise InputError(
+            f"MoE layer {layer!r}: the ranks of {comm.where} send rows of different (dtype, width): "
+            f"{sorted(kinds)}; run the layer in the same dtype on every rank"
+        )
+    return recv[:, :local].reshape(-1)
 
 
 T = TypeVar("T")
@@ -82,13 +93,14 @@ def expert_parallel_mlp(
     backward sends the gradients back along the reverse all-to-all.
 
     Collectives, identical in order on every rank: one all-to-all of counts (int64,
-    ``[E + ep_size]``, equal splits, see ``exchange_counts``), one of rows, one of outputs.
+    ``[E + 3 * ep_size]``, equal splits, see ``exchange_counts``), one of rows, one of outputs.
     """
     ep_size, local = comm.size, experts.num_experts
-    recv_counts = exchange_counts(counts, comm, layer)
+    recv_counts = exchange_counts(counts, comm, layer, rows_like=rows)
     send_splits = rank_splits(counts, ep_size)
     recv_splits = rank_splits(recv_counts, ep_size)
-    received = all_to_all(rows, send_splits, recv_splits, comm)
+    # exchange_counts proved the splits, dtypes and widths consistent: no second check.
+    received = all_to_all(rows, send_splits, recv_splits, comm, check=False)
 
     # Received rows are grouped by (source rank, local expert); the experts need them grouped
     # by local expert, so re-sort stably (keeping source-rank order within an expert).
@@ -99,4 +111,4 @@ def expert_parallel_mlp(
     out = experts(received.index_select(0, by_expert), local_counts, local_counts.tolist())
     back_to_sources = torch.empty_like(by_expert)
     back_to_sources[by_expert] = torch.arange(by_expert.numel(), device=rows.device)
-    return all_to_all(out.index_select(0, back_to_sources), recv_splits, send_splits, comm)
+    return all_to_all(out.index_select(0, back_to_sources), recv_splits, send_splits, comm, check=False)

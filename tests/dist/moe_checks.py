@@ -202,6 +202,9 @@ def check_bad_input_on_one_rank_raises_on_every_rank(world: World) -> None:
         nan[1, 0] = float("nan")
     with raises(InputError, "'blocks.3.moe'.*NaN or infinite" if world.rank == last else others):
         layer(nan)
+    mixed = torch.randn(2, D_MODEL, dtype=torch.float64 if world.rank == last else torch.float32)
+    with raises(InputError, r"send rows of different \(dtype, width\).*float64"):
+        layer(mixed)
     assert layer(torch.randn(2, D_MODEL)).shape == (2, D_MODEL)  # still in step afterwards
 
 

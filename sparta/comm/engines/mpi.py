@@ -46,6 +46,10 @@ class MPICommunicator(Communicator):
         self.mpi = mpicomm
         self._MPI = MPI
         self._session = session
+        # (request, buffers) of non-blocking operations not yet known complete. MPI writes
+        # into and reads from the buffers until the request completes, so they must outlive
+        # a Handle that the caller drops without waiting (freeing them crashes the process).
+        self._in_flight: list[tuple[Any, tuple[Any, ...]]] = []
 
     @classmethod
     def init_world(cls, launch: LaunchInfo, config: CommConfig) -> MPICommunicator:
@@ -72,13 +76,15 @@ class MPICommunicator(Communicator):
     def _handle(
         self, req: Any, result: torch.Tensor, device: torch.device, op: str, keep: tuple[Any, ...]
     ) -> Handle[torch.Tensor]:
+        self._in_flight = [(r, bufs) for r, bufs in self._in_flight if not r.Test()]
+        self._in_flight.append((req, (result, *keep)))
+
         def wait() -> torch.Tensor:
             try:
                 poll_until_done(req.Test, self.config.timeout_s, lambda: op)
             except CollectiveTimeoutError:
                 self._session.broken = True
                 raise
-            _ = keep  # referenced here so the send buffers outlive the request
             return result.to(device)
 
         return Handle(wait)
