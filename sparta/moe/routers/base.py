@@ -69,6 +69,23 @@ def topk_pairs(expert_ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Ten
     return token_idx, expert_ids.reshape(-1), weights.reshape(-1)
 
 
+def token_choice_output(logits: Tensor, probs: Tensor, expert_ids: Tensor, weights: Tensor) -> RouterOutput:
+    """The ``RouterOutput`` of a token-choice router: each token's ``[T, k]`` chosen experts
+    and weights, with the balance loss over ``probs`` ``[T, E]`` and the z-loss of ``logits``."""
+    token_idx, expert_idx, weight = topk_pairs(expert_ids, weights)
+    return RouterOutput(
+        logits=logits,
+        probs=probs,
+        aux_loss=load_balancing_loss(probs, expert_idx, logits.shape[-1]),
+        z_loss=router_z_loss(logits),
+        token_idx=token_idx,
+        expert_idx=expert_idx,
+        weight=weight,
+        expert_ids=expert_ids,
+        weights=weights,
+    )
+
+
 class Router(nn.Module):
     """Base class: ``forward(x [T, d_model]) -> RouterOutput``.
 

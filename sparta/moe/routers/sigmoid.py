@@ -7,13 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from sparta.moe.routers.base import (
-    LinearRouter,
-    RouterOutput,
-    load_balancing_loss,
-    router_z_loss,
-    topk_pairs,
-)
+from sparta.moe.routers.base import LinearRouter, RouterOutput, token_choice_output
 
 # Guards the weight normalisation when every chosen score underflows to 0.
 _EPS = 1e-20
@@ -48,19 +42,8 @@ class SigmoidRouter(LinearRouter):
         expert_ids = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
         chosen = scores.gather(1, expert_ids)
         weights = chosen / (chosen.sum(dim=-1, keepdim=True) + _EPS)
-        token_idx, expert_idx, weight = topk_pairs(expert_ids, weights)
         probs = scores / (scores.sum(dim=-1, keepdim=True) + _EPS)
-        return RouterOutput(
-            logits=logits,
-            probs=probs,
-            aux_loss=load_balancing_loss(probs, expert_idx, self.num_experts),
-            z_loss=router_z_loss(logits),
-            token_idx=token_idx,
-            expert_idx=expert_idx,
-            weight=weight,
-            expert_ids=expert_ids,
-            weights=weights,
-        )
+        return token_choice_output(logits, probs, expert_ids, weights)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> SigmoidRouter:
         # .to(bfloat16) would round away bias steps of 1e-3 once |bias| > ~0.25: keep float32.

@@ -5,13 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparta.moe.routers.base import (
-    LinearRouter,
-    RouterOutput,
-    load_balancing_loss,
-    router_z_loss,
-    topk_pairs,
-)
+from sparta.moe.routers.base import LinearRouter, RouterOutput, token_choice_output
 
 
 def softmax_topk(logits: Tensor, top_k: int) -> RouterOutput:
@@ -25,18 +19,7 @@ def softmax_topk(logits: Tensor, top_k: int) -> RouterOutput:
     weights = top_probs
     if top_k > 1:
         weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
-    token_idx, expert_idx, weight = topk_pairs(expert_ids, weights)
-    return RouterOutput(
-        logits=logits,
-        probs=probs,
-        aux_loss=load_balancing_loss(probs, expert_idx, logits.shape[-1]),
-        z_loss=router_z_loss(logits),
-        token_idx=token_idx,
-        expert_idx=expert_idx,
-        weight=weight,
-        expert_ids=expert_ids,
-        weights=weights,
-    )
+    return token_choice_output(logits, probs, expert_ids, weights)
 
 
 class TopKRouter(LinearRouter):
