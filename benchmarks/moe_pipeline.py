@@ -75,7 +75,9 @@ def worker(args: argparse.Namespace) -> None:
         f"{D_MODEL}x{D_FF}", lambda x: experts_mlp(x, balanced(x.shape[0])), D_MODEL
     )
     shape = LayerShape(tokens=TOKENS, top_k=TOP_K, d_model=D_MODEL, d_ff=D_FF, ep_size=size)
-    plan = CostModel(profile).plan(shape, max_degree=8)
+    model = CostModel(profile)
+    plan = model.plan(shape, max_degree=8)
+    flat1 = model.predict(shape, 1, hierarchical=False)
 
     def step(degrees: PipelineDegrees, hierarchical: bool, tracer: Tracer | None = None) -> float:
         x = rows.clone().requires_grad_()
@@ -147,6 +149,11 @@ def worker(args: argparse.Namespace) -> None:
                     },
                     "predicted_model_s": round(predicted, 3),
                     "prediction_error": round(predicted / med["model"] - 1, 3),
+                    "predicted_flat_r1_s": round(flat1.forward_s + flat1.backward_s, 3),
+                    "a2a_world_fit": {
+                        "alpha_ms": round(profile.fits["all_to_all/world"].alpha * 1e3, 2),
+                        "MB_per_s": round(1e-6 / max(profile.fits["all_to_all/world"].beta, 1e-15), 1),
+                    },
                     "lower_bound_s": round(lower, 3),
                     "comm_s": round(float(bound[0]), 3),
                     "compute_s": round(float(bound[1]), 3),
