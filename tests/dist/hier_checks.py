@@ -7,8 +7,7 @@ horovodrun-over-MPI.
 from __future__ import annotations
 
 import torch
-from runner import raises, run_checks, start
-from sched_runner import finish
+from runner import finish, raises, run_checks, start
 
 import sparta
 from sparta.comm import HierarchicalAllToAll, World

@@ -8,8 +8,7 @@ from __future__ import annotations
 import time
 
 import torch
-from runner import run_checks, start
-from sched_runner import finish
+from runner import finish, run_checks, start
 
 from sparta.comm import Communicator, World
 

@@ -11,8 +11,7 @@ import json
 import os
 
 import torch
-from runner import raises, run_checks, start
-from sched_runner import finish
+from runner import finish, raises, run_checks, start
 
 import sparta
 from sparta.comm import HierarchicalAllToAll, World
