@@ -25,6 +25,7 @@ from sparta.moe.dispatch import (
 from sparta.moe.experts import GroupedExperts
 from sparta.moe.parallel import T, expert_parallel_mlp, fail_together
 from sparta.moe.routers import RouterOutput, build_router
+from sparta.scheduling.pipeline import Exchange, PipelineDegrees
 
 if TYPE_CHECKING:
     from sparta.comm import Communicator
@@ -85,6 +86,11 @@ class MoELayer(nn.Module):
     and the sigmoid router's balancing bias stays identical on every replica. It must
     contain ``comm``'s ranks; every rank of it runs the layer's forward.
 
+    ``pipeline_degree`` (an option) cuts those row exchanges into chunks that overlap the
+    experts' compute; ``exchange`` (a ``sparta.comm.HierarchicalAllToAll`` over ``comm``'s
+    ranks) moves the rows intra-node first, then inter-node. Outputs and gradients do not
+    depend on either.
+
     ``name`` identifies the layer in error messages (give it the module path).
     Extra keyword ``options`` are the other ``MoEConfig`` fields (``jitter_eps``,
     ``bias_update_rate``, ``xmoe_dim``, ``slots_per_expert``, ``expert_gemm``).
@@ -105,6 +111,7 @@ class MoELayer(nn.Module):
         comm: Communicator | None = None,
         name: str = "moe",
         stats_comm: Communicator | None = None,
+        exchange: Exchange | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -144,6 +151,14 @@ class MoELayer(nn.Module):
                 f"size {self.comm.size}: pass the world (or data-parallel) communicator that holds it"
             )
         self.stats_comm = stats_comm if stats_comm is not None else self.comm
+        if exchange is not None and (self.comm is None or exchange.size != self.comm.size):
+            raise ConfigError(
+                "exchange= moves the rows of an expert-parallel layer and must span the same ranks as "
+                f"comm (size {None if self.comm is None else self.comm.size}), got size {exchange.size}: "
+                "build it with sparta.comm.HierarchicalAllToAll over comm, or leave it out"
+            )
+        self.exchange = exchange
+        self.degrees = PipelineDegrees(*config.degrees)
         self.router = build_router(config)
         self.experts = GroupedExperts(
             config.num_local_experts,
@@ -164,10 +179,11 @@ class MoELayer(nn.Module):
         comm: Communicator | None = None,
         name: str = "moe",
         stats_comm: Communicator | None = None,
+        exchange: Exchange | None = None,
     ) -> MoELayer:
         """Build a layer from a (e.g. YAML-loaded) ``MoEConfig``."""
         values = {f.name: getattr(config, f.name) for f in fields(MoEConfig)}
-        return cls(**values, comm=comm, name=name, stats_comm=stats_comm)
+        return cls(**values, comm=comm, name=name, stats_comm=stats_comm, exchange=exchange)
 
     @property
     def name(self) -> str:
@@ -216,7 +232,7 @@ class MoELayer(nn.Module):
             self._record(plan)
             return self.experts.forward_tokens(tokens, plan)
         routed = dispatch(tokens, *pairs)
-        out = expert_parallel_mlp(routed.rows, routed.counts, self.experts, self.comm, self.name)
+        out = self._expert_parallel(routed)
         self._record(routed)
         return combine(out, routed, tokens.shape[0])
 
@@ -231,7 +247,12 @@ class MoELayer(nn.Module):
     def _run_experts(self, routed: Dispatched) -> Tensor:
         if self.comm is None:
             return self.experts(routed.rows, routed.counts, routed.counts_list)
-        return expert_parallel_mlp(routed.rows, routed.counts, self.experts, self.comm, self.name)
+        return self._expert_parallel(routed)
+
+    def _expert_parallel(self, routed: Dispatched) -> Tensor:
+        assert self.comm is not None
+        args = (self.experts, self.comm, self.name, self.degrees, self.exchange)
+        return expert_parallel_mlp(routed.rows, routed.counts, *args)
 
     def _attach_aux_loss(self, route: RouterOutput, carrier: Tensor) -> Tensor:
         total = self.config.aux_loss_coef * route.aux_loss + self.config.z_loss_coef * route.z_loss

@@ -20,6 +20,7 @@ from sparta.comm import all_to_all
 from sparta.comm.dtypes import dtype_code, dtype_name
 from sparta.errors import InputError, SpartaError
 from sparta.moe.experts import GroupedExperts
+from sparta.scheduling.pipeline import Exchange, PipelineDegrees, pipelined_exchange
 
 if TYPE_CHECKING:
     from sparta.comm import Communicator
@@ -86,29 +87,46 @@ def fail_together(
 
 
 def expert_parallel_mlp(
-    rows: Tensor, counts: Tensor, experts: GroupedExperts, comm: Communicator, layer: str
+    rows: Tensor,
+    counts: Tensor,
+    experts: GroupedExperts,
+    comm: Communicator,
+    layer: str,
+    degrees: PipelineDegrees | None = None,
+    exchange: Exchange | None = None,
 ) -> Tensor:
     """Run ``rows`` ``[N, d]`` (grouped by global expert, ``counts`` ``[E]`` int64) through
     the experts of every rank; returns ``[N, d]`` in the same order. Differentiable: the
     backward sends the gradients back along the reverse all-to-all.
 
-    Collectives, identical in order on every rank: one all-to-all of counts (int64,
-    ``[E + 3 * ep_size]``, equal splits, see ``exchange_counts``), one of rows, one of outputs.
+    ``degrees`` cuts the row exchanges into chunks so that chunk ``i + 1`` travels while
+    chunk ``i`` is computed (forward and backward separately, ``sparta.scheduling``);
+    ``exchange`` moves the rows instead of ``comm`` (a ``HierarchicalAllToAll`` over the
+    same ranks). Collectives, identical in order on every rank: one all-to-all of counts
+    (int64, ``[E + 3 * ep_size]``, equal splits, see ``exchange_counts``) over ``comm``,
+    then the rows and outputs (one all-to-all each, or one per chunk).
     """
     ep_size, local = comm.size, experts.num_experts
     recv_counts = exchange_counts(counts, comm, layer, rows_like=rows)
+
+    def compute(received: Tensor, chunk_counts: Tensor) -> Tensor:
+        # Received rows are grouped by (source rank, local expert); the experts need them
+        # grouped by local expert, so re-sort stably and restore the order afterwards.
+        local_ids = torch.arange(local, device=received.device).repeat(ep_size)
+        row_expert = torch.repeat_interleave(local_ids, chunk_counts.reshape(-1).to(received.device))
+        by_expert = torch.sort(row_expert, stable=True).indices
+        local_counts = chunk_counts.reshape(ep_size, local).sum(dim=0)
+        out = experts(received.index_select(0, by_expert), local_counts, local_counts.tolist())
+        back_to_sources = torch.empty_like(by_expert)
+        back_to_sources[by_expert] = torch.arange(by_expert.numel(), device=received.device)
+        return out.index_select(0, back_to_sources)
+
+    if degrees is not None and (degrees.forward > 1 or degrees.backward > 1):
+        params = [p for _, p in experts.named_weights()]
+        return pipelined_exchange(rows, counts, compute, exchange or comm, degrees, params, recv_counts)
     send_splits = rank_splits(counts, ep_size)
     recv_splits = rank_splits(recv_counts, ep_size)
     # exchange_counts proved the splits, dtypes and widths consistent: no second check.
-    received = all_to_all(rows, send_splits, recv_splits, comm, check=False)
-
-    # Received rows are grouped by (source rank, local expert); the experts need them grouped
-    # by local expert, so re-sort stably (keeping source-rank order within an expert).
-    local_ids = torch.arange(local, device=rows.device).repeat(ep_size)
-    row_expert = torch.repeat_interleave(local_ids, recv_counts.to(rows.device))
-    by_expert = torch.sort(row_expert, stable=True).indices
-    local_counts = recv_counts.view(ep_size, local).sum(dim=0)
-    out = experts(received.index_select(0, by_expert), local_counts, local_counts.tolist())
-    back_to_sources = torch.empty_like(by_expert)
-    back_to_sources[by_expert] = torch.arange(by_expert.numel(), device=rows.device)
-    return all_to_all(out.index_select(0, back_to_sources), recv_splits, send_splits, comm, check=False)
+    received = all_to_all(rows, send_splits, recv_splits, exchange or comm, check=False)
+    out = compute(received, recv_counts)
+    return all_to_all(out, recv_splits, send_splits, exchange or comm, check=False)

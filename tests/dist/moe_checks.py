@@ -12,7 +12,7 @@ import torch
 from runner import finish, raises, run_checks, start
 from torch import nn
 
-from sparta.comm import Communicator, World
+from sparta.comm import Communicator, HierarchicalAllToAll, World
 from sparta.errors import InputError
 from sparta.moe import MoELayer, expert_parallel_groups, full_state_dict, sync_gradients
 
@@ -40,12 +40,15 @@ def inputs(world_size: int, batches: list[int]) -> tuple[list[torch.Tensor], lis
     return xs, ups
 
 
-def compare_with_one_process(world: World, ep: Communicator, case: dict, batches: list[int]) -> None:
-    """The layer sharded over ``ep`` against one process, for this rank's tokens."""
+def compare_with_one_process(
+    world: World, ep: Communicator, case: dict, batches: list[int], **sharded: object
+) -> None:
+    """The layer sharded over ``ep`` (with the extra ``sharded`` options) against one process,
+    for this rank's tokens."""
     torch.manual_seed(0)
     whole = MoELayer(D_MODEL, D_FF, EXPERTS, **case).train()
     torch.manual_seed(0)
-    shard = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=ep.size, comm=ep, **case).train()
+    shard = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=ep.size, comm=ep, **case, **sharded).train()
     xs, ups = inputs(world.size, batches)
     x = xs[world.rank].clone().requires_grad_()
     y = shard(x)
@@ -102,6 +105,25 @@ def check_every_router_with_expert_data_parallel_groups(world: World) -> None:
     assert sum(layer.last_stats.routed_per_expert) == 2 * SEQ * 2 * world.size, layer.last_stats
     biases = world.comm.all_gather(layer.router.expert_bias)
     assert all(torch.equal(b, biases[0]) for b in biases) and biases[0].abs().sum() > 0, biases
+
+
+def check_pipelined_and_hierarchical_exchanges(world: World) -> None:
+    """Chunked exchanges (forward and backward degrees apart) and the two-level all-to-all
+    give what one process gives."""
+    cases = [CASES[0], CASES[1], CASES[-1]]
+    for degrees in (2, (3, 1), (1, 4)):
+        for case in cases:
+            compare_with_one_process(world, world.comm, case, [2] * world.size, pipeline_degree=degrees)
+    compare_with_one_process(world, world.comm, CASES[0], [2] * (world.size - 1) + [0], pipeline_degree=3)
+    if world.size == 4:  # posed as 2 nodes x 2 ranks
+        intra = world.comm.split_groups([[0, 1], [2, 3]])
+        inter = world.comm.split_groups([[0, 2], [1, 3]])
+        hier = HierarchicalAllToAll(world.comm, intra, inter)
+        for degrees in (1, (2, 3)):
+            for case in cases:
+                compare_with_one_process(
+                    world, world.comm, case, [2] * world.size, exchange=hier, pipeline_degree=degrees
+                )
 
 
 def check_empty_ranks_and_idle_experts(world: World) -> None:
@@ -211,6 +233,7 @@ def check_bad_input_on_one_rank_raises_on_every_rank(world: World) -> None:
 CHECKS = [
     check_every_router_sharded_over_all_ranks,
     check_every_router_with_expert_data_parallel_groups,
+    check_pipelined_and_hierarchical_exchanges,
     check_empty_ranks_and_idle_experts,
     check_checkpoint_loads_under_other_expert_parallel_sizes,
     check_gradients_equal_one_process_on_the_global_batch,

@@ -28,6 +28,9 @@ from sparta.moe import GroupedExperts, MoEConfig, MoELayer
         ({"d_model": 0}, r"d_model=0 is invalid: it must be an integer >= 1"),
         ({"aux_loss_coef": -0.1}, r"aux_loss_coef=-0.1 is invalid: it must be a number >= 0"),
         ({"expert_gemm": "cuda"}, r"expert_gemm='cuda' is unknown: choose one of auto, grouped_mm, loop"),
+        ({"pipeline_degree": 0}, r"pipeline_degree=0 is invalid: use an int >= 1 \(1 = no pipelining\)"),
+        ({"pipeline_degree": (2, 0)}, r"pipeline_degree=\(2, 0\) is invalid.*\(forward, backward\) pair"),
+        ({"pipeline_degree": "auto"}, r"pipeline_degree='auto' is invalid.*CostModel.plan\(\) picks them"),
     ],
 )
 def test_bad_config(kwargs: dict[str, object], pattern: str) -> None:
