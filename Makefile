@@ -12,11 +12,17 @@ export OMP_NUM_THREADS ?= 1
 .PHONY: setup test demo lint bench clean mpi horovod
 
 # --- set-up, in dependency order; stamps make a second run cheap -------------------------
+# Open MPI (the mpi engine, Horovod's MPI mode) and iproute2 (ip, tc: the emulated cluster of
+# benchmarks/cluster.py and its smoke test), from Debian when missing.
 mpi:
-	@command -v mpirun >/dev/null && [ -e /usr/include/x86_64-linux-gnu/mpi/mpi.h -o -n "$$(command -v mpicc)" ] || { \
-	  echo "[setup] installing Open MPI from Debian"; \
+	@pkgs=""; \
+	command -v mpirun >/dev/null && [ -e /usr/include/x86_64-linux-gnu/mpi/mpi.h -o -n "$$(command -v mpicc)" ] \
+	  || pkgs="openmpi-bin libopenmpi-dev"; \
+	command -v tc >/dev/null && command -v ip >/dev/null || pkgs="$$pkgs iproute2"; \
+	[ -z "$$pkgs" ] || { \
+	  echo "[setup] installing $$pkgs from Debian"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$pkgs >/dev/null; }
 
 $(VENV)/.stamp-deps: setup.py Makefile | mpi
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
