@@ -37,8 +37,10 @@ class MoEConfig:
     ``slots_per_expert`` (soft). ``expert_gemm`` picks the expert kernel: ``"grouped_mm"``
     (``torch._grouped_mm``), ``"loop"`` (one ``torch.mm`` per expert) or ``"auto"``.
     ``pipeline_degree`` (expert parallel only): chunks the row exchanges are cut into so that
-    communication overlaps expert compute, one int for both passes or ``(forward, backward)``;
-    ``sparta.scheduling.CostModel(profile).plan(...).degrees`` chooses them from measurements.
+    communication overlaps expert compute, one int for both passes, ``(forward, backward)``,
+    or ``"auto"``: the layer profiles its all-to-all and expert GEMMs at its first forward and
+    takes the degrees (and flat or hierarchical exchange) that ``sparta.scheduling.CostModel``
+    predicts fastest.
     """
 
     d_model: int
@@ -56,7 +58,7 @@ class MoEConfig:
     xmoe_dim: int = 16
     slots_per_expert: int = 1
     expert_gemm: str = "auto"
-    pipeline_degree: int | tuple[int, int] = 1
+    pipeline_degree: int | tuple[int, int] | str = 1
 
     def __post_init__(self) -> None:
         _check_int("d_model", self.d_model, 1)
@@ -108,10 +110,10 @@ class MoEConfig:
         pd = self.pipeline_degree
         degrees = pd if isinstance(pd, (tuple, list)) else [pd]
         valid = all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in degrees)
-        if len(degrees) not in (1, 2) or not valid:
+        if pd != "auto" and (len(degrees) not in (1, 2) or not valid):
             raise ConfigError(
-                f"pipeline_degree={self.pipeline_degree!r} is invalid: use an int >= 1 (1 = no pipelining) or "
-                "a (forward, backward) pair of them; sparta.scheduling.CostModel.plan() picks them from a profile"
+                f"pipeline_degree={self.pipeline_degree!r} is invalid: use an int >= 1 (1 = no pipelining), "
+                "a (forward, backward) pair of them, or 'auto' (chosen from a profile at the first forward)"
             )
         _check_float("aux_loss_coef", self.aux_loss_coef, 0.0)
         _check_float("z_loss_coef", self.z_loss_coef, 0.0)
@@ -119,9 +121,11 @@ class MoEConfig:
         _check_float("bias_update_rate", self.bias_update_rate, 0.0)
 
     @property
-    def degrees(self) -> tuple[int, int]:
-        """(forward, backward) pipeline degrees."""
+    def degrees(self) -> tuple[int, int] | None:
+        """(forward, backward) pipeline degrees; None for "auto"."""
         pd = self.pipeline_degree
+        if isinstance(pd, str):
+            return None
         return (pd, pd) if isinstance(pd, int) else (int(pd[0]), int(pd[-1]))
 
     @property

@@ -25,7 +25,9 @@ from sparta.moe.dispatch import (
 from sparta.moe.experts import GroupedExperts
 from sparta.moe.parallel import T, expert_parallel_mlp, fail_together
 from sparta.moe.routers import RouterOutput, build_router
+from sparta.scheduling.cost_model import CostModel, LayerShape, SchedulePlan
 from sparta.scheduling.pipeline import Exchange, PipelineDegrees
+from sparta.scheduling.profiler import Profiler
 
 if TYPE_CHECKING:
     from sparta.comm import Communicator
@@ -87,7 +89,8 @@ class MoELayer(nn.Module):
     contain ``comm``'s ranks; every rank of it runs the layer's forward.
 
     ``pipeline_degree`` (an option) cuts those row exchanges into chunks that overlap the
-    experts' compute; ``exchange`` (a ``sparta.comm.HierarchicalAllToAll`` over ``comm``'s
+    experts' compute (``"auto"``: profiled and planned at the first forward, the plan kept
+    in ``schedule_plan``); ``exchange`` (a ``sparta.comm.HierarchicalAllToAll`` over ``comm``'s
     ranks) moves the rows intra-node first, then inter-node. Outputs and gradients do not
     depend on either.
 
@@ -158,7 +161,9 @@ class MoELayer(nn.Module):
                 "build it with sparta.comm.HierarchicalAllToAll over comm, or leave it out"
             )
         self.exchange = exchange
-        self.degrees = PipelineDegrees(*config.degrees)
+        # None until "auto" has profiled and planned (at the first expert-parallel forward).
+        self.degrees = PipelineDegrees(*config.degrees) if config.degrees is not None else None
+        self.schedule_plan: SchedulePlan | None = None
         self.router = build_router(config)
         self.experts = GroupedExperts(
             config.num_local_experts,
@@ -251,8 +256,36 @@ class MoELayer(nn.Module):
 
     def _expert_parallel(self, routed: Dispatched) -> Tensor:
         assert self.comm is not None
-        args = (self.experts, self.comm, self.name, self.degrees, self.exchange)
+        if self.degrees is None:
+            self._plan_schedule(routed.rows)
+        exchange = self.exchange if self.schedule_plan is None or self.schedule_plan.hierarchical else None
+        args = (self.experts, self.comm, self.name, self.degrees, exchange)
         return expert_parallel_mlp(routed.rows, routed.counts, *args)
+
+    def _plan_schedule(self, rows: Tensor) -> None:
+        """``pipeline_degree="auto"``: profile this layer's all-to-all (flat, and hierarchical
+        when an ``exchange`` is given) and one expert's GEMMs, then take the cost model's
+        choice. Collective over ``comm``; the timings are agreed (slowest rank), and so is
+        the token count planned for (the largest), so every rank picks the same plan."""
+        assert self.comm is not None
+        cfg = self.config
+        groups: dict[str, Any] = {"world": self.comm}
+        if self.exchange is not None:
+            groups["hier"] = self.exchange
+        profiler = Profiler(self.comm, groups)
+        profile = profiler.collectives(("all_to_all",)) | profiler.expert_mlp(cfg.d_model, cfg.d_ff, rows.dtype)
+        local_rows = torch.tensor([rows.shape[0]], dtype=torch.int64)
+        most_rows = max(int(r) for r in self.comm.all_gather(local_rows))
+        shape = LayerShape(
+            tokens=max(1, math.ceil(most_rows / cfg.top_k)),
+            top_k=cfg.top_k,
+            d_model=cfg.d_model,
+            d_ff=cfg.d_ff,
+            ep_size=cfg.ep_size,
+            element_bytes=rows.element_size(),
+        )
+        self.schedule_plan = CostModel(profile).plan(shape, hierarchical=None if self.exchange is not None else False)
+        self.degrees = self.schedule_plan.degrees
 
     def _attach_aux_loss(self, route: RouterOutput, carrier: Tensor) -> Tensor:
         total = self.config.aux_loss_coef * route.aux_loss + self.config.z_loss_coef * route.z_loss

@@ -115,11 +115,20 @@ def check_pipelined_and_hierarchical_exchanges(world: World) -> None:
         for case in cases:
             compare_with_one_process(world, world.comm, case, [2] * world.size, pipeline_degree=degrees)
     compare_with_one_process(world, world.comm, CASES[0], [2] * (world.size - 1) + [0], pipeline_degree=3)
+    compare_with_one_process(world, world.comm, CASES[1], [2] * world.size, pipeline_degree="auto")
+    torch.manual_seed(0)
+    auto = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=world.size, comm=world.comm, pipeline_degree="auto")
+    assert auto.degrees is None and auto.schedule_plan is None
+    auto(torch.randn(2 + world.rank, SEQ, D_MODEL)).sum().backward()  # plans at the first forward
+    plan = auto.schedule_plan
+    assert plan is not None and auto.degrees == plan.degrees and len(plan.candidates) == 8, plan
+    mine = torch.tensor([plan.degrees.forward, plan.degrees.backward, int(plan.hierarchical)])
+    assert all(torch.equal(p, mine) for p in world.comm.all_gather(mine)), "ranks chose different plans"
     if world.size == 4:  # posed as 2 nodes x 2 ranks
         intra = world.comm.split_groups([[0, 1], [2, 3]])
         inter = world.comm.split_groups([[0, 2], [1, 3]])
         hier = HierarchicalAllToAll(world.comm, intra, inter)
-        for degrees in (1, (2, 3)):
+        for degrees in (1, (2, 3), "auto"):
             for case in cases:
                 compare_with_one_process(
                     world, world.comm, case, [2] * world.size, exchange=hier, pipeline_degree=degrees
