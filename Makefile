@@ -29,7 +29,7 @@ $(VENV)/.stamp-deps: setup.py Makefile | mpi
 	@echo "[setup] installing torch (CPU wheel), numpy, mpi4py, test tools into $(VENV)"
 	@# torch first and pinned, so nothing after it can pull another (CUDA) build
 	$(PIP) install $(TORCH)
-	$(PIP) install numpy mpi4py pytest pytest-timeout ruff tqdm tokenizers transformers
+	$(PIP) install numpy mpi4py pytest pytest-timeout ruff tqdm tokenizers transformers matplotlib
 	$(PIP) install --no-deps -e .
 	@touch $@
 

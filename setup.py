@@ -14,8 +14,8 @@ setup(
     # multi-GB CUDA build over the user's own torch.
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "ruff", "transformers", "tokenizers", "tqdm"],
-        "bench": ["tqdm"],
+        "test": ["pytest>=7", "pytest-timeout", "ruff", "transformers", "tokenizers", "tqdm", "matplotlib"],
+        "bench": ["tqdm", "matplotlib"],
         "demo": ["tokenizers", "tqdm"],
         "mpi": ["mpi4py>=3.1"],
         # Horovod 0.28.1 does not build against torch>=2.1 from PyPI's sdist; use
