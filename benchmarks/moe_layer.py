@@ -8,6 +8,7 @@ Candidates, all fed the same input and sharing router / expert weights:
   sparta_dropless    MoELayer(capacity_factor=None), expert_gemm=auto (on CPU: the expert loop)
   sparta_grouped_mm  MoELayer(capacity_factor=None), expert_gemm=grouped_mm (torch._grouped_mm)
   sparta_cap1.25     MoELayer(capacity_factor=1.25)
+  sparta_pipelined   dropless, pipeline_degree="auto" (expert parallel only; planned untimed)
 
 Times: each repeat runs every candidate once, in a rotated order, so that machine noise
 hits all of them alike; the median (and the minimum) over repeats is reported with its
@@ -93,9 +94,17 @@ CANDIDATES = (
     "sparta_dropless",
     "sparta_grouped_mm",
     "sparta_cap1.25",
+    "sparta_pipelined",
 )
 # Under expert parallelism the naive loop has no meaning (it holds every expert).
-EP_CANDIDATES = ("dense", "deepspeed_dropless", "deepspeed_cap1.25", "sparta_dropless", "sparta_cap1.25")
+EP_CANDIDATES = (
+    "dense",
+    "deepspeed_dropless",
+    "deepspeed_cap1.25",
+    "sparta_dropless",
+    "sparta_cap1.25",
+    "sparta_pipelined",
+)
 AUX_LOSS_COEF = 1e-2  # Sparta's default; DeepSpeed's l_aux gets the same weight in backward
 
 Step = Callable[[], None]
@@ -112,7 +121,9 @@ class Place:
         return 1 if self.comm is None else self.comm.size
 
 
-def _sparta_layer(cfg: BenchConfig, place: Place, capacity_factor: float | None, gemm: str = "auto") -> MoELayer:
+def _sparta_layer(
+    cfg: BenchConfig, place: Place, capacity_factor: float | None, gemm: str = "auto", pipeline: int | str = 1
+) -> MoELayer:
     # Same seed on every rank and for every candidate: the experts of global id e get the
     # same weights whatever the expert-parallel size, and the router is the same gate.
     torch.manual_seed(0)
@@ -126,16 +137,21 @@ def _sparta_layer(cfg: BenchConfig, place: Place, capacity_factor: float | None,
         comm=place.comm,
         aux_loss_coef=AUX_LOSS_COEF,
         expert_gemm=gemm,
+        pipeline_degree=pipeline,
     )
 
 
-def _sparta(cfg: BenchConfig, x: Tensor, place: Place, capacity_factor: float | None, gemm: str) -> Step:
-    layer = _sparta_layer(cfg, place, capacity_factor, gemm)
+def _sparta(
+    cfg: BenchConfig, x: Tensor, place: Place, capacity_factor: float | None, gemm: str, pipeline: int | str = 1
+) -> Step:
+    layer = _sparta_layer(cfg, place, capacity_factor, gemm, pipeline)
     grad = torch.randn_like(x)
 
     def step() -> None:
         layer(x).backward(grad)
 
+    if pipeline == "auto":
+        step()  # the first forward profiles and plans; time the steps after it
     return step
 
 
@@ -251,6 +267,10 @@ def build(name: str, cfg: BenchConfig, x: Tensor, place: Place | None = None) ->
         return _sparta(cfg, x, place, None, "grouped_mm")
     if name == "sparta_cap1.25":
         return _sparta(cfg, x, place, 1.25, "auto")
+    if name == "sparta_pipelined":
+        if place.comm is None:
+            return "expert parallel only: one process has no exchange to pipeline"
+        return _sparta(cfg, x, place, None, "auto", pipeline="auto")
     raise ValueError(f"unknown candidate {name!r}; known: {CANDIDATES}")
 
 
