@@ -37,6 +37,32 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
+def _profile(args: argparse.Namespace) -> int:
+    """Launch the ranks (sparta.scheduling.profile_cli), or, on a rank, run the MoE block."""
+    from sparta.scheduling.profile_cli import ProfileRun, launch, parse_degree, run_worker
+
+    if args.worker:
+        run = ProfileRun.from_json(args.worker)
+
+        def make_block(comm: object, exchange: object) -> object:
+            from sparta.moe import MoELayer
+
+            return MoELayer(
+                run.d_model, run.d_ff, run.experts, run.top_k, ep_size=run.nprocs, comm=comm, exchange=exchange,
+                pipeline_degree=parse_degree(run.pipeline_degree),
+            )  # fmt: skip
+
+        run_worker(run, make_block)  # type: ignore[arg-type]
+        return 0
+    run = ProfileRun(
+        out=args.out, nprocs=args.nprocs, ranks_per_node=args.ranks_per_node, tokens=args.tokens,
+        d_model=args.d_model, d_ff=args.d_ff, experts=args.experts, top_k=args.top_k,
+        pipeline_degree=args.pipeline_degree, hierarchical=not args.flat, steps=args.steps, rate=args.rate,
+        timeout_s=args.timeout,
+    )  # fmt: skip
+    return launch(run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import sparta
 
@@ -48,6 +74,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser("info", help="versions and the communication engines available here")
     info.set_defaults(run=_info)
+    prof = sub.add_parser(
+        "profile",
+        help="run an expert-parallel MoE block on local ranks: Chrome trace, PNG timeline, fitted cost models",
+        description="Run an MoE layer (experts over all ranks) forward+backward, write <out>/trace.json "
+        "(Perfetto, chrome://tracing), <out>/timeline.png and <out>/profile.json, and print the fitted "
+        "cost models (alpha, beta, fit error per op) and the chosen pipeline degrees as JSON lines.",
+    )
+    prof.add_argument("--out", default="sparta-profile", help="folder for trace.json, timeline.png, profile.json")
+    prof.add_argument("--nprocs", type=int, default=2, help="ranks to start on this machine")
+    prof.add_argument("--ranks-per-node", type=int, default=0, help="ranks per (emulated) node; 0: all on one")
+    prof.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
+    prof.add_argument("--d-model", type=int, default=256)
+    prof.add_argument("--d-ff", type=int, default=512)
+    prof.add_argument("--experts", type=int, default=4, help="experts in all, spread over every rank")
+    prof.add_argument("--top-k", type=int, default=2)
+    prof.add_argument("--pipeline-degree", default="auto", help="'auto', an int, or FWD,BWD")
+    prof.add_argument("--flat", action="store_true", help="no two-level (intra, then inter-node) exchange")
+    prof.add_argument("--steps", type=int, default=2, help="traced steps after one warm-up step")
+    prof.add_argument("--rate", default="", help="run in an emulated cluster with this link rate (root; e.g. 300mbit)")
+    prof.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
+    prof.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    prof.set_defaults(run=_profile)
     return parser
 
 

@@ -180,33 +180,48 @@ def _pipeline(
     """The pipeline both passes run: chunk i of `source` to its ranks, `work(i, received)`
     there, the result back into chunk i's rows. Issue order on every rank: out 0, out 1,
     back 0, out 2, back 1, ... so chunk i+1 travels during work i and back i during work i+1.
-    `tracer` gets spans "{label} out|compute|back {i}" on tracks "send", "compute", "return"."""
+    `tracer` gets spans "{label} out|compute|back {i}" on tracks "send", "compute", "return".
+    An exchange that traces itself (trace.TracedExchange) records the transfers under those
+    names on its own tracks, and its tracer gets the compute spans. An exchange with an
+    `issued(name)` method hears of each transfer just after it is issued (the gradient
+    partitioner sends its pieces into the gaps that follow, see grad_sync.py)."""
     degree = len(send.index)
     clock = time.perf_counter
+    own = getattr(exchange, "tracer", None)
+    tracer = tracer if tracer is not None else own
+    comm_spans = tracer is not None and own is None
+    on_issue = getattr(exchange, "issued", None)
 
-    def start(x: Tensor, splits: list[int], back: list[int]) -> tuple[Handle[Tensor], float]:
+    def start(x: Tensor, splits: list[int], back: list[int], name: str) -> tuple[Handle[Tensor], float]:
+        if tracer is not None:
+            tracer.context = name
         handle = exchange.all_to_all(x.contiguous(), splits, back, async_op=True, check=False)
         assert isinstance(handle, Handle)
+        if tracer is not None:
+            tracer.context = ""
+        if on_issue is not None:
+            on_issue(name)
         return handle, clock()
 
-    outbound = [start(_gather(source, send.index[0]), send.splits[0], recv.splits[0])]
+    outbound = [start(_gather(source, send.index[0]), send.splits[0], recv.splits[0], f"{label} out 0")]
     inbound: list[tuple[Handle[Tensor], float]] = []
     for i in range(degree):
         handle, issued = outbound[i]
         got = handle.wait()
-        if tracer is not None:
+        if comm_spans:
             tracer.record(f"{label} out {i}", "send", issued, clock(), chunk=i, rows=int(got.shape[0]))
         if i + 1 < degree:
-            outbound.append(start(_gather(source, send.index[i + 1]), send.splits[i + 1], recv.splits[i + 1]))
+            nxt = _gather(source, send.index[i + 1])
+            outbound.append(start(nxt, send.splits[i + 1], recv.splits[i + 1], f"{label} out {i + 1}"))
         begin = clock()
         done = work(i, got)
         if tracer is not None:
             tracer.record(f"{label} compute {i}", "compute", begin, clock(), chunk=i, rows=int(got.shape[0]))
-        inbound.append(start(done, recv.splits[i], send.splits[i]))
+        inbound.append(start(done, recv.splits[i], send.splits[i], f"{label} back {i}"))
     result: Tensor | None = None
     for i, (handle, issued) in enumerate(inbound):
         back = handle.wait()
-        if tracer is not None:
+        if comm_spans:
             tracer.record(f"{label} back {i}", "return", issued, clock(), chunk=i, rows=int(back.shape[0]))
         if result is None:
             result = back.new_empty((source.shape[0], *back.shape[1:]))

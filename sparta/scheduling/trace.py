@@ -11,7 +11,12 @@ waited for it and found it done: an upper bound of the transfer's own time.
     tracer = Tracer()
     y = pipelined_exchange(..., tracer=tracer)
     spans = gather(world.comm, tracer)           # every rank calls it; rank 0 gets them all
-    if spans is not None: write_chrome_trace("moe.trace.json", spans)
+    if spans is not None: write_chrome_trace("moe.trace.json", spans); draw_timeline("moe.png", spans)
+
+Code that does not take a tracer (an MoE layer) is traced through its communicators:
+`TracedExchange(comm, tracer, "inter-node comm")` records every all-to-all it carries, named
+by `tracer.context` (the pipeline sets it to the chunk, e.g. "bwd out 2"), and the pipeline
+finds the tracer on its exchange to record its compute chunks.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 import torch
 
 from sparta.comm.communicator import Communicator
+from sparta.comm.handle import Handle
 
 
 @dataclass(frozen=True)
@@ -42,10 +48,12 @@ class Span:
 
 
 class Tracer:
-    """Collects this rank's spans."""
+    """Collects this rank's spans. `context` names what is being communicated now (set by
+    the pipeline around each chunk's transfers) for the spans of a TracedExchange."""
 
     def __init__(self) -> None:
         self.spans: list[Span] = []
+        self.context = ""
 
     def record(self, name: str, track: str, start_s: float, end_s: float, **args: Any) -> None:
         self.spans.append(Span(name, track, start_s, end_s, args))
@@ -60,6 +68,54 @@ class Tracer:
             self.record(name, track, begin, time.perf_counter(), **args)
 
 
+class TracedExchange:
+    """`inner` (a Communicator or HierarchicalAllToAll) whose all-to-alls are recorded as
+    spans on `track`, from issue to completion (for an async one: until its handle's wait
+    returns). With `track=None` it records nothing itself and only carries `tracer` to the
+    pipeline (for a hierarchical exchange whose intra and inter communicators are traced).
+    Every other attribute is the inner object's, so it goes wherever `inner` would."""
+
+    def __init__(self, inner: Any, tracer: Tracer, track: str | None) -> None:
+        self.inner, self.tracer, self.track = inner, tracer, track
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"TracedExchange({self.inner!r}, track={self.track!r})"
+
+    def _traced(self, handle: Handle[torch.Tensor]) -> Handle[torch.Tensor]:
+        if self.track is None:
+            return handle
+        name, begin = self.tracer.context or "all_to_all", time.perf_counter()
+
+        def done(y: torch.Tensor) -> torch.Tensor:
+            rows = int(y.shape[0]) if y.dim() else 0
+            self.tracer.record(name, str(self.track), begin, time.perf_counter(), rows=rows)
+            return y
+
+        return handle.then(done)
+
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        send_splits: Sequence[int] | None = None,
+        recv_splits: Sequence[int] | None = None,
+        async_op: bool = False,
+        check: bool | None = None,
+    ) -> torch.Tensor | Handle[torch.Tensor]:
+        out = self.inner.all_to_all(x, send_splits, recv_splits, async_op=True, check=check)
+        handle = self._traced(out)
+        return handle if async_op else handle.wait()
+
+    def _start_all_to_all(
+        self, x: torch.Tensor, send: Sequence[int] | None, recv: Sequence[int] | None, check: bool | None
+    ) -> tuple[Handle[torch.Tensor], list[int], list[int]]:
+        # what sparta.comm.all_to_all (the differentiable, unpipelined one) calls
+        handle, sent, received = self.inner._start_all_to_all(x, send, recv, check)
+        return self._traced(handle), sent, received
+
+
 def gather(comm: Communicator, tracer: Tracer) -> dict[int, list[Span]] | None:
     """Every rank's spans on rank 0 ({rank: spans}); None on the others. Collective."""
     mine = torch.frombuffer(bytearray(json.dumps([asdict(s) for s in tracer.spans]).encode()), dtype=torch.uint8)
@@ -69,9 +125,25 @@ def gather(comm: Communicator, tracer: Tracer) -> dict[int, list[Span]] | None:
     return {r: [Span(**s) for s in json.loads(bytes(t.tolist()))] for r, t in enumerate(every)}  # type: ignore[union-attr]
 
 
+def _disjoint(spans: Sequence[Span]) -> list[tuple[Span, float, float]]:
+    """(span, start, end) in start order, each start clipped to the end of the previous span
+    of its track (see write_chrome_trace)."""
+    free: dict[str, float] = {}
+    out = []
+    for s in sorted(spans, key=lambda s: (s.start_s, s.end_s)):
+        begin = max(s.start_s, free.get(s.track, s.start_s))
+        end = max(s.end_s, begin)
+        free[s.track] = end
+        out.append((s, begin, end))
+    return out
+
+
 def write_chrome_trace(path: str | Path, spans: Mapping[int, Sequence[Span]]) -> None:
     """Chrome trace JSON: process = rank, thread = track, times in microseconds from the
-    earliest span."""
+    earliest span. Spans of one track are made disjoint for the viewers, which expect
+    slices of one thread to nest: a transfer issued while an earlier one on the same track
+    is in flight is drawn from the earlier one's end (the link carries them in turn); its
+    issue time stays in args["issued_us"]."""
     everything = [s for ranks in spans.values() for s in ranks]
     origin = min((s.start_s for s in everything), default=0.0)
     tracks = sorted({s.track for s in everything})
@@ -80,16 +152,48 @@ def write_chrome_trace(path: str | Path, spans: Mapping[int, Sequence[Span]]) ->
         events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
         for tid, track in enumerate(tracks):
             events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": track}})
-        for s in ranks:
+        for s, begin, end in _disjoint(ranks):
             events.append(
                 {
                     "ph": "X",
                     "name": s.name,
                     "pid": rank,
                     "tid": tracks.index(s.track),
-                    "ts": (s.start_s - origin) * 1e6,
-                    "dur": max(s.end_s - s.start_s, 0.0) * 1e6,
-                    "args": s.args,
+                    "ts": (begin - origin) * 1e6,
+                    "dur": (end - begin) * 1e6,
+                    "args": {**s.args, "issued_us": round((s.start_s - origin) * 1e6, 1)},
                 }
             )
     Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def draw_timeline(path: str | Path, spans: Mapping[int, Sequence[Span]], title: str = "") -> None:
+    """A PNG of the same timeline: one row per (rank, track), one bar per span, a colour
+    per track; chunk numbers are written on bars wide enough to hold them."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a training node
+    import matplotlib.pyplot as plt
+
+    everything = [s for ranks in spans.values() for s in ranks]
+    origin = min((s.start_s for s in everything), default=0.0)
+    tracks = sorted({s.track for s in everything})
+    rows = [(rank, track) for rank in sorted(spans) for track in tracks]
+    colours = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(14, 0.45 * len(rows) + 1.5))
+    span_s = max((s.end_s - origin for s in everything), default=1.0)
+    for y, (rank, track) in enumerate(rows):
+        mine = [(s, b, e) for s, b, e in _disjoint(spans[rank]) if s.track == track]
+        bars = [((b - origin) * 1e3, (e - b) * 1e3) for _, b, e in mine]
+        colour = colours(tracks.index(track) % 10)
+        ax.broken_barh(bars, (y - 0.4, 0.8), color=colour, alpha=0.7, linewidth=0.3, edgecolor="k")
+        for (s, _, _), (x, w) in zip(mine, bars, strict=True):
+            if w > span_s * 1e3 / 60:
+                ax.text(x + w / 2, y, s.name.split(" ", 1)[-1], ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(len(rows)), [f"rank {r}: {t}" for r, t in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(title or "sparta timeline")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,235 @@
+"""`sparta profile`: run an expert-parallel MoE block on N local ranks and show where the time goes.
+
+    sparta profile --nprocs 4 --ranks-per-node 2 --tokens 4096 --d-model 512 --d-ff 1024 \\
+        --experts 8 --top-k 2 --pipeline-degree auto --out prof/ [--rate 300mbit]
+
+Each rank profiles the collectives (all-to-all and all-reduce over the world, the node's ranks,
+the ranks of its local index across nodes, and the two-level all-to-all) and one expert's
+GEMMs, fits t = alpha + beta * n, and plans the layer's exchange with the cost model; then the
+block runs a warm-up step (where `pipeline_degree="auto"` profiles and plans inside the layer)
+and `steps` traced forward+backward steps. Rank 0 writes `<out>/trace.json` (Chrome trace:
+a process per rank, a thread per stream: step, compute, intra-node comm, inter-node comm,
+world comm; every chunk labelled "fwd out 2", "bwd compute 1", ...), `<out>/timeline.png`
+and `<out>/profile.json`, and prints one JSON line per fit and one with the plan, the degrees
+the layer ran and the step time.
+
+Ranks start under torchrun on this machine, or with `rate` inside an emulated cluster
+(sparta.scheduling.cluster: root only) whose nodes are `ranks_per_node` ranks each. This
+module never imports sparta.moe (imports point down): the command line hands the worker a
+`make_block(comm, exchange)` that builds the layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparta.errors import ConfigError
+from sparta.scheduling.cluster import ClusterConfig, EmulatedCluster
+from sparta.scheduling.cost_model import CostModel, LayerShape
+from sparta.scheduling.profiler import Profile, ProfileConfig, Profiler
+from sparta.scheduling.trace import TracedExchange, Tracer, draw_timeline, gather, write_chrome_trace
+
+TRACKS = ("step", "compute", "intra-node comm", "inter-node comm", "world comm")
+
+
+def parse_degree(text: str) -> int | tuple[int, int] | str:
+    """ "auto", "3" or "2,4" (forward, backward), as MoELayer's pipeline_degree takes it."""
+    if text == "auto":
+        return text
+    try:
+        parts = [int(p) for p in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2) or min(parts) < 1:
+        raise ConfigError(f"--pipeline-degree {text!r}; give 'auto', an int >= 1, or 'FWD,BWD' (e.g. 2,4)")
+    return parts[0] if len(parts) == 1 else (parts[0], parts[1])
+
+
+@dataclass(frozen=True)
+class ProfileRun:
+    """One `sparta profile` configuration. tokens: rows entering the layer per rank;
+    experts are spread over all `nprocs` ranks; ranks_per_node (default: all on one node)
+    sets the intra/inter split; hierarchical: give the layer a two-level exchange; rate:
+    run inside an emulated cluster with this inter-node link rate (tc units, root only);
+    steps: traced steps after one warm-up step; out: the folder for the outputs."""
+
+    out: str
+    nprocs: int = 2
+    ranks_per_node: int = 0
+    tokens: int = 1024
+    d_model: int = 256
+    d_ff: int = 512
+    experts: int = 4
+    top_k: int = 2
+    pipeline_degree: str = "auto"
+    hierarchical: bool = True
+    steps: int = 2
+    rate: str = ""
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("nprocs", "tokens", "d_model", "d_ff", "experts", "top_k", "steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"sparta profile: --{name.replace('_', '-')} = {getattr(self, name)}; use >= 1")
+        if self.experts % self.nprocs:
+            raise ConfigError(
+                f"sparta profile: --experts {self.experts} cannot be spread over --nprocs {self.nprocs}; "
+                "use a multiple of the rank count"
+            )
+        if self.top_k > self.experts:
+            raise ConfigError(f"sparta profile: --top-k {self.top_k} > --experts {self.experts}; use top_k <= experts")
+        if self.ranks_per_node < 0 or (self.ranks_per_node and self.nprocs % self.ranks_per_node):
+            raise ConfigError(
+                f"sparta profile: --ranks-per-node {self.ranks_per_node} must divide --nprocs {self.nprocs}"
+            )
+        parse_degree(self.pipeline_degree)
+        if self.rate:
+            ClusterConfig(nodes=self.nodes, ranks_per_node=self.per_node, rate=self.rate)  # validates the rate
+
+    @property
+    def per_node(self) -> int:
+        return self.ranks_per_node or self.nprocs
+
+    @property
+    def nodes(self) -> int:
+        return self.nprocs // self.per_node
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ProfileRun:
+        return cls(**json.loads(text))
+
+
+def launch(run: ProfileRun) -> int:
+    """Start the workers (`python -m sparta.cli profile --worker <run>`) on `nprocs` ranks;
+    returns 0 when every rank succeeded."""
+    Path(run.out).mkdir(parents=True, exist_ok=True)
+    run = ProfileRun(**{**asdict(run), "out": str(Path(run.out).resolve())})
+    worker = ["-m", "sparta.cli", "profile", "--worker", run.to_json()]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if run.rate:
+        config = ClusterConfig(nodes=run.nodes, ranks_per_node=run.per_node, rate=run.rate)
+        with EmulatedCluster(config) as cluster:
+            codes = cluster.run([sys.executable, *worker], timeout_s=run.timeout_s, env={**os.environ, **env})
+        return 1 if any(codes) else 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={run.nprocs}",
+           "--master-addr=127.0.0.1", f"--master-port={port}", *worker]  # fmt: skip
+    try:
+        return subprocess.run(cmd, env={**os.environ, **env}, timeout=run.timeout_s).returncode
+    except subprocess.TimeoutExpired:
+        print(f"sparta profile: ranks ran past {run.timeout_s:g} s and were stopped", file=sys.stderr)
+        return 1
+
+
+def fit_lines(profile: Profile) -> list[dict[str, Any]]:
+    """One record per fitted operation: alpha (s), beta (s per byte, or per row for GEMMs)."""
+    return [
+        {
+            "fit": key,
+            "alpha_s": f.alpha,
+            "beta_s_per_unit": f.beta,
+            "unit": "row" if key.startswith("expert_") else "byte",
+            "rel_error": round(f.rel_error, 4),
+        }
+        for key, f in sorted(profile.fits.items())
+    ]
+
+
+def run_worker(run: ProfileRun, make_block: Callable[[Any, Any], torch.nn.Module]) -> None:
+    """Every rank: profile, plan, run the block `make_block(comm, exchange)` builds (both
+    traced; exchange None for a flat layer), and on rank 0 write and print the results."""
+    from sparta.comm import HierarchicalAllToAll
+    from sparta.comm.world import init
+
+    torch.set_num_threads(1)
+    world = init(backend="torch", ranks_per_node=run.per_node)
+    intra, inter = world.node_comms()
+    rows = run.tokens * run.top_k
+    exchange_bytes = rows * run.d_model * 4
+    sizes = sorted({max(4096, exchange_bytes // d) for d in (16, 4, 1)})
+    row_counts = sorted({max(16, rows // d) for d in (8, 2, 1)})
+    config = ProfileConfig(bytes=tuple(sizes) if len(sizes) > 1 else (4096, 65536), rows=tuple(row_counts))
+    profiler = Profiler(world.comm, {"world": world.comm, "intra": intra, "inter": inter}, config)
+    hier = Profiler(world.comm, {"hier": HierarchicalAllToAll(world.comm, intra, inter)}, config)  # all-to-all only
+    profile = (
+        profiler.collectives(("all_to_all", "all_reduce"))
+        | hier.collectives(("all_to_all",))
+        | profiler.expert_mlp(run.d_model, run.d_ff)
+    )
+    shape = LayerShape(run.tokens, run.top_k, run.d_model, run.d_ff, ep_size=world.size)
+    plan = CostModel(profile).plan(shape, hierarchical=None if run.hierarchical else False)
+
+    tracer = Tracer()
+    comm = TracedExchange(world.comm, tracer, "world comm")
+    exchange = None
+    if run.hierarchical:
+        two_level = HierarchicalAllToAll(
+            world.comm,
+            TracedExchange(intra, tracer, "intra-node comm"),
+            TracedExchange(inter, tracer, "inter-node comm"),
+        )
+        exchange = TracedExchange(two_level, tracer, None)  # its two steps record themselves
+    block = make_block(comm, exchange)
+    x = torch.randn(run.tokens, run.d_model, generator=torch.Generator().manual_seed(world.rank))
+
+    def step() -> float:
+        xi = x.clone().requires_grad_()
+        world.comm.barrier()
+        begin = time.perf_counter()
+        with tracer.span("forward", "step"):
+            y = block(xi)
+        with tracer.span("backward", "step"):
+            y.square().mean().backward()
+        return time.perf_counter() - begin
+
+    step()  # warm-up: connections, and "auto" profiles and plans inside the layer here
+    tracer.spans.clear()
+    times = sorted(step() for _ in range(run.steps))
+    slowest = torch.stack(world.comm.all_gather(torch.tensor(times, dtype=torch.float64))).max(0).values  # type: ignore[arg-type]
+    spans = gather(world.comm, tracer)
+    if spans is not None:
+        out = Path(run.out)
+        write_chrome_trace(out / "trace.json", spans)
+        layer_plan = getattr(block, "schedule_plan", None)
+        degrees = getattr(block, "degrees", None)
+        title = f"{run.nprocs} ranks ({run.nodes} nodes{', ' + run.rate if run.rate else ''}), degrees {degrees}"
+        draw_timeline(out / "timeline.png", spans, title)
+        profile.save(out / "profile.json")
+        for line in fit_lines(profile):
+            print(json.dumps(line), flush=True)
+        summary = {
+            "model_plan": {
+                "r_fwd": plan.degrees.forward,
+                "r_bwd": plan.degrees.backward,
+                "hierarchical": plan.hierarchical,
+                "predicted_forward_s": round(plan.forward_s, 4),
+                "predicted_backward_s": round(plan.backward_s, 4),
+            },
+            "layer_ran": {
+                "r_fwd": degrees.forward if degrees else None,
+                "r_bwd": degrees.backward if degrees else None,
+                "hierarchical": bool(exchange) if layer_plan is None else layer_plan.hierarchical,
+                "planned_in_layer": layer_plan is not None,
+            },
+            "step_s": round(float(slowest[len(times) // 2]), 4),
+            "trace": str(out / "trace.json"),
+            "png": str(out / "timeline.png"),
+        }
+        print(json.dumps(summary), flush=True)
+    world.shutdown()
