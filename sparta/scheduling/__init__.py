@@ -7,17 +7,21 @@
     pipeline.py   pipelined_exchange, PipelineDegrees: chunk i+1 travels while chunk i computes
     partition.py  partition_gradients: dense all-reduce pieces sized to the backward's network gaps
     tuner.py      OnlineTuner, Choice: try the model's best plans and r=1 on real steps, keep the fastest
-    trace.py      Tracer, gather, write_chrome_trace: per-rank timelines for Perfetto
+    grad_sync.py  PartitionedAllReduce: those pieces issued through the priority queue in backward
+    trace.py      Tracer, TracedExchange, gather, write_chrome_trace, draw_timeline: per-rank
+                  timelines for Perfetto and as a PNG
+    profile_cli.py  `sparta profile`: run an MoE block on local ranks, trace it, print the fits
     cluster.py    EmulatedCluster, ClusterConfig: nodes as network namespaces behind tbf links
 
 Imports point down only: this package uses sparta.comm and never sparta.moe.
 """
 
 from sparta.scheduling.cost_model import CostModel, LayerShape, Prediction, SchedulePlan, Timeline
+from sparta.scheduling.grad_sync import PartitionedAllReduce
 from sparta.scheduling.partition import GradientPartition, partition_gradients
 from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
 from sparta.scheduling.profiler import LinearFit, Profile, ProfileConfig, Profiler
-from sparta.scheduling.trace import Tracer, write_chrome_trace
+from sparta.scheduling.trace import TracedExchange, Tracer, draw_timeline, write_chrome_trace
 from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
 
 __all__ = [
@@ -28,6 +32,7 @@ __all__ = [
     "LayerShape",
     "LinearFit",
     "OnlineTuner",
+    "PartitionedAllReduce",
     "PipelineDegrees",
     "Prediction",
     "Profile",
@@ -35,7 +40,9 @@ __all__ = [
     "Profiler",
     "SchedulePlan",
     "Timeline",
+    "TracedExchange",
     "Tracer",
+    "draw_timeline",
     "partition_gradients",
     "pipelined_exchange",
     "write_chrome_trace",

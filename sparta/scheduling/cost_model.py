@@ -105,6 +105,12 @@ class Timeline:
             gaps.append((t, self.end_s))
         return tuple(gaps)
 
+    def gap_openings(self) -> tuple[int, ...]:
+        """For each gap of idle_network(), how many transfers (in issue order, which is the
+        network's FIFO order) are issued before it opens: a piece submitted right after that
+        many transfers queues behind the last of them and travels in the gap."""
+        return tuple(sum(begin < gap_begin for begin, _ in self.network) for gap_begin, _ in self.idle_network())
+
 
 def timeline(degree: int, comm_s: float, compute_s: float, blocking_s: float = 0.0) -> Timeline:
     """Replay pipeline._pipeline for `degree` chunks of `comm_s` network time each way,

@@ -17,6 +17,8 @@ import sparta
 from sparta.comm import HierarchicalAllToAll, World
 from sparta.errors import ConfigError, InputError
 from sparta.scheduling.cost_model import CostModel, LayerShape
+from sparta.scheduling.grad_sync import PartitionedAllReduce
+from sparta.scheduling.partition import GradientPartition
 from sparta.scheduling.pipeline import Exchange, PipelineDegrees, pipelined_exchange
 from sparta.scheduling.profiler import ProfileConfig, Profiler
 from sparta.scheduling.trace import Tracer, gather, write_chrome_trace
@@ -173,7 +175,43 @@ def check_tuner_agrees_on_the_slowest_rank(world: World) -> None:
     assert tuner.chosen == UNPIPELINED and tuner.current == UNPIPELINED
 
 
+def check_partitioned_gradients_equal_all_reduce(world: World) -> None:
+    """Dense layers around the pipelined exchange; their gradients averaged in pieces that
+    cross parameter boundaries, two of them sent during backward, equal a plain all-reduce."""
+    rows, counts, (w, b) = problem(world, 0, torch.float32)
+    g = torch.Generator().manual_seed(5 + world.rank)
+    dense = [torch.randn(D_IN, D_IN, generator=g), torch.randn(D_OUT, 7, generator=g), torch.randn(7, generator=g)]
+    order = [2, 1, 0]  # ready order: the layer after the exchange first
+
+    def run(ex: Exchange, sync: PartitionedAllReduce | None, params: list[torch.Tensor]) -> None:
+        pre, post_w, post_b = params
+        y = pipelined_exchange(rows @ pre, counts, slot_mlp(w, b, world.size), ex, PipelineDegrees(2, 3), [w, b])
+        loss = (torch.tanh(y @ post_w) + post_b).square().sum()
+        if sync is not None:
+            sync.start()
+        loss.backward()
+
+    want = [t.clone().requires_grad_() for t in dense]
+    run(world.comm, None, want)
+    oracle = [world.comm.all_reduce(p.grad, op="avg") for p in want]
+    total = sum(t.numel() for t in dense) * 4
+    part = GradientPartition(pieces=(12, 4 * 9, total - 48), gaps=(0, 1, -1), exposed_s=0.0)
+    for ex in exchanges(world):
+        got = [t.clone().requires_grad_() for t in dense]
+        sync = PartitionedAllReduce(world.comm, [got[i] for i in order], part, openings=(1, 3))
+        run(sync.watch(ex), sync, got)
+        assert sync._next == 2, f"{sync._next} pieces went during backward; want the 2 planned for its gaps"
+        sync.finish()
+        sync.close()
+        for p, ref in zip(got, oracle, strict=True):
+            torch.testing.assert_close(p.grad, ref, rtol=1e-6, atol=1e-6)
+        assert [k.priority for k, _ in sync.queue.issue_log] == [0, 1, 2]
+    with raises(ConfigError, r"must sum to the parameters' 240 bytes"):
+        PartitionedAllReduce(world.comm, dense, GradientPartition((8,), (-1,), 0.0))
+
+
 CHECKS = [
+    check_partitioned_gradients_equal_all_reduce,
     check_tuner_agrees_on_the_slowest_rank,
     check_chrome_trace,
     check_profile_agreed_on_every_rank,
