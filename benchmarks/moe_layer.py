@@ -49,9 +49,7 @@ exactly as Sparta's top-k router does on the shared gate weights.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import os
 import socket
 import statistics
@@ -64,6 +62,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from baseline_deepspeed import deepspeed_step
 from torch import Tensor, nn
 
 from sparta.moe import MoELayer
@@ -191,65 +190,10 @@ def _naive(cfg: BenchConfig, x: Tensor) -> Step:
     return step
 
 
-def _deepspeed_ready() -> str | None:
-    """Initialise deepspeed.comm on this process's torch.distributed world (starting a world
-    of one over gloo if there is none); returns why DeepSpeed cannot run, or None."""
-    try:
-        # DeepSpeed prints build and group messages on stdout, which carries our JSON lines.
-        with contextlib.redirect_stdout(sys.stderr):
-            import deepspeed
-    except Exception as err:  # not installed, or installed against another torch
-        return f"import deepspeed failed: {type(err).__name__}: {err}"
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    if not dist.is_initialized():
-        # One process: an in-process store, so no port to pick and nothing to rendezvous with.
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    except Exception as err:
-        return f"deepspeed.init_distributed over gloo failed: {type(err).__name__}: {err}"
-    return None
-
-
 def _deepspeed(cfg: BenchConfig, x: Tensor, place: Place, drop_tokens: bool) -> Step | str:
-    why = _deepspeed_ready()
-    if why is not None:
-        return why
-    from deepspeed.moe.layer import MoE
-
-    # Copy Sparta's weights (same seed) so both route the same tokens to the same experts.
+    # Sparta's weights (same seed), copied in, so both route the same tokens to the same experts.
     reference = _sparta_layer(cfg, place, None)
-    expert = nn.Sequential(
-        nn.Linear(cfg.d_model, cfg.d_ff, bias=False), nn.GELU(), nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
-    )
-    with contextlib.redirect_stdout(sys.stderr):
-        layer = MoE(
-            cfg.d_model,
-            expert,
-            num_experts=cfg.num_experts,
-            ep_size=place.ranks,
-            k=cfg.top_k,
-            capacity_factor=1.25,
-            eval_capacity_factor=1.25,
-            drop_tokens=drop_tokens,
-            top2_2nd_expert_sampling=False,
-        )
-        layer.set_deepspeed_parallelism()
-    with torch.no_grad():
-        layer.deepspeed_moe.gate.wg.weight.copy_(reference.router.gate.weight)
-        for local, mlp in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
-            mlp[0].weight.copy_(reference.experts.w1[local].t())
-            mlp[2].weight.copy_(reference.experts.w2[local].t())
-    grad = torch.randn_like(x)
-    aux_grad = torch.tensor(AUX_LOSS_COEF)
-
-    def step() -> None:
-        y, l_aux, _ = layer(x)
-        # Its aux loss is returned for the user to add to the loss; Sparta adds its own in backward.
-        torch.autograd.backward([y, l_aux], [grad, aux_grad])
-
-    return step
+    return deepspeed_step(reference, x, place.ranks, drop_tokens, AUX_LOSS_COEF)
 
 
 def build(name: str, cfg: BenchConfig, x: Tensor, place: Place | None = None) -> Step | str:
@@ -448,6 +392,10 @@ def ep_worker(cfg: BenchConfig, candidates: list[str], repeats: int) -> None:
     if cfg.num_experts % world.size or cfg.tokens % world.size:
         raise SystemExit(f"{cfg.name}: {world.size} ranks must divide {cfg.num_experts} experts and {cfg.tokens} rows")
     time_candidates(cfg, candidates, repeats, threads=1, comm=world.comm)
+    world.shutdown()
+    # Past gloo's C++ teardown, which aborts now and then at exit (see examples/train_moe_lm.py).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:
