@@ -17,9 +17,14 @@ distribution (s = 1.1). Variants, run in one launch per engine:
                  async task, the shard stepped as soon as its rows arrive (torchrun only)
   sparta_row_keyorder  the same queue issuing strictly in key order (chunks_per_ready=0):
                  the table's task comes first, so nothing travels until backward is done
+  sparta_row_queue_deferred  sparta_row_queue with defer_dense_step=True: step() returns
+                 after the shard's update, each dense layer steps just before the next
+                 forward calls it, so the next lookup overlaps the last dense all-reduces
   dense_block_alone    the dense block's forward+backward+step on one rank's [8, 512, 512]
                  activations, no embedding and no communication (what the step cannot beat)
-Each line: median step time of the slowest rank (barrier before and after each step),
+Each line: median step time of the slowest rank (barrier before and after each step; the
+queue variants also report back_to_back_step_s, the mean step of the same batches run with
+no barrier between steps, where a step's communication may overlap the next forward),
 bytes this rank sends per step (ring all-reduce: 2 (w-1)/w of the gradient; ring allgather:
 w-1 times the local rows; all-to-all: what goes to other ranks), and memory per rank: the
 embedding's parameter + gradient bytes, and the process's peak RSS.
@@ -113,15 +118,22 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
         mode, config = "auto", None
         if queue:
             mode, config = "sparta", QueueConfig(QUEUE_CHUNK_BYTES, chunks_per_ready=QUEUES[queue[0]])
-        net, opt = parallelize(model, comm, sgd, mode, sharding, config)
+        defer = queue[1:] == ["deferred"]
+        net, opt = parallelize(model, comm, sgd, mode, sharding, config, defer_dense_step=defer)
     batches = zipf_batches(vocab, comm.rank, steps + warmup)
+
+    def step(ids: torch.Tensor) -> None:
+        net(ids).backward()
+        opt.step()
+        opt.zero_grad()
+
     times, sparta_sent = [], []
     for i, ids in enumerate(batches):
         comm.barrier()
         start = time.perf_counter()
-        net(ids).backward()
-        opt.step()
-        opt.zero_grad()
+        step(ids)
+        if hasattr(opt, "flush"):  # a deferred dense step belongs to this step's time here
+            opt.flush()
         comm.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - start)
@@ -131,6 +143,15 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
                 )
     if sparta_sent:
         sent = int(statistics.mean(sparta_sent))
+    back_to_back = {}
+    if "queue" in name:
+        comm.barrier()
+        start = time.perf_counter()
+        for ids in batches[warmup:]:
+            step(ids)
+        opt.flush()
+        comm.barrier()
+        back_to_back = {"back_to_back_step_s": round((time.perf_counter() - start) / steps, 5)}
     emb_param = model.emb.weight
     return {
         "variant": name,
@@ -143,6 +164,7 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
         "bytes_sent_per_rank_per_step": sent,
         "embedding_param_grad_bytes_per_rank": 0 if name == "dense_block_alone" else 2 * emb_param.numel() * 4,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+        **back_to_back,
     }
 
 
@@ -152,7 +174,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     world = sparta.init()
     if world.backend == "torch":
-        variants = ["ddp", "sparta_row", "sparta_column", "sparta_row_queue", "sparta_row_keyorder"]
+        variants = ["ddp", "sparta_row", "sparta_column", "sparta_row_queue", "sparta_row_queue_deferred"]
+        variants += ["sparta_row_keyorder"]
     else:
         variants = ["hvd_sparse", "hvd_dense", "sparta_row", "sparta_column"]
     if args.dense_alone and world.backend == "torch":
@@ -173,7 +196,7 @@ def worker(args: argparse.Namespace) -> None:
 def launch(args: argparse.Namespace) -> None:
     py, me, n = sys.executable, str(Path(__file__).resolve()), str(args.ranks)
     extra = ["--worker", "--steps", str(args.steps), "--warmup", str(args.warmup), "--vocabs", *map(str, args.vocabs)]
-    extra += ["--dense-alone"] if args.dense_alone else []
+    extra += ["--dense-alone" if args.dense_alone else "--no-dense-alone"]
     commands = {
         "torch": [py, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-port=29631", me],
         "horovod": [str(Path(py).parent / "horovodrun"), "--gloo", "-np", n, "-H", f"localhost:{n}", py, me],

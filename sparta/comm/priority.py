@@ -51,7 +51,8 @@ class TaskKey:
 @dataclass(frozen=True)
 class QueueConfig:
     """chunk_bytes: an all-reduce is cut into pieces of at most this many bytes.
-    max_in_flight: chunks issued and not yet completed; issuing one more waits for the oldest.
+    max_in_flight: chunks issued and not yet completed, this round's and the last's; issuing
+        one more waits for the oldest.
     chunks_per_ready: chunks the schedule places after each task becomes ready, before the
         next one does (how much communication one task's backward compute is expected to
         hide); 0 issues strictly in key order, after every task has been submitted.
@@ -122,7 +123,8 @@ class PriorityQueue:
             raise InputError(
                 f"PriorityQueue.expect: ready_order {ready} must list exactly the round's keys {order}, once each"
             )
-        self._drain()
+        # the last round's chunks stay in flight (a deferred dense step waits for them during
+        # the next forward); they were all issued, so every rank's order is unchanged
         self._order, self._tasks, self.issue_log = order, {}, []
         self._start_schedule(ready)
 
@@ -223,7 +225,3 @@ class PriorityQueue:
             parts = [h.wait() for h in task.pending]
             task.result = torch.cat(parts).view(task.tensor.shape) if task.op == "all_reduce" else parts[0]
         return task.result
-
-    def _drain(self) -> None:
-        while self._in_flight:
-            self._in_flight.popleft().wait()

@@ -20,6 +20,7 @@ from torch import nn
 
 from sparta.comm import Communicator
 from sparta.comm.priority import QueueConfig
+from sparta.embedding.deferred import DeferredDenseStep
 from sparta.embedding.layer import SparseEmbedding
 from sparta.embedding.optim import HybridOptimizer
 from sparta.embedding.queued import QueuedGradients
@@ -119,6 +120,7 @@ def parallelize(
     sharding: str = "row",
     queue_config: QueueConfig | None = None,
     tie_output: bool = False,
+    defer_dense_step: bool = False,
     **ddp_kwargs: Any,
 ) -> tuple[nn.Module, HybridOptimizer]:
     """Swap `model`'s embeddings for SparseEmbeddings and data-parallelise the rest.
@@ -132,11 +134,21 @@ def parallelize(
         Horovod on the Horovod engine, "sparta" on MPI.
     tie_output: turn an output projection tied to an embedding into a VocabParallelHead
         tied to the swapped table (see swap_embeddings).
+    defer_dense_step: with data_parallel="sparta", `opt.step()` steps the tables and returns;
+        each dense module steps just before the next forward calls it, so that forward's
+        lookups overlap the dense all-reduces still in flight. Same numerics; off by default
+        because code reading dense weights between `opt.step()` and the next forward (an
+        EMA of the weights) must call `opt.flush()` first (see deferred.py).
     make_optimizer: builds a torch optimizer from parameters (called once or twice).
     Returns (model to call, optimizer to step). Gradients follow DDP's convention: averaged
     over ranks, so training matches one process on the global batch.
     """
     mode = _resolve(data_parallel, comm)
+    if defer_dense_step and mode != "sparta":
+        raise ConfigError(
+            f"defer_dense_step=True needs data_parallel='sparta' (the PriorityQueue's all-reduces), but "
+            f"data_parallel={data_parallel!r} runs {mode!r} on this engine; pass data_parallel='sparta'"
+        )
     swap_embeddings(model, comm, sharding, tie_output)
     sharded = set(sharded_parameter_names(model))
     named = list(model.named_parameters())
@@ -154,8 +166,11 @@ def parallelize(
     if mode == "sparta":
         queued = QueuedGradients(model, comm, queue_config)
         parts = {"sparse": shards, "dense": [p for _, p in dense]}
-        waits = {"sparse": queued.finish_tables, "dense": queued.finish_dense}
-        return model, HybridOptimizer({k: make_optimizer(ps) for k, ps in parts.items() if ps}, waits)
+        opts = {k: make_optimizer(ps) for k, ps in parts.items() if ps}
+        if defer_dense_step and "dense" in opts:
+            deferred = DeferredDenseStep(model, opts["dense"], queued)
+            return model, HybridOptimizer(opts, {"sparse": queued.finish_tables}, deferred)
+        return model, HybridOptimizer(opts, {"sparse": queued.finish_tables, "dense": queued.finish_dense})
     import horovod.torch as hvd
 
     dense_opt = hvd.DistributedOptimizer(

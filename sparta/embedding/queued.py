@@ -8,11 +8,13 @@ submitted from its backward (`defer_gradients`). The round declares the tasks re
 reverse of the model's parameter order (the order backward produces them), so the queue's
 agreed schedule issues dense chunks while backward still computes, and the embedding's
 exchange overtakes every dense chunk not yet placed. The optimizer waits only at its step:
-first for the embeddings' rows (their shards step at once), then for the dense gradients.
+first for the embeddings' rows (their shards step at once), then for the dense gradients
+(or, with a DeferredDenseStep, for each dense module's just before the next forward uses it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any
 
 import torch
@@ -42,6 +44,9 @@ class QueuedGradients:
         self.dense = {p: k for p, k in keys.items() if p not in shards}
         self.ready_order = [keys[p] for _, p in reversed(named)]
         self.handles: dict[nn.Parameter, Handle[torch.Tensor]] = {}
+        # parameters whose last step a DeferredDenseStep still holds back: a gradient reaching
+        # one means a forward used its old value (see deferred.py)
+        self.unstepped: Container[nn.Parameter] = ()
         model.register_forward_pre_hook(self._start_round)
         for table in self.tables:
             table.defer_gradients(self.queue, keys[table.weight])
@@ -58,6 +63,12 @@ class QueuedGradients:
             self.handles = {}
 
     def _submit(self, p: torch.Tensor) -> None:
+        if p in self.unstepped:
+            raise InputError(
+                f"QueuedGradients: {self.dense[p].name} got a gradient from a forward that ran before its deferred "  # type: ignore[index]
+                "step: that forward used it without calling the module that owns it (e.g. F.linear(x, "
+                "self.head.weight)); call the module, or parallelize without defer_dense_step"
+            )
         self.handles[p] = self.queue.submit(self.dense[p], p.grad, reduce="avg")  # type: ignore[index]
 
     def _check_round(self) -> None:
@@ -73,9 +84,13 @@ class QueuedGradients:
         for table in self.tables:
             table.finish_gradients()
 
-    def finish_dense(self) -> None:
+    def take_dense(self) -> dict[nn.Parameter, Handle[torch.Tensor]]:
+        """This round's dense all-reduces, each handed out once (a second call gets none)."""
         self._check_round()
+        handles, self.handles = self.handles, {}
+        return handles
+
+    def finish_dense(self) -> None:
         with torch.no_grad():
-            for p, handle in self.handles.items():
+            for p, handle in self.take_dense().items():
                 p.grad.copy_(handle.wait())  # type: ignore[union-attr]
-        self.handles = {}
