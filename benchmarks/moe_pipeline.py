@@ -4,20 +4,28 @@
 
 For each rate: starts 2 emulated nodes x 2 ranks (sparta.scheduling.cluster), profiles the
 links and the expert GEMMs, lets the cost model choose (r_fwd, r_bwd, flat or hierarchical),
-then times forward+backward of the MoE exchange (dispatch, experts, combine; 8 experts,
-top-2, d_model 512, d_ff 1024, 4096 tokens per rank, expert parallel over all 4) for flat
-r=1 (what DeepSpeed-MoE does), hierarchical r=1 and the chosen plan, alternating, and the
-lower bound max(communication, computation) from the measured parts. Rank 0 prints one JSON
-line per rate. The router and the dense block are left out: they are the same in all three.
+then times forward+backward of a block: dense projections (their gradients averaged over
+all ranks) around the MoE exchange (dispatch, experts, combine; 8 experts, top-2, d_model
+512, d_ff 1024, 4096 tokens per rank, expert parallel over all 4). Compared, alternating:
+flat r=1 and hierarchical r=1 with DDP's default 25 MiB buckets (what DeepSpeed-MoE does),
+the chosen plan with DDP buckets ("auto_ddp"), and the chosen plan with the dense gradients
+cut by the cost model and sent in the backward's network gaps ("auto"); plus the lower
+bound max(communication, computation) from the measured parts and the cost model's
+predicted step times. Rank 0 prints one JSON line per rate. The router is left out: it is
+the same in all.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import torch
 
@@ -28,14 +36,40 @@ from sparta.scheduling.cluster import ClusterConfig, EmulatedCluster  # noqa: E4
 EXPERTS, TOP_K, D_MODEL, D_FF, TOKENS = 8, 2, 512, 1024, 4096
 
 
+class Block(torch.nn.Module):
+    """The benchmark's model: dense projections around the expert-parallel exchange (an
+    attention block's projections stand-in: their gradients are the dense all-reduce).
+    `moe(rows)` runs the exchange; rows are this rank's tokens repeated top_k times in
+    expert order (`perm`), combined back by summing."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(d, d)
+        self.post = torch.nn.Linear(d, d)
+        self.out = torch.nn.Linear(d, d)
+        self.moe: Callable[[torch.Tensor], torch.Tensor] = lambda r: r
+        self.perm = torch.zeros(0, dtype=torch.int64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.moe(self.pre(x).index_select(0, self.perm))
+        h = torch.zeros_like(x).index_add(0, self.perm, y)
+        return self.out(torch.nn.functional.gelu(self.post(h)))
+
+    def ready_order(self) -> list[torch.nn.Parameter]:
+        """Dense parameters in the order backward produces their gradients."""
+        return [self.out.bias, self.out.weight, self.post.bias, self.post.weight, self.pre.bias, self.pre.weight]
+
+
 def worker(args: argparse.Namespace) -> None:
     import sparta
     from sparta.comm import HierarchicalAllToAll
     from sparta.scheduling.cost_model import CostModel, LayerShape
+    from sparta.scheduling.grad_sync import PartitionedAllReduce
+    from sparta.scheduling.partition import bucketed_exposed_s, partition_gradients
     from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
     from sparta.scheduling.profiler import ProfileConfig, Profiler
-    from sparta.scheduling.trace import Tracer, gather, write_chrome_trace
-    from sparta.scheduling.tuner import UNPIPELINED, OnlineTuner
+    from sparta.scheduling.trace import TracedExchange, Tracer, draw_timeline, gather, write_chrome_trace
+    from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
 
     torch.set_num_threads(1)
     world = sparta.init(backend="torch", ranks_per_node=args.ranks_per_node)
@@ -43,17 +77,18 @@ def worker(args: argparse.Namespace) -> None:
     intra, inter = world.node_comms()
     hier = HierarchicalAllToAll(world.comm, intra, inter)
     mib = 2**20
-    profiler = Profiler(
-        world.comm,
-        {"world": world.comm, "hier": hier},
-        ProfileConfig(bytes=(mib, 4 * mib, 8 * mib), rows=(1024, 4096, 8192), repeats=2),
-    )
+    config = ProfileConfig(bytes=(mib, 4 * mib, 8 * mib), rows=(1024, 4096, 8192), repeats=2)
     g = torch.Generator().manual_seed(world.rank)
     experts = torch.randint(0, EXPERTS, (TOKENS * TOP_K,), generator=g)
     counts = torch.bincount(experts, minlength=EXPERTS)
-    rows = torch.randn(TOKENS * TOP_K, D_MODEL, generator=g)
+    tokens = torch.randn(TOKENS, D_MODEL, generator=g)
     w1 = (torch.randn(local, D_MODEL, D_FF, generator=g) / D_MODEL**0.5).requires_grad_()
     w2 = (torch.randn(local, D_FF, D_MODEL, generator=g) / D_FF**0.5).requires_grad_()
+    torch.manual_seed(0)  # dense weights equal on every rank, as data parallelism keeps them
+    block = Block(D_MODEL)
+    # each token's top_k rows, sorted by expert (what dispatch produces)
+    block.perm = torch.arange(TOKENS).repeat_interleave(TOP_K)[torch.sort(experts, stable=True).indices]
+    ddp = torch.nn.parallel.DistributedDataParallel(block)  # default 25 MiB buckets
 
     def experts_mlp(x: torch.Tensor, chunk_counts: torch.Tensor) -> torch.Tensor:
         # rows come grouped by (source, local expert): regroup by expert, run, restore order
@@ -70,34 +105,68 @@ def worker(args: argparse.Namespace) -> None:
         flat[: rows % (size * local)] += 1
         return flat.view(size, local)
 
-    # the experts as this benchmark runs them (regrouping included), not a stand-in
-    profile = profiler.collectives(("all_to_all",)) | profiler.forward_backward(
-        f"{D_MODEL}x{D_FF}", lambda x: experts_mlp(x, balanced(x.shape[0])), D_MODEL
+    def dense_only(x: torch.Tensor) -> torch.Tensor:
+        return block.out(torch.nn.functional.gelu(block.post(block.pre(x))))
+
+    # the experts and dense layers as this benchmark runs them, not stand-ins
+    profiler = Profiler(world.comm, {"world": world.comm, "hier": hier}, config)
+    profile = (
+        profiler.collectives(("all_to_all",))
+        | Profiler(world.comm, {"world": world.comm}, config).collectives(("all_reduce",))
+        | profiler.forward_backward(f"{D_MODEL}x{D_FF}", lambda x: experts_mlp(x, balanced(x.shape[0])), D_MODEL)
+        | profiler.forward_backward("dense", dense_only, D_MODEL)
     )
     shape = LayerShape(tokens=TOKENS, top_k=TOP_K, d_model=D_MODEL, d_ff=D_FF, ep_size=size)
     model = CostModel(profile)
     plan = model.plan(shape, max_degree=8)
-    flat1 = model.predict(shape, 1, hierarchical=False)
+    dense_bytes = sum(p.numel() * 4 for p in block.ready_order())
+    ar = profile.fit("all_reduce", "world")
+    dense_s = profile.fit("expert_fwd", "dense")(TOKENS) + profile.fit("expert_bwd", "dense")(TOKENS)
+    syncs: dict[Choice, PartitionedAllReduce] = {}
 
-    def step(degrees: PipelineDegrees, hierarchical: bool, tracer: Tracer | None = None) -> float:
-        x = rows.clone().requires_grad_()
+    def partitioned(choice: Choice) -> PartitionedAllReduce:
+        if choice not in syncs:
+            line = model.backward_timeline(shape, choice.degrees.backward, choice.hierarchical)
+            part = partition_gradients(dense_bytes, [e - b for b, e in line.idle_network()], ar, 4096, element_bytes=4)
+            syncs[choice] = PartitionedAllReduce(world.comm, block.ready_order(), part, line.gap_openings())
+        return syncs[choice]
+
+    def predicted(choice: Choice, partition: bool) -> float:
+        p = model.predict(shape, choice.degrees.forward, choice.hierarchical)
+        exposed = partitioned(choice).partition.exposed_s if partition else bucketed_exposed_s(dense_bytes, ar)
+        return p.forward_s + p.backward_s + dense_s + exposed
+
+    def step(choice: Choice, partition: bool, tracer: Tracer | None = None) -> float:
+        sync = partitioned(choice) if partition else None
+        exchange: object = hier if choice.hierarchical else world.comm
+        if tracer is not None:
+            exchange = TracedExchange(exchange, tracer, "inter-node comm" if not choice.hierarchical else None)
+        if sync is not None:
+            exchange = sync.watch(exchange)
+        block.moe = lambda r: pipelined_exchange(r, counts, experts_mlp, exchange, choice.degrees, [w1, w2])
+        block.zero_grad(set_to_none=True)
         world.comm.barrier()
         begin = time.perf_counter()
-        exchange = hier if hierarchical else world.comm
-        y = pipelined_exchange(x, counts, experts_mlp, exchange, degrees, [w1, w2], tracer=tracer)
-        y.backward(torch.ones_like(y))
+        if sync is None:
+            y = ddp(tokens)
+            y.square().mean().backward()
+        else:
+            y = block(tokens)
+            sync.start()
+            y.square().mean().backward()
+            sync.finish()
         return time.perf_counter() - begin
 
-    # online check: the model's two best choices against r=1, on real steps
+    # online check: the model's two best choices against r=1, on real steps (partitioned)
     tuner = OnlineTuner(world.comm, [*plan.ranked(2), UNPIPELINED], trials=2)
     while tuner.chosen is None:
-        tuner.observe(step(tuner.current.degrees, tuner.current.hierarchical))
+        tuner.observe(step(tuner.current, partition=True))
     auto = tuner.chosen
     configs = {
-        "flat_r1": (PipelineDegrees(1, 1), False),
-        "hier_r1": (PipelineDegrees(1, 1), True),
-        "model": (plan.degrees, plan.hierarchical),
-        "auto": (auto.degrees, auto.hierarchical),
+        "flat_r1": (UNPIPELINED, False),
+        "hier_r1": (Choice(PipelineDegrees(1, 1), True), False),
+        "auto_ddp": (auto, False),
+        "auto": (auto, True),
     }
     times: dict[str, list[float]] = {k: [] for k in configs}
     for _ in range(args.repeats):
@@ -106,64 +175,63 @@ def worker(args: argparse.Namespace) -> None:
 
     # lower bound: the chosen exchange's communication alone (same chunks, the experts
     # replaced by the identity; chunked transfers cross the shaped link faster than one large
-    # one, so unchunked timings would not bound it) and the experts' compute alone
+    # one, so unchunked timings would not bound it) plus the dense all-reduce, against the
+    # experts' and dense layers' compute alone
+    exchange = hier if auto.hierarchical else world.comm
     world.comm.barrier()
     begin = time.perf_counter()
-    xb = rows.clone().requires_grad_()
-    exchange = hier if auto.hierarchical else world.comm
-    y = pipelined_exchange(xb, counts, lambda x, c: x * 1.0, exchange, auto.degrees)
-    y.backward(torch.ones_like(y))
+    xb = torch.randn(TOKENS * TOP_K, D_MODEL, requires_grad=True)
+    pipelined_exchange(xb, counts, lambda x, c: x * 1.0, exchange, auto.degrees).sum().backward()
+    world.comm.all_reduce(torch.zeros(dense_bytes // 4))
     comm_s = time.perf_counter() - begin
-    xe = rows.clone().requires_grad_()
     begin = time.perf_counter()
-    experts_mlp(xe, balanced(TOKENS * TOP_K)).sum().backward()
+    experts_mlp(xb.detach().requires_grad_(), balanced(TOKENS * TOP_K)).sum().backward()
+    dense_only(tokens.requires_grad_()).sum().backward()
     compute_s = time.perf_counter() - begin
     bound = torch.tensor([comm_s, compute_s], dtype=torch.float64)
     bound = torch.stack(world.comm.all_gather(bound)).max(0).values  # type: ignore[arg-type]
 
     if args.trace:
         tracer = Tracer()
-        step(auto.degrees, auto.hierarchical, tracer)
+        step(auto, True, tracer)
         spans = gather(world.comm, tracer)
         if spans is not None:
-            write_chrome_trace(args.trace.replace("RATE", args.rate), spans)
+            path = args.trace.replace("RATE", args.rate)
+            write_chrome_trace(path, spans)
+            draw_timeline(path.replace(".json", "") + ".png", spans, f"auto at {args.rate}")
 
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     if world.rank == 0:
         lower = float(bound.max())
-        predicted = plan.forward_s + plan.backward_s
-        print(
-            json.dumps(
-                {
-                    "rate": args.rate,
-                    "step_s": {k: round(v, 3) for k, v in med.items()},
-                    "model_choice": {
-                        "r_fwd": plan.degrees.forward,
-                        "r_bwd": plan.degrees.backward,
-                        "hierarchical": plan.hierarchical,
-                    },
-                    "auto_choice": {
-                        "r_fwd": auto.degrees.forward,
-                        "r_bwd": auto.degrees.backward,
-                        "hierarchical": auto.hierarchical,
-                    },
-                    "predicted_model_s": round(predicted, 3),
-                    "prediction_error": round(predicted / med["model"] - 1, 3),
-                    "predicted_flat_r1_s": round(flat1.forward_s + flat1.backward_s, 3),
-                    "a2a_world_fit": {
-                        "alpha_ms": round(profile.fits["all_to_all/world"].alpha * 1e3, 2),
-                        "MB_per_s": round(1e-6 / max(profile.fits["all_to_all/world"].beta, 1e-15), 1),
-                    },
-                    "lower_bound_s": round(lower, 3),
-                    "comm_s": round(float(bound[0]), 3),
-                    "compute_s": round(float(bound[1]), 3),
-                    "speedup_vs_flat_r1": round(med["flat_r1"] / med["auto"], 3),
-                    "auto_over_bound": round(med["auto"] / lower, 3),
-                    "fit_rel_error": {k: round(f.rel_error, 3) for k, f in profile.fits.items()},
-                }
-            ),
-            flush=True,
-        )
+        part = partitioned(auto).partition
+        result = {
+            "rate": args.rate,
+            "load_avg": [round(x, 2) for x in os.getloadavg()],
+            "step_s": {k: round(v, 3) for k, v in med.items()},
+            "model_choice": {"r_fwd": plan.degrees.forward, "r_bwd": plan.degrees.backward, "hier": plan.hierarchical},
+            "auto_choice": {"r_fwd": auto.degrees.forward, "r_bwd": auto.degrees.backward, "hier": auto.hierarchical},
+            "predicted_s": {
+                "flat_r1": round(predicted(UNPIPELINED, False), 3),
+                "auto": round(predicted(auto, True), 3),
+                "auto_ddp": round(predicted(auto, False), 3),
+            },
+            "prediction_error": {
+                "flat_r1": round(predicted(UNPIPELINED, False) / med["flat_r1"] - 1, 3),
+                "auto": round(predicted(auto, True) / med["auto"] - 1, 3),
+            },
+            "partition": {"dense_bytes": dense_bytes, "pieces": list(part.pieces), "gaps": list(part.gaps)},
+            "lower_bound_s": round(lower, 3),
+            "comm_s": round(float(bound[0]), 3),
+            "compute_s": round(float(bound[1]), 3),
+            "speedup_vs_flat_r1": round(med["flat_r1"] / med["auto"], 3),
+            "partition_vs_ddp": round(med["auto_ddp"] / med["auto"], 3),
+            "auto_over_bound": round(med["auto"] / lower, 3),
+            "fits": {
+                k: {"alpha_ms": round(f.alpha * 1e3, 3), "beta": f.beta, "rel_error": round(f.rel_error, 3)}
+                for k, f in profile.fits.items()
+            },
+        }
+        print(json.dumps(result), flush=True)
     world.shutdown()
 
 
@@ -180,6 +248,11 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the `with`, which tears the cluster down
+
+    signal.signal(signal.SIGTERM, on_term)
     failed = 0
     for rate in args.rates.split(","):
         config = ClusterConfig(nodes=2, ranks_per_node=2, rate=rate)

@@ -40,13 +40,21 @@ class GradientPartition:
 
 
 def partition_gradients(
-    total_bytes: int, gaps_s: Sequence[float], all_reduce: LinearFit, min_bytes: int = 64 * 1024
+    total_bytes: int,
+    gaps_s: Sequence[float],
+    all_reduce: LinearFit,
+    min_bytes: int = 64 * 1024,
+    element_bytes: int = 1,
 ) -> GradientPartition:
     """Fill each gap (seconds, in time order) with the largest all-reduce piece that fits,
     never smaller than `min_bytes` (below that the latency alpha dominates), until
-    `total_bytes` are placed; the rest is one piece after backward."""
-    if total_bytes < 0 or min_bytes < 1:
-        raise ConfigError(f"partition_gradients: total_bytes = {total_bytes}, min_bytes = {min_bytes}; use >= 0, >= 1")
+    `total_bytes` are placed; the rest is one piece after backward. Pieces are whole
+    multiples of `element_bytes` (4 for float32 gradients) so none splits an element."""
+    if total_bytes < 0 or min_bytes < 1 or element_bytes < 1 or total_bytes % element_bytes:
+        raise ConfigError(
+            f"partition_gradients: total_bytes = {total_bytes}, min_bytes = {min_bytes}, element_bytes = "
+            f"{element_bytes}; use >= 0, >= 1, >= 1, with total_bytes a multiple of element_bytes"
+        )
     if any(g < 0 for g in gaps_s):
         raise ConfigError(f"partition_gradients: gaps_s = {list(gaps_s)}; gaps last >= 0 seconds")
     left, pieces, where = total_bytes, [], []
@@ -54,7 +62,7 @@ def partition_gradients(
         if left == 0:
             break
         fits = left if all_reduce.beta == 0 else int((gap - all_reduce.alpha) / all_reduce.beta)
-        n = min(left, fits)
+        n = min(left, fits) // element_bytes * element_bytes
         if n >= min(min_bytes, left) and n > 0:
             pieces.append(n)
             where.append(i)

@@ -34,6 +34,10 @@ def test_pieces_fill_gaps_that_fit_and_the_rest_is_exposed() -> None:
     assert big.gaps == (0, 1, -1) and sum(big.pieces) == 50_000_000
     assert big.exposed_s == pytest.approx(AR(39_000_000), rel=1e-6)
     assert big.exposed_s < bucketed_exposed_s(50_000_000, AR)
+    whole = partition_gradients(2_000_000, [0.0110001, 0.101], AR, element_bytes=4)
+    assert all(n % 4 == 0 for n in whole.pieces) and sum(whole.pieces) == 2_000_000
+    with pytest.raises(ConfigError, match="element_bytes = 4; .* a multiple of element_bytes"):
+        partition_gradients(6, [1.0], AR, element_bytes=4)
     with pytest.raises(ConfigError, match="gaps_s"):
         partition_gradients(1, [-1.0], AR)
 
