@@ -105,6 +105,21 @@ def command(launcher: str, nprocs: int, script: Path, args: list[str]) -> list[s
     raise ValueError(f"unknown launcher {launcher!r}; known: {LAUNCHERS}")
 
 
+def run_killing_on_timeout(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> tuple[int, str]:
+    """Run a launch in its own process group; (exit code, output). One that outlives
+    `timeout` is killed whole and fails the test with the tail of its output."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{what} hung for {timeout:g} s and was killed; last output:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
 def launch(
     launcher: str,
     script: str,
@@ -121,23 +136,15 @@ def launch(
     )
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     cmd = command(launcher, nprocs, DIST / script, list(args or []))
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{launcher} {script} hung for {timeout:g} s and was killed; last output:\n{out[-4000:]}")
+    returncode, out = run_killing_on_timeout(cmd, env, timeout, f"{launcher} {script}")
     results: dict[tuple[int, str], dict] = {}
     for path in sorted(Path(results_dir).glob("rank-*.jsonl")):
         for line in path.read_text().splitlines():
             rec = json.loads(line)
             results[(rec["rank"], rec["check"])] = rec
     shutil.rmtree(results_dir, ignore_errors=True)
-    if expect_ok and proc.returncode != 0:
-        pytest.fail(f"{launcher} {script} exited with {proc.returncode}; output tail:\n{out[-4000:]}")
+    if expect_ok and returncode != 0:
+        pytest.fail(f"{launcher} {script} exited with {returncode}; output tail:\n{out[-4000:]}")
     if not results:
         pytest.fail(f"{launcher} {script} reported nothing; output tail:\n{out[-4000:]}")
     return results

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -22,25 +20,12 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _torchrun(script: Path, args: list[str], timeout: float) -> str:
-    from launch import command
+    from launch import command, run_killing_on_timeout
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        command("torchrun", 2, script, args),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{script.name} hung for {timeout:g} s and was killed; output tail:\n{out[-3000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{script.name} exited with {proc.returncode}; output tail:\n{out[-3000:]}")
+    returncode, out = run_killing_on_timeout(command("torchrun", 2, script, args), env, timeout, script.name)
+    if returncode != 0:
+        pytest.fail(f"{script.name} exited with {returncode}; output tail:\n{out[-3000:]}")
     return out
 
 
