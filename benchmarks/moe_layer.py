@@ -392,10 +392,7 @@ def ep_worker(cfg: BenchConfig, candidates: list[str], repeats: int) -> None:
     if cfg.num_experts % world.size or cfg.tokens % world.size:
         raise SystemExit(f"{cfg.name}: {world.size} ranks must divide {cfg.num_experts} experts and {cfg.tokens} rows")
     time_candidates(cfg, candidates, repeats, threads=1, comm=world.comm)
-    world.shutdown()
-    # Past gloo's C++ teardown, which aborts now and then at exit (see examples/train_moe_lm.py).
-    sys.stdout.flush()
-    os._exit(0)
+    world.exit()
 
 
 def main() -> None:

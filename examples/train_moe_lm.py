@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 
@@ -113,11 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{summary['tokens_per_s']:,.0f} tokens/s over {world.size} ranks, {summary['wall_s']} s"
     )
     say(json.dumps(summary))
-    world.shutdown()
-    # torch 2.13's gloo now and then aborts in its C++ destructors at interpreter exit (exit
-    # -6) after a clean shutdown, which would fail the launcher's run: leave without them.
-    sys.stdout.flush()
-    os._exit(0)
+    world.exit()
 
 
 if __name__ == "__main__":

@@ -143,3 +143,9 @@ def test_cli_help_lists_subcommands() -> None:
     assert out.returncode == 0 and "info" in out.stdout
     info = subprocess.run([sys.executable, "-m", "sparta.cli", "info"], capture_output=True, text=True, timeout=60)
     assert '"torch": {' in info.stdout and '"engines"' in info.stdout
+
+
+def test_world_exit_ends_the_process_with_its_code_after_flushing() -> None:
+    script = "import sparta; w = sparta.init(); print('done', flush=False); w.exit(3)"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3 and proc.stdout == "done\n", (proc.returncode, proc.stdout, proc.stderr)
