@@ -1,12 +1,14 @@
 """sparta.scheduling: measure, model and schedule communication against computation.
 
-    profiler.py   Profiler, ProfileConfig, Profile, LinearFit: time collectives and expert
-                  GEMMs at several sizes, fit t = alpha + beta * n, save/load JSON
-    cost_model.py CostModel, LayerShape, SchedulePlan: predict an expert-parallel exchange's
-                  forward/backward time for degree r, flat or hierarchical; choose r_fwd, r_bwd
+    profiler.py   Profiler, ProfileConfig, Profile, LinearFit: time collectives, expert
+                  GEMMs and routers at several sizes, fit t = alpha + beta * n, save/load JSON
+    cost_model.py CostModel, LayerShape, SchedulePlan, Calibration: predict an expert-parallel
+                  exchange's forward/backward time for degree r, flat or hierarchical, corrected
+                  by timed steps; choose r_fwd, r_bwd
     pipeline.py   pipelined_exchange, PipelineDegrees: chunk i+1 travels while chunk i computes
     partition.py  partition_gradients: dense all-reduce pieces sized to the backward's network gaps
-    tuner.py      OnlineTuner, Choice: try the model's best plans and r=1 on real steps, keep the fastest
+    tuner.py      OnlineTuner, Choice: try the model's best plans and r=1 on real steps, keep the
+                  fastest (r=1 unless clearly beaten)
     grad_sync.py  PartitionedAllReduce: those pieces issued through the priority queue in backward
     trace.py      Tracer, TracedExchange, gather, write_chrome_trace, draw_timeline: per-rank
                   timelines for Perfetto and as a PNG
@@ -16,7 +18,7 @@
 Imports point down only: this package uses sparta.comm and never sparta.moe.
 """
 
-from sparta.scheduling.cost_model import CostModel, LayerShape, Prediction, SchedulePlan, Timeline
+from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape, Prediction, SchedulePlan, Timeline
 from sparta.scheduling.grad_sync import PartitionedAllReduce
 from sparta.scheduling.partition import GradientPartition, partition_gradients
 from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
@@ -26,6 +28,7 @@ from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
 
 __all__ = [
     "UNPIPELINED",
+    "Calibration",
     "Choice",
     "CostModel",
     "GradientPartition",

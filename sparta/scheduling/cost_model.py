@@ -7,16 +7,25 @@ the network (one FIFO channel: the slow link carries one transfer at a time) and
 rank's compute thread. The hierarchical all-to-all's intra-node step blocks the compute
 thread (it is waited before the call returns); its inter-node step queues on the network.
 
+A profile fitted apart from training misses what a real step adds (cores shared between
+ranks and gloo's threads, transfers that overlap compute less than perfectly), so the model
+takes a Calibration fitted from a few real steps: measured ~ scale * (serial - efficiency *
+(serial - overlapped)), with the (overlapped, serial) seconds the model gives each plan.
+
     model = CostModel(profile)
     plan = model.plan(LayerShape(tokens=4096, top_k=2, d_model=512, d_ff=1024, ep_size=4))
     plan.degrees.forward, plan.degrees.backward, plan.hierarchical, plan.forward_s
+    model = CostModel(profile, Calibration.fit([(overlapped_s, serial_s, measured_s), ...]))
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sparta.errors import ConfigError
+import torch
+
+from sparta.errors import ConfigError, InputError
 from sparta.scheduling.pipeline import PipelineDegrees
 from sparta.scheduling.profiler import LinearFit, Profile
 from sparta.scheduling.tuner import Choice
@@ -59,18 +68,77 @@ class Prediction:
     hierarchical: bool
     forward_s: float
     backward_s: float  # with backward at the same degree as forward (graphs reused)
+    # the same transfers and compute one after another, nothing overlapped: what the
+    # pipeline saves is serial - overlapped, the part a Calibration scales by its efficiency
+    forward_serial_s: float = 0.0
+    backward_serial_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The cost model corrected by real steps: measured ~ scale * (serial - efficiency * saved),
+    saved = serial - overlapped. `scale` absorbs what the profile got wrong for every
+    configuration alike (compute slowed by the ranks sharing cores, the links under a real
+    step's traffic); `efficiency` (0..1) is the share of the overlap the model predicts that
+    the pipeline really achieves (transfers and compute contend for the same cores, so
+    overlap is never perfect). rel_error: RMS relative error over the fitted steps.
+
+    Fitted from steps timed on every rank and agreed (slowest rank), so every rank holds the
+    same Calibration and makes the same decisions."""
+
+    scale: float = 1.0
+    efficiency: float = 1.0
+    rel_error: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.scale <= 0 or not 0.0 <= self.efficiency <= 1.0:
+            raise ConfigError(
+                f"Calibration scale = {self.scale}, efficiency = {self.efficiency}; use scale > 0, 0 <= efficiency <= 1"
+            )
+
+    def __call__(self, overlapped_s: float, serial_s: float) -> float:
+        """Corrected seconds of a configuration the model predicts at `overlapped_s` with its
+        pipeline and `serial_s` without overlap."""
+        return self.scale * (serial_s - self.efficiency * (serial_s - overlapped_s))
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[float, float, float]]) -> Calibration:
+        """Least squares over (overlapped_s, serial_s, measured_s) of timed configurations.
+        Needs a configuration that overlaps nothing (r=1: it pins `scale`) and one that
+        overlaps (pins `efficiency`); with only one kind, efficiency stays at the bound
+        nearest the fit (or 1, the model's own, when nothing overlaps)."""
+        if not points or any(min(p) <= 0 or p[0] > p[1] * (1 + 1e-9) for p in points):
+            raise InputError(
+                f"Calibration.fit: points {list(points)}; give (overlapped_s, serial_s, measured_s), all > 0, "
+                "overlapped <= serial"
+            )
+        a = torch.tensor([[s, o - s] for o, s, _ in points], dtype=torch.float64)
+        m = torch.tensor([t for _, _, t in points], dtype=torch.float64)
+        efficiency = 1.0
+        if len(points) > 1 and torch.linalg.matrix_rank(a) == 2:
+            scale, scaled_eff = torch.linalg.lstsq(a, m.unsqueeze(1)).solution.squeeze(1).tolist()
+            efficiency = min(1.0, max(0.0, scaled_eff / scale)) if scale > 0 else 1.0
+        x = a[:, 0] + efficiency * a[:, 1]  # the model with this efficiency; scale by least squares
+        scale = float((x @ m) / (x @ x))
+        rel = float((((scale * x - m) / m) ** 2).mean().sqrt())
+        return cls(scale, efficiency, rel)
 
 
 @dataclass(frozen=True)
 class SchedulePlan:
     """What the co-scheduler chose and why: the chosen degrees and all-to-all form, their
-    predicted seconds, and every configuration it weighed (for logs and traces)."""
+    predicted seconds (through the model's Calibration), and every configuration it weighed
+    (uncalibrated; for logs and traces)."""
 
     degrees: PipelineDegrees
     hierarchical: bool
     forward_s: float
     backward_s: float
     candidates: tuple[Prediction, ...]
+    calibration: Calibration = Calibration()
+    # (forward, backward) seconds of the layer's router over this rank's tokens, when the
+    # profile has it: outside the pipeline (routing precedes dispatch) but part of the layer
+    router_s: tuple[float, float] = (0.0, 0.0)
 
     @property
     def choice(self) -> Choice:
@@ -78,10 +146,23 @@ class SchedulePlan:
 
     def ranked(self, count: int) -> list[Choice]:
         """This plan's choice, then the best other equal-degree candidates by predicted
-        forward + backward: what an OnlineTuner should try. At most `count` choices."""
-        by_total = sorted(self.candidates, key=lambda c: c.forward_s + c.backward_s)
-        others = [Choice(PipelineDegrees(c.degree, c.degree), c.hierarchical) for c in by_total]
-        return list(dict.fromkeys([self.choice, *others]))[:count]
+        forward + backward, each at least twice or at most half the degree of every one
+        taken (neighbouring degrees differ by less than a real step's noise, so trying both
+        tells nothing): what an OnlineTuner should try. At most `count` choices."""
+        cal = self.calibration
+        by_total = sorted(
+            self.candidates, key=lambda c: cal(c.forward_s, c.forward_serial_s) + cal(c.backward_s, c.backward_serial_s)
+        )
+        taken = [self.choice]
+        for c in by_total:
+            apart = all(
+                c.hierarchical != t.hierarchical
+                or max(c.degree, t.degrees.forward) >= 2 * min(c.degree, t.degrees.forward)
+                for t in taken
+            )
+            if apart and len(taken) < count:
+                taken.append(Choice(PipelineDegrees(c.degree, c.degree), c.hierarchical))
+        return taken[:count]
 
 
 @dataclass(frozen=True)
@@ -150,8 +231,13 @@ class CostModel:
     "all_to_all/intra" and "all_to_all/inter" (hierarchical), "expert_fwd/DxF" and
     "expert_bwd/DxF"."""
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, calibration: Calibration | None = None) -> None:
         self.profile = profile
+        self.calibration = calibration or Calibration()
+
+    def corrected(self, p: Prediction) -> tuple[float, float]:
+        """(forward, backward) seconds of `p` through this model's Calibration."""
+        return self.calibration(p.forward_s, p.forward_serial_s), self.calibration(p.backward_s, p.backward_serial_s)
 
     def _exchange(self, shape: LayerShape, degree: int, hierarchical: bool) -> tuple[float, float]:
         """(network seconds, blocking seconds) of one chunk's all-to-all."""
@@ -181,6 +267,24 @@ class CostModel:
             hierarchical,
             simulate(degree, comm, fwd_compute, blocking),
             simulate(degree, comm, bwd_compute, blocking),
+            degree * (2 * (comm + blocking) + fwd_compute),
+            degree * (2 * (comm + blocking) + bwd_compute),
+        )
+
+    def predict_degrees(self, shape: LayerShape, degrees: PipelineDegrees, hierarchical: bool) -> Prediction:
+        """Forward at degrees.forward, backward at degrees.backward (recomputing the forward's
+        compute when they differ, as the pipeline does); `degree` is the forward's."""
+        fwd = self.predict(shape, degrees.forward, hierarchical)
+        if degrees.backward == degrees.forward:
+            return fwd
+        bwd = self.predict(shape, degrees.backward, hierarchical, recompute=True)
+        return Prediction(
+            degrees.forward,
+            hierarchical,
+            fwd.forward_s,
+            bwd.backward_s,
+            fwd.forward_serial_s,
+            bwd.backward_serial_s,
         )
 
     def backward_timeline(self, shape: LayerShape, degree: int, hierarchical: bool) -> Timeline:
@@ -189,32 +293,40 @@ class CostModel:
         comm, blocking = self._exchange(shape, degree, hierarchical)
         return timeline(degree, comm, self._compute(shape, "bwd")(shape.rows / degree), blocking)
 
-    def plan(self, shape: LayerShape, max_degree: int = 8, hierarchical: bool | None = None) -> SchedulePlan:
+    def router(self, shape: LayerShape, name: str) -> tuple[float, float]:
+        """(forward, backward) seconds of router `name` over shape.tokens tokens, from the
+        "router_fwd/{name}" and "router_bwd/{name}" fits (Profiler.router)."""
+        return self.profile.fit("router_fwd", name)(shape.tokens), self.profile.fit("router_bwd", name)(shape.tokens)
+
+    def plan(
+        self, shape: LayerShape, max_degree: int = 8, hierarchical: bool | None = None, router: str | None = None
+    ) -> SchedulePlan:
         """The degrees (forward and backward chosen apart) and all-to-all form that minimise
         the predicted forward + backward time. `hierarchical=None` weighs both forms when
-        the profile has the intra/inter fits; True or False forces one."""
+        the profile has the intra/inter fits; True or False forces one. `router` names a
+        profiled router whose time the plan reports (it is the same under every plan)."""
         if max_degree < 1:
             raise ConfigError(f"CostModel.plan: max_degree = {max_degree}; use >= 1")
         fits = self.profile.fits
         has_hier = "all_to_all/hier" in fits or ("all_to_all/inter" in fits and "all_to_all/intra" in fits)
         forms = [hierarchical] if hierarchical is not None else ([False, True] if has_hier else [False])
         candidates = tuple(self.predict(shape, r, h) for h in forms for r in range(1, max_degree + 1))
+        cal = self.calibration
+        router_s = self.router(shape, router) if router is not None else (0.0, 0.0)
         best: tuple[float, SchedulePlan] | None = None
         for h in forms:
             mine = [c for c in candidates if c.hierarchical == h]
-            fwd = min(mine, key=lambda c: c.forward_s)
-            bwd = min(mine, key=lambda c: c.backward_s)
-            # unequal degrees make the backward recompute the forward: price that in
-            bwd_s = bwd.backward_s
+            fwd = min(mine, key=lambda c: cal(c.forward_s, c.forward_serial_s))
+            bwd = min(mine, key=lambda c: cal(c.backward_s, c.backward_serial_s))
             if bwd.degree != fwd.degree:
-                recomputed = self.predict(shape, bwd.degree, h, recompute=True).backward_s
-                if recomputed > fwd.backward_s:
-                    bwd, bwd_s = fwd, fwd.backward_s
-                else:
-                    bwd_s = recomputed
-            total = fwd.forward_s + bwd_s
-            if best is None or total < best[0]:
-                plan = SchedulePlan(PipelineDegrees(fwd.degree, bwd.degree), h, fwd.forward_s, bwd_s, candidates)
-                best = (total, plan)
+                # unequal degrees make the backward recompute the forward: price that in
+                both = self.predict_degrees(shape, PipelineDegrees(fwd.degree, bwd.degree), h)
+                if cal(both.backward_s, both.backward_serial_s) > cal(fwd.backward_s, fwd.backward_serial_s):
+                    bwd = fwd
+            chosen = self.predict_degrees(shape, PipelineDegrees(fwd.degree, bwd.degree), h)
+            fwd_s, bwd_s = self.corrected(chosen)
+            if best is None or fwd_s + bwd_s < best[0]:
+                plan = SchedulePlan(PipelineDegrees(fwd.degree, bwd.degree), h, fwd_s, bwd_s, candidates, cal, router_s)
+                best = (fwd_s + bwd_s, plan)
         assert best is not None
         return best[1]

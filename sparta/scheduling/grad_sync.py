@@ -4,13 +4,19 @@ in the network gaps of an MoE layer's pipelined backward.
 `partition_gradients` (partition.py) sizes the pieces from the cost model's gaps; this sends
 them. The dense gradients are laid end to end in the order they become ready in backward
 (the layers after the MoE layer first), cut at the partition's byte boundaries, and each piece
-is a task of a sparta.comm PriorityQueue. A piece is submitted once its gradients are all
-accumulated and its gap has opened: the pipeline tells the exchange of each transfer it
-issues (`issued`), and gap g opens after `openings[g]` backward transfers (Timeline.
-gap_openings). Pieces planned for no gap (-1), and any whose gap never came (a backward with
-fewer chunks than planned), go at `finish()`. The order of the pieces is fixed by the plan,
-and a piece waits for every earlier one, so every rank issues the same all-reduces in the
-same order whatever its timing.
+is a task of a sparta.comm PriorityQueue. A piece is released once its gradients are all
+accumulated and the transfers before its gap are issued: the pipeline tells the exchange of
+each transfer it issues (`issued`), and gap g opens after `openings[g]` backward transfers
+(Timeline.gap_openings). A released piece is then sent by a helper thread as soon as the
+last of those transfers has completed, not at once: the cost model's link carries one
+transfer at a time, but gloo would run the piece's all-reduce beside the chunk still in
+flight and slow it, delaying the whole pipeline. Pieces planned for no gap (-1), and any
+whose gap never came (a backward with fewer chunks than planned), go at `finish()`.
+
+The pieces travel on their own communicator (a split of `comm` over all its ranks): the
+helper thread's issue time depends on this rank's timing, and collectives on one
+communicator must come in the same order on every rank. On their own one they do (the plan
+fixes the pieces' order), whatever the interleaving with the exchange's transfers.
 
     sync = PartitionedAllReduce(world.comm, dense_params_in_ready_order, part, model_tl.gap_openings())
     exchange = sync.watch(hier)                  # give the MoE layer / pipeline this exchange
@@ -20,6 +26,8 @@ same order whatever its timing.
 from __future__ import annotations
 
 import bisect
+import queue
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,14 +70,16 @@ class PartitionedAllReduce:
                 f"PartitionedAllReduce: pieces use gaps {sorted(set(partition.gaps))} but openings has "
                 f"{len(openings)}; pass Timeline.gap_openings() of the timeline the gaps came from"
             )
-        self.comm, self.params, self.partition = comm, list(params), partition
+        pieces_comm = comm.split(list(range(comm.size)))
+        assert pieces_comm is not None  # every rank is in it
+        self.comm, self.params, self.partition = pieces_comm, list(params), partition
         self.openings = tuple(openings)
         ends = torch.cumsum(torch.tensor([p.numel() for p in params]), 0).tolist()
         self._param_ends = ends  # flat end of each parameter, in ready order
         self._bounds = [0, *torch.cumsum(torch.tensor(partition.pieces) // size, 0).tolist()]
         self._keys = [TaskKey(k, f"dense.{k}") for k in range(len(partition.pieces))]
         # one piece per queue chunk: the partition already sized them
-        self.queue = PriorityQueue(comm, QueueConfig(chunk_bytes=max(partition.pieces), chunks_per_ready=1))
+        self.queue = PriorityQueue(pieces_comm, QueueConfig(chunk_bytes=max(partition.pieces), chunks_per_ready=1))
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         self._started = False
@@ -84,10 +94,26 @@ class PartitionedAllReduce:
         self.queue.expect(self._keys, ready_order=self._keys)
         self._ready = [False] * len(self.params)
         self._prefix = 0  # leading parameters (ready order) whose gradients are in
-        self._transfers = 0
-        self._next = 0
+        self._transfers: list[_Shared] = []  # this backward's transfers, in issue order
+        self._next = 0  # pieces released to the sender
         self._handles: list[Handle[torch.Tensor]] = []
+        self._outbox: queue.SimpleQueue[tuple[int, torch.Tensor, _Shared | None] | None] = queue.SimpleQueue()
+        self._failure: BaseException | None = None
+        self._sender = threading.Thread(target=self._send, name="sparta-grad-pieces", daemon=True)
+        self._sender.start()
         self._started = True
+
+    def _send(self) -> None:
+        """The helper thread: each released piece, in order, once its transfer is done."""
+        while (item := self._outbox.get()) is not None:
+            k, piece, after = item
+            try:
+                if after is not None:
+                    after.wait()
+                self._handles.append(self.queue.submit(self._keys[k], piece, reduce="avg"))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by finish() on the caller's thread
+                self._failure = exc
+                return
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if not self._started:
@@ -97,10 +123,10 @@ class PartitionedAllReduce:
             self._prefix += 1
         self._pump(final=False)
 
-    def issued(self, name: str) -> None:
-        """The pipeline issued a transfer named `name` ("bwd out 2", ...)."""
+    def issued(self, name: str, transfer: _Shared) -> None:
+        """The pipeline issued `transfer`, named `name` ("bwd out 2", ...)."""
         if self._started and name.startswith("bwd"):
-            self._transfers += 1
+            self._transfers.append(transfer)
             self._pump(final=False)
 
     def _pump(self, final: bool) -> None:
@@ -116,10 +142,10 @@ class PartitionedAllReduce:
                         "this step; every rank must back-propagate into every dense parameter"
                     )
                 return
-            if not final and (gap < 0 or self._transfers < self.openings[gap]):
+            if not final and (gap < 0 or len(self._transfers) < self.openings[gap]):
                 return
-            piece = self._piece(k)
-            self._handles.append(self.queue.submit(self._keys[k], piece, reduce="avg"))
+            opened = gap >= 0 and 0 < self.openings[gap] <= len(self._transfers)
+            self._outbox.put((k, self._piece(k), self._transfers[self.openings[gap] - 1] if opened else None))
             self._next += 1
 
     def _piece(self, k: int) -> torch.Tensor:
@@ -141,7 +167,14 @@ class PartitionedAllReduce:
         """Send what is left, wait for every piece, write the averages into the gradients."""
         if not self._started:
             raise InputError("PartitionedAllReduce.finish without start(); call start() before backward")
-        self._pump(final=True)
+        try:
+            self._pump(final=True)
+        finally:
+            self._outbox.put(None)
+            self._sender.join()
+            self._transfers = []
+        if self._failure is not None:
+            raise self._failure
         flat = torch.cat([h.wait() for h in self._handles])
         for p, end in zip(self.params, self._param_ends, strict=True):
             assert p.grad is not None
@@ -154,18 +187,39 @@ class PartitionedAllReduce:
             h.remove()
 
 
+class _Shared:
+    """A transfer's handle waited by two threads (the pipeline, and the sender of the piece
+    that follows it): the first wait blocks, the other gets the same result."""
+
+    def __init__(self, handle: Handle[torch.Tensor]) -> None:
+        self._handle, self._lock = handle, threading.Lock()
+
+    def wait(self) -> torch.Tensor:
+        with self._lock:
+            return self._handle.wait()
+
+
 class _Watched:
     """An exchange whose pipeline transfers are reported to a PartitionedAllReduce; every
     other attribute is the inner exchange's (a TracedExchange inside still traces)."""
 
     def __init__(self, inner: Any, sync: PartitionedAllReduce) -> None:
         self.inner, self.sync = inner, sync
+        self._last: _Shared | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def all_to_all(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = self.inner.all_to_all(x, *args, **kwargs)
+        if not isinstance(out, Handle):
+            return out
+        self._last = _Shared(out)
+        return Handle(self._last.wait)
 
     def issued(self, name: str) -> None:
         inner = getattr(self.inner, "issued", None)
         if inner is not None:
             inner(name)
-        self.sync.issued(name)
+        assert self._last is not None, "the pipeline reports only transfers it issued through all_to_all"
+        self.sync.issued(name, self._last)

@@ -1,4 +1,4 @@
-"""Online profiler: time collectives and expert GEMMs at several sizes, fit t = alpha + beta * n.
+"""Online profiler: time collectives, expert GEMMs and routers at several sizes, fit t = alpha + beta * n.
 
 Every operation is timed on every rank and the slowest rank's time is kept (a collective is
 as slow as its slowest member), so every rank ends with the same fits and hence makes the
@@ -6,6 +6,7 @@ same scheduling decisions: the pipeline needs identical degrees on every rank.
 
     profiler = Profiler(world.comm, {"world": world.comm, "intra": intra, "inter": inter})
     profile = profiler.collectives() | profiler.expert_mlp(d_model=512, d_ff=1024)
+    profile |= profiler.router("topk", lambda x: layer.router(x).weight, d_model=512)
     profile.save("profile.json"); Profile.load("profile.json").fit("all_to_all", "inter")
 """
 
@@ -157,10 +158,15 @@ class Profiler:
         return Profile({name: LinearFit.fit([(n, self._time(make(n))) for n in self.config.rows])})
 
     def forward_backward(
-        self, shape: str, fn: Callable[[torch.Tensor], torch.Tensor], d_in: int, dtype: torch.dtype = torch.float32
+        self,
+        shape: str,
+        fn: Callable[[torch.Tensor], torch.Tensor],
+        d_in: int,
+        dtype: torch.dtype = torch.float32,
+        op: str = "expert",
     ) -> Profile:
-        """Row-wise `fn` ([rows, d_in] -> [rows, d_out]) timed forward ("expert_fwd/{shape}")
-        and backward alone ("expert_bwd/{shape}", through a graph built untimed)."""
+        """Row-wise `fn` ([rows, d_in] -> a tensor) timed forward ("{op}_fwd/{shape}") and
+        backward alone ("{op}_bwd/{shape}", through a graph built untimed)."""
 
         def forward(rows: int) -> Callable[[], object]:
             x = torch.randn(rows, d_in, dtype=dtype)
@@ -171,7 +177,16 @@ class Profiler:
             grad = torch.ones_like(out)
             return lambda: out.backward(grad, retain_graph=True)
 
-        return self.compute(f"expert_fwd/{shape}", forward) | self.compute(f"expert_bwd/{shape}", backward)
+        return self.compute(f"{op}_fwd/{shape}", forward) | self.compute(f"{op}_bwd/{shape}", backward)
+
+    def router(
+        self, name: str, route: Callable[[torch.Tensor], torch.Tensor], d_model: int, dtype: torch.dtype = torch.float32
+    ) -> Profile:
+        """A router, forward ("router_fwd/{name}") and backward ("router_bwd/{name}"), over
+        [tokens, d_model] (n = tokens). `route` returns what the loss flows back through
+        (e.g. the chosen experts' weights): the routing and its top-k run inside it, so the
+        sort or top-k a router does is timed too, which is what grows with the expert count."""
+        return self.forward_backward(name, route, d_model, dtype, op="router")
 
     def expert_mlp(self, d_model: int, d_ff: int, dtype: torch.dtype = torch.float32) -> Profile:
         """One expert's two GEMMs (d_model -> d_ff -> d_model, GELU), under "{d_model}x{d_ff}"."""

@@ -5,10 +5,11 @@ overheads grow when the CPU is contended, and shaped links behave differently un
 small flows than under one large one. So the co-scheduler never trusts it blindly: during
 warm-up, each candidate (the model's best plans, plus unpipelined r=1, which it must never
 lose to) runs `trials` steps; every rank then adopts the one whose slowest-rank median
-time is lowest. The timings are agreed over the communicator, so every rank picks the same
-plan, as the pipeline's matched collectives require.
+time is lowest (the baseline unless another clearly beats it). The timings are agreed over
+the communicator, so every rank picks the same plan, as the pipeline's matched collectives
+require; they also calibrate the cost model (cost_model.Calibration).
 
-    tuner = OnlineTuner(world.comm, model.ranked(shape)[:2] + [UNPIPELINED])
+    tuner = OnlineTuner(world.comm, [*plan.ranked(2), UNPIPELINED], baseline=UNPIPELINED, margin=0.03)
     for step in steps:
         choice = tuner.current            # Choice(degrees, hierarchical)
         t = run_step(choice); tuner.observe(t)
@@ -17,8 +18,9 @@ plan, as the pipeline's matched collectives require.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -38,23 +40,46 @@ class Choice:
 UNPIPELINED = Choice(PipelineDegrees(1, 1), hierarchical=False)
 
 
-class OnlineTuner:
-    """Round-robin over `candidates` (duplicates dropped, order kept) for `trials` steps
-    each, then the fastest. observe() is collective over `comm` once the last trial is in."""
+C = TypeVar("C", bound=Hashable)
 
-    def __init__(self, comm: Communicator, candidates: Sequence[Choice], trials: int = 2) -> None:
+
+class OnlineTuner(Generic[C]):
+    """Round-robin over `candidates` (duplicates dropped, order kept; any hashable: a Choice,
+    or a Choice with a gradient-sync mode) for `warmup` untimed rounds (a configuration's
+    first steps build buffers, buckets and connections, and would bias the calibration),
+    then `trials` timed steps each, then the fastest. With a
+    `baseline` (e.g. UNPIPELINED), another candidate wins only if its time is below
+    baseline * (1 - margin): a gain within the noise of a shared machine is no gain, and
+    the baseline is what the pipeline must never lose to. observe() is collective over
+    `comm` once the last trial is in."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        candidates: Sequence[C],
+        trials: int = 2,
+        baseline: C | None = None,
+        margin: float = 0.0,
+        warmup: int = 0,
+    ) -> None:
         unique = list(dict.fromkeys(candidates))
         if not unique:
-            raise ConfigError("OnlineTuner needs at least one candidate Choice")
-        if trials < 1:
-            raise ConfigError(f"OnlineTuner trials = {trials}; use >= 1")
+            raise ConfigError("OnlineTuner needs at least one candidate")
+        if trials < 1 or warmup < 0:
+            raise ConfigError(f"OnlineTuner trials = {trials}, warmup = {warmup}; use >= 1 and >= 0")
+        if baseline is not None and baseline not in unique:
+            raise ConfigError(f"OnlineTuner baseline {baseline} is not among the candidates {unique}")
+        if not 0.0 <= margin < 1.0:
+            raise ConfigError(f"OnlineTuner margin = {margin}; use 0 <= margin < 1")
         self.comm, self.candidates, self.trials = comm, tuple(unique), trials
+        self.baseline, self.margin, self.warmup = baseline, margin, warmup
         self.times: list[list[float]] = [[] for _ in unique]
-        self.chosen: Choice | None = None
+        self.chosen: C | None = None
+        self.measured: dict[C, float] = {}  # agreed (slowest-rank) median seconds, once chosen
         self._step = 0
 
     @property
-    def current(self) -> Choice:
+    def current(self) -> C:
         """The configuration the next step should run."""
         if self.chosen is not None:
             return self.chosen
@@ -64,9 +89,14 @@ class OnlineTuner:
         """This rank's time of the step just run with `current`."""
         if self.chosen is not None:
             return
-        self.times[self._step % len(self.candidates)].append(seconds)
+        if self._step >= self.warmup * len(self.candidates):
+            self.times[self._step % len(self.candidates)].append(seconds)
         self._step += 1
-        if self._step == self.trials * len(self.candidates):
+        if self._step == (self.warmup + self.trials) * len(self.candidates):
             medians = torch.tensor([sorted(t)[len(t) // 2] for t in self.times], dtype=torch.float64)
             slowest = torch.stack(self.comm.all_gather(medians)).max(0).values  # type: ignore[arg-type]
-            self.chosen = self.candidates[int(torch.argmin(slowest))]
+            self.measured = {c: float(t) for c, t in zip(self.candidates, slowest, strict=True)}
+            best = self.candidates[int(torch.argmin(slowest))]
+            if self.baseline is not None and self.measured[best] >= self.measured[self.baseline] * (1 - self.margin):
+                best = self.baseline
+            self.chosen = best
