@@ -18,6 +18,7 @@ require; they also calibrate the cost model (cost_model.Calibration).
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -93,7 +94,9 @@ class OnlineTuner(Generic[C]):
             self.times[self._step % len(self.candidates)].append(seconds)
         self._step += 1
         if self._step == (self.warmup + self.trials) * len(self.candidates):
-            medians = torch.tensor([sorted(t)[len(t) // 2] for t in self.times], dtype=torch.float64)
+            # for an even count the mean of the two middle trials: the upper one alone would
+            # bias a two-trial median, and the calibration fitted to it, upward
+            medians = torch.tensor([statistics.median(t) for t in self.times], dtype=torch.float64)
             slowest = torch.stack(self.comm.all_gather(medians)).max(0).values  # type: ignore[arg-type]
             self.measured = {c: float(t) for c, t in zip(self.candidates, slowest, strict=True)}
             best = self.candidates[int(torch.argmin(slowest))]
