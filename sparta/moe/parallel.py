@@ -19,7 +19,6 @@ from torch import Tensor
 from sparta.comm import all_to_all
 from sparta.comm.dtypes import dtype_code, dtype_name
 from sparta.errors import InputError, SpartaError
-from sparta.moe.dispatch import DispatchPlan
 from sparta.moe.experts import GroupedExperts
 from sparta.scheduling.pipeline import Exchange, PipelineDegrees, pipelined_exchange
 
@@ -111,23 +110,9 @@ def expert_parallel_mlp(
     recv_counts = exchange_counts(counts, comm, layer, rows_like=rows)
 
     def compute(received: Tensor, chunk_counts: Tensor) -> Tensor:
-        # Received rows are grouped by (source rank, local expert); the experts take them
-        # grouped by local expert. A plan with unit weights lets the experts gather each
-        # expert's rows and scatter its outputs back in place (forward_tokens), instead of
-        # copying the whole [M, d] block into expert order and back.
-        local_ids = torch.arange(local, device=received.device).repeat(ep_size)
-        row_expert = torch.repeat_interleave(local_ids, chunk_counts.reshape(-1).to(received.device))
-        by_expert = torch.sort(row_expert, stable=True).indices
-        local_counts = chunk_counts.reshape(ep_size, local).sum(dim=0).to(received.device)
-        plan = DispatchPlan(
-            counts=local_counts,
-            counts_list=local_counts.tolist(),
-            routed=local_counts,
-            dropped=0,
-            token_idx=by_expert,
-            weight=received.new_ones(by_expert.numel()),
-        )
-        return experts.forward_tokens(received, plan)
+        # Received rows come grouped by (source rank, local expert): the experts run each
+        # source's block where it lies, with no copy into expert order and back.
+        return experts.forward_blocks(received, chunk_counts.reshape(ep_size, local))
 
     if degrees is not None and (degrees.forward > 1 or degrees.backward > 1):
         params = [p for _, p in experts.named_weights()]
