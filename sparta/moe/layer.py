@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -25,9 +27,10 @@ from sparta.moe.dispatch import (
 from sparta.moe.experts import GroupedExperts
 from sparta.moe.parallel import T, expert_parallel_mlp, fail_together
 from sparta.moe.routers import RouterOutput, build_router
-from sparta.scheduling.cost_model import CostModel, LayerShape, SchedulePlan
+from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape, SchedulePlan
 from sparta.scheduling.pipeline import Exchange, PipelineDegrees
 from sparta.scheduling.profiler import Profiler
+from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
 
 if TYPE_CHECKING:
     from sparta.comm import Communicator
@@ -257,23 +260,32 @@ class MoELayer(nn.Module):
     def _expert_parallel(self, routed: Dispatched) -> Tensor:
         assert self.comm is not None
         if self.degrees is None:
-            self._plan_schedule(routed.rows)
+            self._plan_schedule(routed)
         exchange = self.exchange if self.schedule_plan is None or self.schedule_plan.hierarchical else None
         args = (self.experts, self.comm, self.name, self.degrees, exchange)
         return expert_parallel_mlp(routed.rows, routed.counts, *args)
 
-    def _plan_schedule(self, rows: Tensor) -> None:
+    def _plan_schedule(self, routed: Dispatched) -> None:
         """``pipeline_degree="auto"``: profile this layer's all-to-all (flat, and hierarchical
-        when an ``exchange`` is given) and one expert's GEMMs, then take the cost model's
-        choice. Collective over ``comm``; the timings are agreed (slowest rank), and so is
-        the token count planned for (the largest), so every rank picks the same plan."""
+        when an ``exchange`` is given), one expert's GEMMs and the router; take the cost
+        model's two best plans and flat r=1, run this forward's rows through each (forward
+        and backward; once to warm up, then twice timed) and keep the fastest, r=1 unless another is 3% faster; those
+        timings calibrate the model (``schedule_plan.calibration``). Collective over
+        ``comm``; the timings are agreed (slowest rank), and so is the token count planned
+        for (the largest), so every rank picks the same plan."""
         assert self.comm is not None
-        cfg = self.config
+        cfg, rows = self.config, routed.rows
         groups: dict[str, Any] = {"world": self.comm}
         if self.exchange is not None:
             groups["hier"] = self.exchange
         profiler = Profiler(self.comm, groups)
         profile = profiler.collectives(("all_to_all",)) | profiler.expert_mlp(cfg.d_model, cfg.d_ff, rows.dtype)
+        router = None
+        if cfg.router != "soft":  # Soft MoE routes whole sequences, not [tokens, d_model]
+            probe = copy.deepcopy(self.router)  # leaves the layer's router state and RNG as they were
+            with torch.random.fork_rng(devices=[]):
+                profile |= profiler.router(cfg.router, lambda x: _routed_weight(probe(x)), cfg.d_model, rows.dtype)
+            router = cfg.router
         local_rows = torch.tensor([rows.shape[0]], dtype=torch.int64)
         most_rows = max(int(r) for r in self.comm.all_gather(local_rows))
         shape = LayerShape(
@@ -284,8 +296,39 @@ class MoELayer(nn.Module):
             ep_size=cfg.ep_size,
             element_bytes=rows.element_size(),
         )
-        self.schedule_plan = CostModel(profile).plan(shape, hierarchical=None if self.exchange is not None else False)
+        model = CostModel(profile)
+        plan = model.plan(shape, hierarchical=None if self.exchange is not None else False, router=router)
+        candidates = [*plan.ranked(2), UNPIPELINED]
+        tuner = OnlineTuner(self.comm, candidates, trials=2, baseline=UNPIPELINED, margin=0.03, warmup=1)
+        while tuner.chosen is None:
+            tuner.observe(self._time_exchange(routed, tuner.current))
+        points = []
+        for choice, seconds in tuner.measured.items():
+            p = model.predict_degrees(shape, choice.degrees, choice.hierarchical)
+            points.append((p.forward_s + p.backward_s, p.forward_serial_s + p.backward_serial_s, seconds))
+        calibrated = CostModel(profile, Calibration.fit(points))
+        chosen = calibrated.predict_degrees(shape, tuner.chosen.degrees, tuner.chosen.hierarchical)
+        self.schedule_plan = SchedulePlan(
+            tuner.chosen.degrees,
+            tuner.chosen.hierarchical,
+            *calibrated.corrected(chosen),
+            plan.candidates,
+            calibrated.calibration,
+            plan.router_s,
+        )
         self.degrees = self.schedule_plan.degrees
+
+    def _time_exchange(self, routed: Dispatched, choice: Choice) -> float:
+        """Seconds of this layer's expert-parallel part, forward and backward, under `choice`
+        (the experts' gradients are computed and dropped: parameters keep theirs)."""
+        assert self.comm is not None
+        exchange = self.exchange if choice.hierarchical else None
+        leaf = routed.rows.detach().requires_grad_()
+        begin = time.perf_counter()
+        with torch.enable_grad():
+            out = expert_parallel_mlp(leaf, routed.counts, self.experts, self.comm, self.name, choice.degrees, exchange)
+            torch.autograd.grad(out, leaf, torch.ones_like(out))
+        return time.perf_counter() - begin
 
     def _attach_aux_loss(self, route: RouterOutput, carrier: Tensor) -> Tensor:
         total = self.config.aux_loss_coef * route.aux_loss + self.config.z_loss_coef * route.z_loss
@@ -314,3 +357,9 @@ class MoELayer(nn.Module):
             f"name={self.name!r}, router={cfg.router}, top_k={cfg.top_k}, "
             f"capacity_factor={cfg.capacity_factor}, ep_size={cfg.ep_size}"
         )
+
+
+def _routed_weight(route: RouterOutput) -> Tensor:
+    """What a loss flows back through from a router: the routed pairs' weights (probs for a
+    router that fills none)."""
+    return route.weight if route.weight is not None else route.probs

@@ -20,10 +20,9 @@ takes a Calibration fitted from a few real steps: measured ~ scale * (serial - e
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
 
 from sparta.errors import ConfigError, InputError
 from sparta.scheduling.pipeline import PipelineDegrees
@@ -112,15 +111,19 @@ class Calibration:
                 f"Calibration.fit: points {list(points)}; give (overlapped_s, serial_s, measured_s), all > 0, "
                 "overlapped <= serial"
             )
-        a = torch.tensor([[s, o - s] for o, s, _ in points], dtype=torch.float64)
-        m = torch.tensor([t for _, _, t in points], dtype=torch.float64)
+        # plain floats, not BLAS: vectorised kernels may round differently from one process
+        # to the next (alignment), and every rank must derive the very same calibration
+        cols = [(s, o - s, t) for o, s, t in points]  # measured = scale * s + scale * eff * (o - s)
+        ss, sd, dd = sum(s * s for s, _, _ in cols), sum(s * d for s, d, _ in cols), sum(d * d for _, d, _ in cols)
         efficiency = 1.0
-        if len(points) > 1 and torch.linalg.matrix_rank(a) == 2:
-            scale, scaled_eff = torch.linalg.lstsq(a, m.unsqueeze(1)).solution.squeeze(1).tolist()
+        det = ss * dd - sd * sd
+        if len(points) > 1 and det > 1e-9 * ss * dd:
+            sm, dm = sum(s * t for s, _, t in cols), sum(d * t for _, d, t in cols)
+            scale, scaled_eff = (sm * dd - sd * dm) / det, (ss * dm - sd * sm) / det
             efficiency = min(1.0, max(0.0, scaled_eff / scale)) if scale > 0 else 1.0
-        x = a[:, 0] + efficiency * a[:, 1]  # the model with this efficiency; scale by least squares
-        scale = float((x @ m) / (x @ x))
-        rel = float((((scale * x - m) / m) ** 2).mean().sqrt())
+        x = [s + efficiency * d for s, d, _ in cols]  # the model at this efficiency; scale by least squares
+        scale = sum(xi * t for xi, (_, _, t) in zip(x, cols, strict=True)) / sum(xi * xi for xi in x)
+        rel = math.sqrt(sum(((scale * xi - t) / t) ** 2 for xi, (_, _, t) in zip(x, cols, strict=True)) / len(x))
         return cls(scale, efficiency, rel)
 
 

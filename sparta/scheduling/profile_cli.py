@@ -227,6 +227,16 @@ def run_worker(run: ProfileRun, make_block: Callable[[Any, Any], torch.nn.Module
                 "hierarchical": bool(exchange) if layer_plan is None else layer_plan.hierarchical,
                 "planned_in_layer": layer_plan is not None,
             },
+            # the layer's own plan: its timed trials' correction of the model, and its
+            # corrected prediction of the exchange and the router's profiled time
+            "layer_plan": None
+            if layer_plan is None
+            else {
+                "scale": round(layer_plan.calibration.scale, 4),
+                "efficiency": round(layer_plan.calibration.efficiency, 4),
+                "predicted_exchange_s": round(layer_plan.forward_s + layer_plan.backward_s, 4),
+                "router_s": [round(t, 5) for t in layer_plan.router_s],
+            },
             "step_s": round(float(slowest[len(times) // 2]), 4),
             "trace": str(out / "trace.json"),
             "png": str(out / "timeline.png"),

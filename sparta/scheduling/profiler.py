@@ -13,6 +13,7 @@ same scheduling decisions: the pipeline needs identical degrees on every rank.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,14 +52,20 @@ class LinearFit:
         """Least squares over (n, t); alpha and beta are clamped at 0 (a cost is never negative)."""
         if len({n for n, _ in samples}) < 2:
             raise InputError(f"LinearFit.fit needs samples at two or more sizes, got {list(samples)}")
-        a = torch.tensor([[1.0, float(n)] for n, _ in samples], dtype=torch.float64)
-        t = torch.tensor([float(s) for _, s in samples], dtype=torch.float64)
-        alpha, beta = torch.linalg.lstsq(a, t.unsqueeze(1)).solution.squeeze(1).tolist()
+        # plain floats, not BLAS: vectorised kernels may round differently from one process
+        # to the next, and every rank must derive the very same fit from the agreed samples
+        xs, ts = [float(n) for n, _ in samples], [float(s) for _, s in samples]
+        x_mean, t_mean = sum(xs) / len(xs), sum(ts) / len(ts)
+        beta = sum((x - x_mean) * (t - t_mean) for x, t in zip(xs, ts, strict=True)) / sum(
+            (x - x_mean) ** 2 for x in xs
+        )
+        alpha = t_mean - beta * x_mean
         if alpha < 0:  # refit through the origin
-            alpha, beta = 0.0, float((a[:, 1] @ t) / (a[:, 1] @ a[:, 1]))
+            alpha, beta = 0.0, sum(x * t for x, t in zip(xs, ts, strict=True)) / sum(x * x for x in xs)
         beta = max(beta, 0.0)
-        pred = alpha + beta * a[:, 1]
-        rel = float((((pred - t) / t.clamp_min(1e-12)) ** 2).mean().sqrt())
+        rel = math.sqrt(
+            sum(((alpha + beta * x - t) / max(t, 1e-12)) ** 2 for x, t in zip(xs, ts, strict=True)) / len(xs)
+        )
         return cls(alpha, beta, rel, tuple((float(n), float(s)) for n, s in samples))
 
 

@@ -1,0 +1,136 @@
+"""Worker of tests/scheduling/test_auto.py on 4 ranks (2 nodes x 2): the layer's timed
+auto-planning and the gradient pieces' wait for the link, checked on real collectives."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dist"))  # the shared check runner
+
+from runner import finish, run_checks, start  # noqa: E402
+
+from sparta.comm import HierarchicalAllToAll, World  # noqa: E402
+from sparta.comm.handle import Handle  # noqa: E402
+from sparta.moe import MoELayer  # noqa: E402
+from sparta.scheduling.grad_sync import PartitionedAllReduce  # noqa: E402
+from sparta.scheduling.partition import GradientPartition  # noqa: E402
+from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange  # noqa: E402
+
+D_MODEL, D_FF, EXPERTS, TOKENS = 16, 32, 8, 24
+
+
+def layer(world: World, degree: Any, hierarchical: bool = True) -> MoELayer:
+    torch.manual_seed(0)
+    hier = HierarchicalAllToAll.from_world(world) if hierarchical else None
+    return MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=world.size, comm=world.comm, exchange=hier, pipeline_degree=degree)
+
+
+def check_auto_plan_is_agreed_and_leaves_the_layer_as_it_was(world: World) -> None:
+    """The timed trials pick the same plan and calibration on every rank, profile the
+    router, and leave no trace: the layer then computes exactly what a layer built with the
+    chosen degrees from the start computes (outputs and every gradient)."""
+    x = torch.randn(TOKENS, D_MODEL, generator=torch.Generator().manual_seed(world.rank))
+    auto = layer(world, "auto")
+    y = auto(x)
+    plan = auto.schedule_plan
+    assert plan is not None and auto.degrees == plan.degrees
+    assert all(p.grad is None for p in auto.parameters()), "the trials left gradients behind"
+    mine = torch.tensor(
+        [
+            plan.degrees.forward,
+            plan.degrees.backward,
+            plan.hierarchical,
+            plan.calibration.scale,
+            plan.calibration.efficiency,
+            *plan.router_s,
+        ],
+        dtype=torch.float64,
+    )
+    every = world.comm.all_gather(mine)
+    assert all(torch.equal(t, mine) for t in every), f"ranks disagree on the plan: {every}"
+    assert plan.router_s[0] > 0 and plan.router_s[1] > 0, plan.router_s
+    assert 0.0 <= plan.calibration.efficiency <= 1.0 and plan.calibration.scale > 0
+    y.square().sum().backward()
+    fixed = layer(world, (plan.degrees.forward, plan.degrees.backward), plan.hierarchical)
+    want = fixed(x)
+    want.square().sum().backward()
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    for (name, p), q in zip(auto.named_parameters(), fixed.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+class _Recorded:
+    """world.comm's all-to-all, each async handle remembering that its wait has returned."""
+
+    def __init__(self, world: World) -> None:
+        self.comm, self.size, self.done = world.comm, world.size, []
+
+    def all_to_all(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = self.comm.all_to_all(x, *args, **kwargs)
+        if not isinstance(out, Handle):
+            return out
+        index = len(self.done)
+        self.done.append(False)
+
+        def wait() -> torch.Tensor:
+            got = out.wait()
+            self.done[index] = True
+            return got
+
+        return Handle(wait)
+
+
+def check_pieces_leave_after_the_transfer_before_their_gap(world: World) -> None:
+    """A piece planned for the gap after backward transfer 2 is released when that transfer
+    is issued but sent only once it has completed; the averages are right."""
+    g = torch.Generator().manual_seed(world.rank)
+    counts = torch.full((world.size * 2,), 3)
+    rows = torch.randn(int(counts.sum()), 4, generator=g)
+    dense0 = torch.randn(64, generator=g)
+
+    def run(exchange: Any, dense: torch.Tensor, sync: PartitionedAllReduce | None) -> None:
+        y = pipelined_exchange(rows, counts, lambda r, c: r * 2.0, exchange, PipelineDegrees(1, 3))
+        # dense after the exchange: its gradient is in before the exchange's backward starts
+        loss = torch.tanh(y @ dense.view(4, 16)).square().sum()
+        if sync is not None:
+            sync.start()
+        loss.backward()
+
+    rows.requires_grad_()
+    plain = dense0.clone().requires_grad_()
+    run(world.comm, plain, None)
+    want = world.comm.all_reduce(plain.grad, op="avg")
+
+    dense = dense0.clone().requires_grad_()
+    part = GradientPartition(pieces=(128, 128), gaps=(0, -1), exposed_s=0.0)
+    recorded = _Recorded(world)
+    sync = PartitionedAllReduce(world.comm, [dense], part, openings=(2,))
+    sent_after: list[bool] = []
+    submit = sync.queue.submit
+
+    def checked_submit(key: Any, *args: Any, **kwargs: Any) -> Any:
+        # transfers: the forward's out 0, back 0 (degree 1), then backward's out 0, out 1, ...
+        sent_after.append(key.priority > 0 or recorded.done[2 + 1])
+        return submit(key, *args, **kwargs)
+
+    sync.queue.submit = checked_submit  # type: ignore[method-assign]
+    run(sync.watch(recorded), dense, sync)
+    assert sync._next == 1, f"{sync._next} pieces released during backward; want 1"
+    sync.finish()
+    sync.close()
+    assert sent_after == [True, True], sent_after
+    torch.testing.assert_close(dense.grad, want, rtol=1e-6, atol=1e-6)
+
+
+CHECKS = [
+    check_auto_plan_is_agreed_and_leaves_the_layer_as_it_was,
+    check_pieces_leave_after_the_transfer_before_their_gap,
+]
+
+if __name__ == "__main__":
+    world, _ = start(ranks_per_node=2)
+    finish(world, run_checks(world, CHECKS))
