@@ -6,13 +6,18 @@ For each rate: starts 2 emulated nodes x 2 ranks (sparta.scheduling.cluster), pr
 links and the expert GEMMs, lets the cost model choose (r_fwd, r_bwd, flat or hierarchical),
 then times forward+backward of a block: dense projections (their gradients averaged over
 all ranks) around the MoE exchange (dispatch, experts, combine; 8 experts, top-2, d_model
-512, d_ff 1024, 4096 tokens per rank, expert parallel over all 4). Compared, alternating:
+512, d_ff 1024, 4096 tokens per rank, expert parallel over all 4).
+
+"auto" is what the co-scheduler settles on: the model's best plans (dense gradients cut by
+the cost model and sent in the backward's network gaps, or DDP's buckets) and flat r=1 run
+one untimed and two timed steps each; the fastest by agreed timings wins, r=1 unless another beats it by
+3%, and those timings calibrate the model (cost_model.Calibration). Then, alternating:
 flat r=1 and hierarchical r=1 with DDP's default 25 MiB buckets (what DeepSpeed-MoE does),
-the chosen plan with DDP buckets ("auto_ddp"), and the chosen plan with the dense gradients
-cut by the cost model and sent in the backward's network gaps ("auto"); plus the lower
-bound max(communication, computation) from the measured parts and the cost model's
-predicted step times. Rank 0 prints one JSON line per rate. The router is left out: it is
-the same in all.
+auto's degrees with DDP buckets ("auto_ddp") and with partitioned gradients
+("auto_partition"); plus the lower bound max(communication, computation) from the measured
+parts, and the model's step times before ("predicted_raw_s") and after calibration
+("predicted_s") against the timed steps (slowest rank's median). Rank 0 prints one JSON
+line per rate. The router is left out: it is the same in all.
 """
 
 from __future__ import annotations
@@ -63,9 +68,9 @@ class Block(torch.nn.Module):
 def worker(args: argparse.Namespace) -> None:
     import sparta
     from sparta.comm import HierarchicalAllToAll
-    from sparta.scheduling.cost_model import CostModel, LayerShape
+    from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape
     from sparta.scheduling.grad_sync import PartitionedAllReduce
-    from sparta.scheduling.partition import bucketed_exposed_s, partition_gradients
+    from sparta.scheduling.partition import GradientPartition, bucketed_exposed_s, partition_gradients
     from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
     from sparta.scheduling.profiler import ProfileConfig, Profiler
     from sparta.scheduling.trace import TracedExchange, Tracer, draw_timeline, gather, write_chrome_trace
@@ -124,17 +129,31 @@ def worker(args: argparse.Namespace) -> None:
     dense_s = profile.fit("expert_fwd", "dense")(TOKENS) + profile.fit("expert_bwd", "dense")(TOKENS)
     syncs: dict[Choice, PartitionedAllReduce] = {}
 
+    def partition_of(choice: Choice) -> tuple[GradientPartition, tuple[int, ...]]:
+        """The pieces for `choice`'s backward gaps, and the transfers after which each gap opens."""
+        line = model.backward_timeline(shape, choice.degrees.backward, choice.hierarchical)
+        part = partition_gradients(dense_bytes, [e - b for b, e in line.idle_network()], ar, 4096, element_bytes=4)
+        return part, line.gap_openings()
+
     def partitioned(choice: Choice) -> PartitionedAllReduce:
+        # collective (its communicator is split off): only from step(), which every rank runs
         if choice not in syncs:
-            line = model.backward_timeline(shape, choice.degrees.backward, choice.hierarchical)
-            part = partition_gradients(dense_bytes, [e - b for b, e in line.idle_network()], ar, 4096, element_bytes=4)
-            syncs[choice] = PartitionedAllReduce(world.comm, block.ready_order(), part, line.gap_openings())
+            syncs[choice] = PartitionedAllReduce(world.comm, block.ready_order(), *partition_of(choice))
         return syncs[choice]
 
-    def predicted(choice: Choice, partition: bool) -> float:
-        p = model.predict(shape, choice.degrees.forward, choice.hierarchical)
-        exposed = partitioned(choice).partition.exposed_s if partition else bucketed_exposed_s(dense_bytes, ar)
-        return p.forward_s + p.backward_s + dense_s + exposed
+    def parts(choice: Choice, partition: bool) -> tuple[float, float]:
+        """The model's (overlapped, serial) step seconds: with its pipeline and the gradient
+        pieces in their gaps, and with every transfer, compute and all-reduce in turn."""
+        p = model.predict_degrees(shape, choice.degrees, choice.hierarchical)
+        if partition:
+            pieces = partition_of(choice)[0]
+            exposed, all_ar = pieces.exposed_s, sum(ar(n) for n in pieces.pieces)
+        else:
+            exposed = all_ar = bucketed_exposed_s(dense_bytes, ar)
+        return (
+            p.forward_s + p.backward_s + dense_s + exposed,
+            p.forward_serial_s + p.backward_serial_s + dense_s + all_ar,
+        )
 
     def step(choice: Choice, partition: bool, tracer: Tracer | None = None) -> float:
         sync = partitioned(choice) if partition else None
@@ -157,74 +176,106 @@ def worker(args: argparse.Namespace) -> None:
             sync.finish()
         return time.perf_counter() - begin
 
-    # online check: the model's two best choices against r=1, on real steps (partitioned)
-    tuner = OnlineTuner(world.comm, [*plan.ranked(2), UNPIPELINED], trials=2)
+    # online check and calibration: the model's three best choices, degrees apart (gradients
+    # partitioned; the profile's per-transfer latency is the least certain fit), its
+    # best with DDP buckets, and flat r=1 with DDP buckets, the baseline auto must clearly
+    # beat (by 3%, above this machine's step-to-step noise) or fall back to; one untimed
+    # round, then two timed; the agreed timings calibrate the model before any timed step
+    flat1 = (UNPIPELINED, False)
+    candidates = [*((c, True) for c in plan.ranked(3)), (plan.choice, False), flat1]
+    tuner = OnlineTuner(world.comm, candidates, trials=2, baseline=flat1, margin=0.03, warmup=1)
     while tuner.chosen is None:
-        tuner.observe(step(tuner.current, partition=True))
+        tuner.observe(step(*tuner.current))
     auto = tuner.chosen
+    calibration = Calibration.fit([(*parts(*c), t) for c, t in tuner.measured.items()])
+    calibrated_plan = CostModel(profile, calibration).plan(shape, max_degree=8)
     configs = {
-        "flat_r1": (UNPIPELINED, False),
+        "flat_r1": flat1,
         "hier_r1": (Choice(PipelineDegrees(1, 1), True), False),
-        "auto_ddp": (auto, False),
-        "auto": (auto, True),
+        "auto_ddp": (auto[0], False),
+        "auto_partition": (auto[0], True),
     }
-    times: dict[str, list[float]] = {k: [] for k in configs}
+    times: dict[tuple[Choice, bool], list[float]] = {c: [] for c in dict.fromkeys(configs.values())}
     for _ in range(args.repeats):
-        for name, cfg in configs.items():
-            times[name].append(step(*cfg))
+        for cfg, seen in times.items():
+            seen.append(step(*cfg))
+    configs["auto"] = auto
 
     # lower bound: the chosen exchange's communication alone (same chunks, the experts
     # replaced by the identity; chunked transfers cross the shaped link faster than one large
     # one, so unchunked timings would not bound it) plus the dense all-reduce, against the
     # experts' and dense layers' compute alone
-    exchange = hier if auto.hierarchical else world.comm
-    world.comm.barrier()
-    begin = time.perf_counter()
+    exchange = hier if auto[0].hierarchical else world.comm
     xb = torch.randn(TOKENS * TOP_K, D_MODEL, requires_grad=True)
-    pipelined_exchange(xb, counts, lambda x, c: x * 1.0, exchange, auto.degrees).sum().backward()
-    world.comm.all_reduce(torch.zeros(dense_bytes // 4))
-    comm_s = time.perf_counter() - begin
-    begin = time.perf_counter()
-    experts_mlp(xb.detach().requires_grad_(), balanced(TOKENS * TOP_K)).sum().backward()
-    dense_only(tokens.requires_grad_()).sum().backward()
-    compute_s = time.perf_counter() - begin
+    comm_runs, compute_runs = [], []
+    for _ in range(3):  # the median of three, as the steps' medians
+        world.comm.barrier()
+        begin = time.perf_counter()
+        pipelined_exchange(xb, counts, lambda x, c: x * 1.0, exchange, auto[0].degrees).sum().backward()
+        world.comm.all_reduce(torch.zeros(dense_bytes // 4))
+        comm_runs.append(time.perf_counter() - begin)
+        world.comm.barrier()
+        begin = time.perf_counter()
+        experts_mlp(xb.detach().requires_grad_(), balanced(TOKENS * TOP_K)).sum().backward()
+        dense_only(tokens.detach().requires_grad_()).sum().backward()
+        compute_runs.append(time.perf_counter() - begin)
+    comm_s, compute_s = sorted(comm_runs)[1], sorted(compute_runs)[1]
     bound = torch.tensor([comm_s, compute_s], dtype=torch.float64)
     bound = torch.stack(world.comm.all_gather(bound)).max(0).values  # type: ignore[arg-type]
 
     if args.trace:
         tracer = Tracer()
-        step(auto, True, tracer)
+        step(*auto, tracer)
         spans = gather(world.comm, tracer)
         if spans is not None:
             path = args.trace.replace("RATE", args.rate)
             write_chrome_trace(path, spans)
             draw_timeline(path.replace(".json", "") + ".png", spans, f"auto at {args.rate}")
 
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    # each configuration's median over this rank's steps, then the slowest rank's
+    mine = torch.tensor([sorted(t)[len(t) // 2] for t in times.values()], dtype=torch.float64)
+    slowest = torch.stack(world.comm.all_gather(mine)).max(0).values  # type: ignore[arg-type]
+    by_cfg = dict(zip(times, slowest.tolist(), strict=True))
+    med = {name: by_cfg[cfg] for name, cfg in configs.items()}
+    # every timed step's slowest rank, to show the step-to-step noise the medians sit in
+    per_step = torch.tensor(list(times.values()), dtype=torch.float64)
+    steps = torch.stack(world.comm.all_gather(per_step)).max(0).values  # type: ignore[arg-type]
+    each = dict(zip(times, steps.tolist(), strict=True))
     if world.rank == 0:
         lower = float(bound.max())
-        part = partitioned(auto).partition
+        raw = {name: parts(*cfg)[0] for name, cfg in configs.items()}
+        cal = {name: calibration(*parts(*cfg)) for name, cfg in configs.items()}
+        part = partition_of(auto[0])[0]
+
+        def choice_json(c: Choice) -> dict[str, object]:
+            return {"r_fwd": c.degrees.forward, "r_bwd": c.degrees.backward, "hier": c.hierarchical}
+
         result = {
             "rate": args.rate,
             "load_avg": [round(x, 2) for x in os.getloadavg()],
             "step_s": {k: round(v, 3) for k, v in med.items()},
-            "model_choice": {"r_fwd": plan.degrees.forward, "r_bwd": plan.degrees.backward, "hier": plan.hierarchical},
-            "auto_choice": {"r_fwd": auto.degrees.forward, "r_bwd": auto.degrees.backward, "hier": auto.hierarchical},
-            "predicted_s": {
-                "flat_r1": round(predicted(UNPIPELINED, False), 3),
-                "auto": round(predicted(auto, True), 3),
-                "auto_ddp": round(predicted(auto, False), 3),
+            "steps_s": {k: [round(t, 3) for t in each[cfg]] for k, cfg in configs.items()},
+            "model_choice": choice_json(plan.choice),
+            "calibrated_model_choice": choice_json(calibrated_plan.choice),
+            "auto_choice": {**choice_json(auto[0]), "partition": auto[1]},
+            "tuner_s": {
+                f"{choice_json(c[0])}/{'part' if c[1] else 'ddp'}": round(t, 3) for c, t in tuner.measured.items()
             },
-            "prediction_error": {
-                "flat_r1": round(predicted(UNPIPELINED, False) / med["flat_r1"] - 1, 3),
-                "auto": round(predicted(auto, True) / med["auto"] - 1, 3),
+            "calibration": {
+                "scale": round(calibration.scale, 3),
+                "efficiency": round(calibration.efficiency, 3),
+                "rel_error": round(calibration.rel_error, 3),
             },
+            "predicted_raw_s": {k: round(v, 3) for k, v in raw.items()},
+            "predicted_s": {k: round(v, 3) for k, v in cal.items()},
+            "prediction_error_raw": {k: round(raw[k] / med[k] - 1, 3) for k in configs},
+            "prediction_error": {k: round(cal[k] / med[k] - 1, 3) for k in configs},
             "partition": {"dense_bytes": dense_bytes, "pieces": list(part.pieces), "gaps": list(part.gaps)},
             "lower_bound_s": round(lower, 3),
             "comm_s": round(float(bound[0]), 3),
             "compute_s": round(float(bound[1]), 3),
             "speedup_vs_flat_r1": round(med["flat_r1"] / med["auto"], 3),
-            "partition_vs_ddp": round(med["auto_ddp"] / med["auto"], 3),
+            "partition_vs_ddp": round(med["auto_ddp"] / med["auto_partition"], 3),
             "auto_over_bound": round(med["auto"] / lower, 3),
             "fits": {
                 k: {"alpha_ms": round(f.alpha * 1e3, 3), "beta": f.beta, "rel_error": round(f.rel_error, 3)}
