@@ -18,7 +18,10 @@ other processes share the cores (their cache pressure still shows); the wall tim
 user waits for on an idle machine.
 
 Expert parallelism (``--ranks 2,4``): the script launches itself under torchrun on that
-many ranks (gloo, one thread each). The T tokens are split over the ranks (T / ranks each,
+many ranks (gloo, one thread each), or under mpirun with ``--engine mpi`` (Sparta then
+exchanges rows over MPI, whose shared-memory transport copies once where gloo goes through
+loopback TCP; DeepSpeed and the timing barriers stay on torch.distributed's gloo). The T
+tokens are split over the ranks (T / ranks each,
 the one-process input cut in slices); the MoE candidates shard their experts over all ranks
 (``ep_size = ranks``); ``dense`` is the per-rank floor, an MLP on T / ranks * top_k rows
 with no communication. Every step starts with a barrier; a step's wall time is the
@@ -282,6 +285,7 @@ def time_candidates(
                 "bench": bench,
                 "config": cfg.name,
                 "ranks": place.ranks,
+                "engine": None if comm is None else comm.backend,
                 "candidate": name,
                 "median_s": round(statistics.median(wall[name]), 5),
                 "min_s": round(min(wall[name]), 5),
@@ -346,20 +350,26 @@ def _free_port() -> int:
 
 
 def launch_ranks(ranks: int, args: argparse.Namespace, configs: list[BenchConfig], candidates: list[str]) -> None:
-    """Run the expert-parallel timings on ``ranks`` processes under torchrun; rank 0's JSON
-    lines come out on our stdout."""
+    """Run the expert-parallel timings on ``ranks`` processes under torchrun (``--engine
+    torch``) or mpirun (``--engine mpi``); rank 0's JSON lines come out on our stdout."""
     # One thread per rank: the ranks share the machine's cores, more would only contend.
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for cfg in configs:
+        port = _free_port()
+        if args.engine == "mpi":
+            launcher = ["mpirun", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(ranks)]
+            launcher += ["-x", "OMP_NUM_THREADS", "-x", "MKL_NUM_THREADS", "-x", "PYTHONUNBUFFERED", sys.executable]
+        else:
+            launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
+            launcher += ["--master-addr=127.0.0.1", f"--master-port={port}"]
         cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={ranks}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={_free_port()}",
+            *launcher,
             __file__,
             "--_ep_worker",
+            "--_port",
+            str(port),
+            "--engine",
+            args.engine,
             "--config",
             cfg.name,
             "--repeats",
@@ -377,18 +387,23 @@ def launch_ranks(ranks: int, args: argparse.Namespace, configs: list[BenchConfig
                     "bench": "moe_layer_ep",
                     "config": cfg.name,
                     "ranks": ranks,
-                    "error": f"torchrun exited with {proc.returncode}",
+                    "engine": args.engine,
+                    "error": f"{launcher[0]} exited with {proc.returncode}",
                     "output_tail": (proc.stdout + proc.stderr)[-2000:],
                 }
             )
 
 
-def ep_worker(cfg: BenchConfig, candidates: list[str], repeats: int) -> None:
-    """One rank of a torchrun launch: time the expert-parallel candidates."""
+def ep_worker(cfg: BenchConfig, candidates: list[str], repeats: int, engine: str, port: int) -> None:
+    """One rank of a torchrun or mpirun launch: time the expert-parallel candidates. Sparta
+    communicates over ``engine``; the timing barriers and DeepSpeed use torch.distributed
+    (gloo), which under mpirun is started beside MPI."""
     import sparta
 
     torch.set_num_threads(1)
-    world = sparta.init(backend="torch")
+    world = sparta.init(backend=engine)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size)
     if cfg.num_experts % world.size or cfg.tokens % world.size:
         raise SystemExit(f"{cfg.name}: {world.size} ranks must divide {cfg.num_experts} experts and {cfg.tokens} rows")
     time_candidates(cfg, candidates, repeats, threads=1, comm=world.comm)
@@ -405,6 +420,10 @@ def main() -> None:
     parser.add_argument(
         "--candidates", default=",".join(CANDIDATES), help="comma-separated subset (dense is always timed)"
     )
+    parser.add_argument(
+        "--engine", choices=["torch", "mpi"], default="torch", help="Sparta's engine with --ranks > 1 (torchrun/mpirun)"
+    )
+    parser.add_argument("--_port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_ep_worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -414,7 +433,7 @@ def main() -> None:
         parser.error(f"unknown candidates {unknown}; known: {', '.join(CANDIDATES)}")
     candidates = ["dense", *(c for c in args.candidates.split(",") if c != "dense")]
     if args._ep_worker:
-        ep_worker(configs[0], candidates, args.repeats)
+        ep_worker(configs[0], candidates, args.repeats, args.engine, args._port)
         return
     torch.set_num_threads(args.threads)
     if args._child:

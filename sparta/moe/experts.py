@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from sparta.errors import InputError
 from sparta.moe.dispatch import DispatchPlan, combine
+from sparta.moe.expert_loop import ExpertLoop, Segment, activate, consecutive_segments
 
 # torch._grouped_mm's dtypes per device type; CUDA kernels exist for bfloat16 only.
 _GROUPED_MM_DTYPES = {
@@ -20,192 +19,6 @@ _GROUPED_MM_DTYPES = {
 }
 # torch._grouped_mm needs every row stride to be a multiple of 16 bytes.
 _GROUPED_MM_ALIGN_BYTES = 16
-
-
-def _activate(activation: str, h1: Tensor, h3: Tensor | None) -> Tensor:
-    if activation == "swiglu":
-        return nn.functional.silu(h1) * h3
-    if activation == "gelu":
-        return nn.functional.gelu(h1)
-    return nn.functional.relu(h1)
-
-
-Segment = tuple[int, int, int]
-"""``(local expert, first row, end row)``: a run of rows one expert processes."""
-
-
-def consecutive_segments(counts_list: list[int]) -> list[Segment]:
-    """Segments of rows grouped by expert: expert ``e`` has the ``counts_list[e]`` rows after
-    those of experts ``0 .. e - 1``."""
-    ends = list(itertools.accumulate(counts_list))
-    return [(e, end - count, end) for e, (count, end) in enumerate(zip(counts_list, ends, strict=True))]
-
-
-# glibc serves allocations of at least this size (its largest dynamic mmap threshold) by
-# mmap and gives them back to the OS on free; smaller ones come from the heap, whose freed
-# pages stay resident. Pre-activations are stored in blocks of this size so that backward
-# returns each block's memory as soon as it is done with it.
-_RELEASABLE_BYTES = 32 << 20
-
-
-class _PreActivations:
-    """The ``[rows, width]`` pre-activations of a run of segments, stored in blocks of
-    consecutive segments, each of at least ``_RELEASABLE_BYTES``; ``take(i)`` hands out
-    segment ``i``'s rows and frees a block once its last segment has been taken (segments
-    are taken in order)."""
-
-    def __init__(self, segments: list[Segment], width: int, like: Tensor) -> None:
-        row_bytes = width * like.element_size()
-        self._where: list[tuple[int, int, int]] = []  # per segment: block, first row, end row
-        self._last: list[int] = []  # per block: its last segment
-        sizes: list[int] = []
-        for i, (_, start, end) in enumerate(segments):
-            if not sizes or sizes[-1] * row_bytes >= _RELEASABLE_BYTES:
-                sizes.append(0)
-                self._last.append(i)
-            self._where.append((len(sizes) - 1, sizes[-1], sizes[-1] + end - start))
-            sizes[-1] += end - start
-            self._last[-1] = i
-        self._blocks: list[Tensor | None] = [like.new_empty(n, width) for n in sizes]
-
-    def segment(self, i: int) -> Tensor:
-        block, start, end = self._where[i]
-        stored = self._blocks[block]
-        assert stored is not None
-        return stored[start:end]
-
-    def take(self, i: int) -> Tensor:
-        rows = self.segment(i)
-        block = self._where[i][0]
-        if self._last[block] == i:
-            self._blocks[block] = None
-        return rows
-
-
-class _ExpertLoop(torch.autograd.Function):
-    """All experts' MLPs, one run of rows at a time, forward and backward written out.
-
-    ``segments`` lists ``(expert, start, end)`` runs; an expert may own several. Two forms:
-    with ``token_idx`` None, the segments tile the rows of ``x`` ``[N, d]`` and the output is
-    those rows' outputs, in place; rows that arrive in several blocks each grouped by expert
-    (an all-to-all's output: by source rank, then by expert) run where they lie, with no
-    gather or scatter. With ``token_idx`` / ``weight`` ``[N]`` (a dispatch plan, consecutive
-    segments), ``x`` is the ``[T, d]`` tokens and the output ``[T, d]`` is ``sum_i weight[i]
-    * expert(x[token_idx[i]])`` added into token ``token_idx[i]``: gather, experts and
-    combine fused, so no ``[N, d]`` row tensor is ever built.
-
-    Why by hand: each run's rows, hidden activations and gradients are produced and
-    consumed while still cache-resident, outputs go straight into preallocated buffers (no
-    cat / split / stack copies), and only the pre-activations are saved (the activation
-    output is recomputed in backward). In benchmarks/moe_layer.py on one CPU thread this is
-    faster than autograd over per-expert ``torch.mm`` and than ``torch._grouped_mm`` (which
-    streams the whole ``[N, d_ff]`` hidden tensor through memory between GEMMs), and on par
-    with one dense GEMM over all rows.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        token_idx: Tensor | None,
-        weight: Tensor | None,
-        segments: list[Segment],
-        activation: str,
-        w1: Tensor,
-        w3: Tensor | None,
-        w2: Tensor,
-    ) -> Tensor:
-        out = x.new_empty(x.shape[0], w2.shape[2]) if token_idx is None else x.new_zeros(x.shape[0], w2.shape[2])
-        pre1 = _PreActivations(segments, w1.shape[2], x)
-        pre3 = _PreActivations(segments, w1.shape[2], x) if w3 is not None else None
-        for i, (e, start, end) in enumerate(segments):
-            xe = x[start:end] if token_idx is None else x.index_select(0, token_idx[start:end])
-            h1 = torch.mm(xe, w1[e], out=pre1.segment(i))
-            h3 = torch.mm(xe, w3[e], out=pre3.segment(i)) if pre3 is not None else None
-            act = _activate(activation, h1, h3)
-            if token_idx is None:
-                torch.mm(act, w2[e], out=out[start:end])
-            else:
-                ye = torch.mm(act, w2[e]).mul_(weight[start:end, None])
-                out.index_add_(0, token_idx[start:end], ye)
-                del ye
-            # This segment's temporaries go before the next one allocates its own, so the
-            # peak holds one segment's worth, not two.
-            del xe, h1, h3, act
-        # Intermediates, not inputs or outputs: kept on ctx so that backward can drop them.
-        ctx.pre1, ctx.pre3 = pre1, pre3
-        ctx.segments, ctx.activation = segments, activation
-        ctx.save_for_backward(x, token_idx, weight, w1, w3, w2)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x, token_idx, weight, w1, w3, w2 = ctx.saved_tensors
-        swiglu = ctx.activation == "swiglu"
-        need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-        grad_x = None
-        if need_x:
-            grad_x = torch.empty_like(x) if token_idx is None else torch.zeros_like(x)
-        grad_weight = torch.empty_like(weight) if need_weight else None
-        grad_w1, grad_w2 = torch.empty_like(w1), torch.empty_like(w2)
-        grad_w3 = torch.empty_like(w3) if w3 is not None else None
-        grads = [g for g in (grad_w1, grad_w3, grad_w2) if g is not None]
-        seen: set[int] = set()
-
-        def weight_grad(into: Tensor, a: Tensor, b: Tensor, e: int) -> None:
-            # An expert's first run writes its gradient, later runs add to it.
-            if e in seen:
-                into[e].addmm_(a, b)
-            else:
-                torch.mm(a, b, out=into[e])
-
-        for i, (e, start, end) in enumerate(ctx.segments):
-            h1 = ctx.pre1.take(i)
-            h3 = ctx.pre3.take(i) if swiglu else None
-            act = _activate(ctx.activation, h1, h3)
-            if token_idx is None:
-                xe, grad = x[start:end], grad_out[start:end]
-                grad_act = grad @ w2[e].t()
-            else:
-                idx, w = token_idx[start:end], weight[start:end, None]
-                xe, grad = x.index_select(0, idx), grad_out.index_select(0, idx)
-                grad_act = grad @ w2[e].t()
-                if need_weight:
-                    # d/dw <grad, w * act @ w2> = <grad @ w2.T, act>: no [N, d] output is kept.
-                    torch.linalg.vecdot(grad_act, act, out=grad_weight[start:end])
-                grad.mul_(w)
-                grad_act.mul_(w)
-            weight_grad(grad_w2, act.t(), grad, e)
-            del act, grad
-            if swiglu:
-                grad_h3 = grad_act * nn.functional.silu(h1)
-                grad_h1 = torch.ops.aten.silu_backward(grad_act.mul_(h3), h1)
-                weight_grad(grad_w3, xe.t(), grad_h3, e)
-            elif ctx.activation == "gelu":
-                grad_h1 = torch.ops.aten.gelu_backward(grad_act, h1)
-            else:
-                grad_h1 = torch.ops.aten.threshold_backward(grad_act, h1, 0)
-            del grad_act
-            weight_grad(grad_w1, xe.t(), grad_h1, e)
-            seen.add(e)
-            if need_x:
-                if token_idx is None:
-                    grad_xe = torch.mm(grad_h1, w1[e].t(), out=grad_x[start:end])
-                else:
-                    grad_xe = grad_h1 @ w1[e].t()
-                if swiglu:
-                    grad_xe.addmm_(grad_h3, w3[e].t())
-                if token_idx is not None:
-                    grad_x.index_add_(0, token_idx[start:end], grad_xe)
-                del grad_xe
-            del xe, grad_h1, h1, h3
-            if swiglu:
-                del grad_h3
-        for e in set(range(w1.shape[0])) - seen:
-            for g in grads:
-                g[e].zero_()
-        return grad_x, None, grad_weight, None, None, grad_w1, grad_w3, grad_w2
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -234,7 +47,7 @@ class GroupedExperts(nn.Module):
     contains them, whatever expert-parallel size wrote it.
 
     ``gemm``: ``"loop"`` runs the experts one after the other with a hand-written backward
-    (``_ExpertLoop``), fastest on CPU; ``"grouped_mm"`` runs each GEMM of all experts as one
+    (``sparta.moe.expert_loop``), fastest on CPU; ``"grouped_mm"`` runs each GEMM of all experts as one
     ``torch._grouped_mm`` (float32/bfloat16/float16 on CPU, bfloat16 on CUDA, ``d_model``
     and ``d_ff`` rows 16-byte aligned), the choice for GPUs; ``"auto"`` takes grouped_mm on
     CUDA where it applies and the loop otherwise.
@@ -330,7 +143,8 @@ class GroupedExperts(nn.Module):
                 f"GroupedExperts got counts {counts_list} for {rows.shape[0]} rows and "
                 f"{self.num_experts} experts: pass one count per local expert summing to the rows"
             )
-        if self._use_grouped_mm(rows):
+        # No rows at all: grouped_mm's backward rejects the stride-0 gradient of an empty tensor.
+        if self.uses_grouped_mm(rows) and rows.shape[0] > 0:
             return self._grouped_mm(rows, counts)
         return self._loop(rows.contiguous(), None, None, consecutive_segments(counts_list))
 
@@ -338,7 +152,7 @@ class GroupedExperts(nn.Module):
         """``[T, d_model]`` tokens -> ``[T, d_model]``: each token's experts' outputs, weighted
         and summed as ``plan`` (a ``plan_dispatch`` result for these experts) says. Equal to
         ``combine(self(rows, ...), plan)`` on the gathered rows, without building them."""
-        if self._use_grouped_mm(x) and plan.token_idx.numel() > 0:
+        if self.uses_grouped_mm(x) and plan.token_idx.numel() > 0:
             rows = x.index_select(0, plan.token_idx)
             return combine(self._grouped_mm(rows, plan.counts), plan, x.shape[0])
         segments = consecutive_segments(plan.counts_list)
@@ -350,7 +164,7 @@ class GroupedExperts(nn.Module):
         int64; what an expert-parallel all-to-all receives, one block per source rank) ->
         ``[N, d_model]``, same order. The loop runs each block's rows where they lie;
         grouped_mm takes them in expert order and puts them back."""
-        if self._use_grouped_mm(rows) and rows.shape[0] > 0:
+        if self.uses_grouped_mm(rows) and rows.shape[0] > 0:
             expert_of_row = torch.arange(self.num_experts, device=rows.device).repeat(block_counts.shape[0])
             row_expert = torch.repeat_interleave(expert_of_row, block_counts.reshape(-1).to(rows.device))
             by_expert = torch.sort(row_expert, stable=True).indices
@@ -361,16 +175,20 @@ class GroupedExperts(nn.Module):
         return self._loop(rows.contiguous(), None, None, segments)
 
     def _loop(self, x: Tensor, token_idx: Tensor | None, weight: Tensor | None, segments: list[Segment]) -> Tensor:
-        return _ExpertLoop.apply(x, token_idx, weight, segments, self.activation, self.w1, self.w3, self.w2)
+        return ExpertLoop.apply(x, token_idx, weight, segments, self.activation, self.w1, self.w3, self.w2)
 
     def _grouped_mm(self, rows: Tensor, counts: Tensor) -> Tensor:
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         h1 = torch._grouped_mm(rows, self.w1, offs=offsets)
         h3 = torch._grouped_mm(rows, self.w3, offs=offsets) if self.w3 is not None else None
-        out = torch._grouped_mm(_activate(self.activation, h1, h3), self.w2, offs=offsets)
+        out = torch._grouped_mm(activate(self.activation, h1, h3), self.w2, offs=offsets)
         return _ContiguousGrad.apply(out)
 
-    def _use_grouped_mm(self, rows: Tensor) -> bool:
+    def uses_grouped_mm(self, rows: Tensor) -> bool:
+        """Whether rows like ``rows`` go through ``torch._grouped_mm`` (else the expert loop),
+        by device, dtype and widths, not by row count, so every rank of a group agrees;
+        raises where ``gemm='grouped_mm'`` cannot take them. (No rows at all always take
+        the loop.)"""
         if self.gemm == "loop" or (self.gemm == "auto" and rows.device.type == "cpu"):
             return False
         supported = (
@@ -387,8 +205,7 @@ class GroupedExperts(nn.Module):
                 f"{_GROUPED_MM_DTYPES.get(rows.device.type, ())} and 16-byte aligned rows; "
                 "use expert_gemm='auto' to fall back to a loop"
             )
-        # No rows at all: grouped_mm's backward rejects the stride-0 gradient of an empty tensor.
-        return supported and rows.shape[0] > 0
+        return supported
 
     def extra_repr(self) -> str:
         return (

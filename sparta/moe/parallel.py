@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import suppress
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from sparta.comm import all_to_all
 from sparta.comm.dtypes import dtype_code, dtype_name
 from sparta.errors import InputError, SpartaError
+from sparta.moe.expert_loop import LoopGrads, LoopWeights, Segment, consecutive_segments, loop_backward, loop_forward
 from sparta.moe.experts import GroupedExperts
 from sparta.scheduling.pipeline import Exchange, PipelineDegrees, pipelined_exchange
 
@@ -120,6 +122,69 @@ def expert_parallel_mlp(
     send_splits = rank_splits(counts, ep_size)
     recv_splits = rank_splits(recv_counts, ep_size)
     # exchange_counts proved the splits, dtypes and widths consistent: no second check.
+    if not experts.uses_grouped_mm(rows):
+        blocks = recv_counts.view(ep_size, local).tolist()
+        route = _Route(exchange or comm, comm.rank, send_splits, recv_splits, blocks)
+        return _LocalFirst.apply(rows, route, experts.activation, experts.w1, experts.w3, experts.w2)
     received = all_to_all(rows, send_splits, recv_splits, exchange or comm, check=False)
     out = compute(received, recv_counts)
     return all_to_all(out, recv_splits, send_splits, exchange or comm, check=False)
+
+
+class _Route:
+    """Where an expert-parallel step's rows go: this rank's own block and the others'."""
+
+    def __init__(self, exchange: Exchange, me: int, send: list[int], recv: list[int], blocks: list[list[int]]) -> None:
+        self.exchange, self.send, self.recv = exchange, send, recv
+        self.own_sent = slice(sum(send[:me]), sum(send[: me + 1]))
+        self.own_received = slice(sum(recv[:me]), sum(recv[: me + 1]))
+        self.own_segments = consecutive_segments(blocks[me])
+        self.other_segments: list[Segment] = [
+            segment
+            for source, counts in enumerate(blocks)
+            if source != me
+            for segment in consecutive_segments(counts, offset=sum(recv[:source]))
+        ]
+
+
+class _LocalFirst(torch.autograd.Function):
+    """All-to-all, experts, all-to-all back, with this rank's own rows computed while the
+    other ranks' rows travel, and their gradients while the other ranks' gradients travel:
+    the rows a rank sends itself need no network, so they need not wait for it. Same
+    collectives, in the same order, as the plain exchange; the own block still goes through
+    the all-to-all (a local copy), because the engines take one contiguous buffer.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, rows: Tensor, route: _Route, activation: str, w1: Tensor, w3: Tensor | None, w2: Tensor
+    ) -> Tensor:
+        weights = LoopWeights(activation, w1, w3, w2)
+        in_flight = route.exchange.all_to_all(rows, route.send, route.recv, async_op=True, check=False)
+        out = rows.new_empty(sum(route.recv), w2.shape[2])
+        own = rows[route.own_sent]
+        own_pre = loop_forward(own, route.own_segments, weights, out[route.own_received])
+        received = in_flight.wait()
+        other_pre = loop_forward(received, route.other_segments, weights, out)
+        # Intermediates, not inputs or outputs: kept on ctx so that backward can drop them.
+        ctx.pre, ctx.route, ctx.activation = (own_pre, other_pre), route, activation
+        ctx.save_for_backward(rows, received, w1, w3, w2)
+        return route.exchange.all_to_all(out, route.recv, route.send, check=False)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        rows, received, w1, w3, w2 = ctx.saved_tensors
+        route: _Route = ctx.route
+        weights = LoopWeights(ctx.activation, w1, w3, w2)
+        (own_pre, other_pre), ctx.pre = ctx.pre, None
+        grad = grad.contiguous()
+        in_flight = route.exchange.all_to_all(grad, route.send, route.recv, async_op=True, check=False)
+        grads = LoopGrads(weights)
+        grad_received = received.new_empty(received.shape)
+        own, own_grad = rows[route.own_sent], grad[route.own_sent]
+        loop_backward(own, route.own_segments, weights, own_pre, own_grad, grads, grad_received[route.own_received])
+        loop_backward(received, route.other_segments, weights, other_pre, in_flight.wait(), grads, grad_received)
+        grad_rows = route.exchange.all_to_all(grad_received, route.recv, route.send, check=False)
+        grad_w1, grad_w3, grad_w2 = grads.finish()
+        return grad_rows, None, None, grad_w1, grad_w3, grad_w2

@@ -115,13 +115,13 @@ def test_bfloat16_rows_run_on_grouped_mm() -> None:
 
 
 def test_pre_activation_blocks_are_released_after_their_last_segment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sparta.moe import experts as experts_module
+    from sparta.moe import expert_loop as experts_module
 
     # Blocks of at least 3 rows of width 2 (24 bytes): segments [2, 0, 2, 1, 4] form blocks
     # {0, 1, 2} (4 rows), {3, 4} (5 rows).
     monkeypatch.setattr(experts_module, "_RELEASABLE_BYTES", 3 * 2 * 4)
     segments = experts_module.consecutive_segments([2, 0, 2, 1, 4])
-    pre = experts_module._PreActivations(segments, 2, torch.empty(0))
+    pre = experts_module.PreActivations(segments, 2, torch.empty(0))
     for i, (_, start, end) in enumerate(segments):
         pre.segment(i).copy_(torch.arange(start, end).float()[:, None].expand(-1, 2))
     assert [b.shape[0] for b in pre._blocks if b is not None] == [4, 5]
