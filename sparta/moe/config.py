@@ -36,6 +36,8 @@ class MoEConfig:
     aux-loss-free balancing bias), ``xmoe_dim`` (xmoe: dimension of the routing space),
     ``slots_per_expert`` (soft). ``expert_gemm`` picks the expert kernel: ``"grouped_mm"``
     (``torch._grouped_mm``), ``"loop"`` (one ``torch.mm`` per expert) or ``"auto"``.
+    ``expert_bias`` gives every expert's linear maps biases, as a dense MLP with biases has
+    (GPT-2's), so such an MLP upcycles exactly.
     ``pipeline_degree`` (expert parallel only): chunks the row exchanges are cut into so that
     communication overlaps expert compute, one int for both passes, ``(forward, backward)``,
     or ``"auto"``: the layer profiles its all-to-all and expert GEMMs at its first forward and
@@ -58,6 +60,7 @@ class MoEConfig:
     xmoe_dim: int = 16
     slots_per_expert: int = 1
     expert_gemm: str = "auto"
+    expert_bias: bool = False
     pipeline_degree: int | tuple[int, int] | str = 1
 
     def __post_init__(self) -> None:
@@ -119,6 +122,8 @@ class MoEConfig:
         _check_float("z_loss_coef", self.z_loss_coef, 0.0)
         _check_float("jitter_eps", self.jitter_eps, 0.0, 1.0)
         _check_float("bias_update_rate", self.bias_update_rate, 0.0)
+        if not isinstance(self.expert_bias, bool):
+            raise ConfigError(f"expert_bias={self.expert_bias!r} is invalid: pass True or False")
 
     @property
     def degrees(self) -> tuple[int, int] | None:

@@ -59,12 +59,22 @@ def activate(activation: str, h1: Tensor, h3: Tensor | None) -> Tensor:
 @dataclass(frozen=True)
 class LoopWeights:
     """The experts' weights: ``w1`` (and ``w3`` for SwiGLU) ``[E, d_model, d_ff]``, ``w2``
-    ``[E, d_ff, d_model]``."""
+    ``[E, d_ff, d_model]``; optional biases ``b1`` (``b3``) ``[E, d_ff]``, ``b2`` ``[E,
+    d_model]``."""
 
     activation: str
     w1: Tensor
     w3: Tensor | None
     w2: Tensor
+    b1: Tensor | None = None
+    b3: Tensor | None = None
+    b2: Tensor | None = None
+
+
+def _linear(x: Tensor, w: Tensor, b: Tensor | None, out: Tensor | None = None) -> Tensor:
+    if b is None:
+        return torch.mm(x, w, out=out)
+    return torch.addmm(b, x, w, out=out)
 
 
 class PreActivations:
@@ -102,32 +112,48 @@ class PreActivations:
 
 
 class LoopGrads:
-    """The weight gradients of one backward, summed over every run that reaches them."""
+    """The weight (and bias) gradients of one backward, summed over every run that
+    reaches them."""
 
     def __init__(self, weights: LoopWeights) -> None:
-        self.w1 = torch.empty_like(weights.w1)
-        self.w3 = torch.empty_like(weights.w3) if weights.w3 is not None else None
-        self.w2 = torch.empty_like(weights.w2)
-        self._first: set[tuple[int, int]] = set()
+        def like(t: Tensor | None) -> Tensor | None:
+            return torch.empty_like(t) if t is not None else None
+
+        self.w1, self.w3, self.w2 = torch.empty_like(weights.w1), like(weights.w3), torch.empty_like(weights.w2)
+        self.b1, self.b3, self.b2 = like(weights.b1), like(weights.b3), like(weights.b2)
+        self._written: set[tuple[int, int]] = set()
+
+    def _first(self, into: Tensor, e: int) -> bool:
+        key = (id(into), e)
+        first = key not in self._written
+        self._written.add(key)
+        return first
 
     def add(self, into: Tensor, a: Tensor, b: Tensor, e: int) -> None:
         """``into[e] += a @ b``; an expert's first contribution writes instead of adding."""
-        key = (id(into), e)
-        if key in self._first:
-            into[e].addmm_(a, b)
-        else:
+        if self._first(into, e):
             torch.mm(a, b, out=into[e])
-            self._first.add(key)
+        else:
+            into[e].addmm_(a, b)
 
-    def finish(self) -> tuple[Tensor, Tensor | None, Tensor]:
-        """``(grad_w1, grad_w3, grad_w2)``; experts no row reached get zeros."""
-        for grad in (self.w1, self.w3, self.w2):
-            if grad is None:
-                continue
-            for e in range(grad.shape[0]):
-                if (id(grad), e) not in self._first:
+    def add_bias(self, into: Tensor | None, rows: Tensor, e: int) -> None:
+        """``into[e] += rows.sum(0)`` (a bias's gradient), if there is a bias."""
+        if into is None:
+            return
+        if self._first(into, e):
+            torch.sum(rows, 0, out=into[e])
+        else:
+            into[e] += rows.sum(0)
+
+    def finish(self) -> tuple[Tensor | None, ...]:
+        """``(grad_w1, grad_w3, grad_w2, grad_b1, grad_b3, grad_b2)`` (None where there is no
+        such weight); experts no row reached get zeros."""
+        grads = (self.w1, self.w3, self.w2, self.b1, self.b3, self.b2)
+        for grad in grads:
+            for e in range(grad.shape[0] if grad is not None else 0):
+                if (id(grad), e) not in self._written:
                     grad[e].zero_()
-        return self.w1, self.w3, self.w2
+        return grads
 
 
 def loop_forward(
@@ -141,19 +167,23 @@ def loop_forward(
     """Run the segments' rows through their experts into ``out`` (rows form: the segments'
     rows of ``out``; token form: added into ``out`` ``[T, d]``, which must start at zero).
     Returns the pre-activations ``loop_backward`` needs."""
-    w1, w3, w2 = weights.w1, weights.w3, weights.w2
+    w1, w3, w2, b1, b3, b2 = weights.w1, weights.w3, weights.w2, weights.b1, weights.b3, weights.b2
     pre1 = PreActivations(segments, w1.shape[2], x)
     pre3 = PreActivations(segments, w1.shape[2], x) if w3 is not None else None
     for i, (e, start, end) in enumerate(segments):
         xe = x[start:end] if token_idx is None else x.index_select(0, token_idx[start:end])
-        h1 = torch.mm(xe, w1[e], out=pre1.segment(i))
-        h3 = torch.mm(xe, w3[e], out=pre3.segment(i)) if pre3 is not None else None
+        h1 = _linear(xe, w1[e], b1[e] if b1 is not None else None, out=pre1.segment(i))
+        h3 = None
+        if pre3 is not None:
+            assert w3 is not None
+            h3 = _linear(xe, w3[e], b3[e] if b3 is not None else None, out=pre3.segment(i))
         act = activate(weights.activation, h1, h3)
+        bias2 = b2[e] if b2 is not None else None
         if token_idx is None:
-            torch.mm(act, w2[e], out=out[start:end])
+            _linear(act, w2[e], bias2, out=out[start:end])
         else:
             assert weight is not None
-            ye = torch.mm(act, w2[e]).mul_(weight[start:end, None])
+            ye = _linear(act, w2[e], bias2).mul_(weight[start:end, None])
             out.index_add_(0, token_idx[start:end], ye)
             del ye
         # This segment's temporaries go before the next one allocates its own, so the peak
@@ -178,7 +208,7 @@ def loop_backward(
     into ``grad_x`` (rows form: written into the segments' rows; token form: added, so it
     must start at zero) unless it is None; the routing weights' gradients into
     ``grad_weight`` unless it is None."""
-    w1, w3, w2 = weights.w1, weights.w3, weights.w2
+    w1, w3, w2, b2 = weights.w1, weights.w3, weights.w2, weights.b2
     pre1, pre3 = pre
     swiglu = weights.activation == "swiglu"
     for i, (e, start, end) in enumerate(segments):
@@ -194,11 +224,15 @@ def loop_backward(
             xe, grad = x.index_select(0, idx), grad_out.index_select(0, idx)
             grad_act = grad @ w2[e].t()
             if grad_weight is not None:
-                # d/dw <grad, w * act @ w2> = <grad @ w2.T, act>: no [N, d] output is kept.
+                # d/dw <grad, w * (act @ w2 + b2)> = <grad @ w2.T, act> + <grad, b2>: no
+                # [N, d] output is kept.
                 torch.linalg.vecdot(grad_act, act, out=grad_weight[start:end])
+                if b2 is not None:
+                    grad_weight[start:end].addmv_(grad, b2[e])
             grad.mul_(w)
             grad_act.mul_(w)
         grads.add(grads.w2, act.t(), grad, e)
+        grads.add_bias(grads.b2, grad, e)
         del act, grad
         grad_h3 = None
         if swiglu:
@@ -206,12 +240,14 @@ def loop_backward(
             grad_h3 = grad_act * nn.functional.silu(h1)
             grad_h1 = torch.ops.aten.silu_backward(grad_act.mul_(h3), h1)
             grads.add(grads.w3, xe.t(), grad_h3, e)
+            grads.add_bias(grads.b3, grad_h3, e)
         elif weights.activation == "gelu":
             grad_h1 = torch.ops.aten.gelu_backward(grad_act, h1)
         else:
             grad_h1 = torch.ops.aten.threshold_backward(grad_act, h1, 0)
         del grad_act
         grads.add(grads.w1, xe.t(), grad_h1, e)
+        grads.add_bias(grads.b1, grad_h1, e)
         if grad_x is not None:
             if token_idx is None:
                 grad_xe = torch.mm(grad_h1, w1[e].t(), out=grad_x[start:end])
@@ -228,7 +264,7 @@ def loop_backward(
 
 class ExpertLoop(torch.autograd.Function):
     """One run of the loop as an autograd Function: ``apply(x, token_idx, weight, segments,
-    activation, w1, w3, w2)`` -> rows form ``[N, d]``, token form ``[T, d]``."""
+    activation, w1, w3, w2, b1, b3, b2)`` -> rows form ``[N, d]``, token form ``[T, d]``."""
 
     @staticmethod
     def forward(
@@ -241,20 +277,23 @@ class ExpertLoop(torch.autograd.Function):
         w1: Tensor,
         w3: Tensor | None,
         w2: Tensor,
+        b1: Tensor | None,
+        b3: Tensor | None,
+        b2: Tensor | None,
     ) -> Tensor:
-        weights = LoopWeights(activation, w1, w3, w2)
+        weights = LoopWeights(activation, w1, w3, w2, b1, b3, b2)
         out = x.new_empty(x.shape[0], w2.shape[2]) if token_idx is None else x.new_zeros(x.shape[0], w2.shape[2])
         # Intermediates, not inputs or outputs: kept on ctx so that backward can drop them.
         ctx.pre = loop_forward(x, segments, weights, out, token_idx, weight)
         ctx.segments, ctx.activation = segments, activation
-        ctx.save_for_backward(x, token_idx, weight, w1, w3, w2)
+        ctx.save_for_backward(x, token_idx, weight, w1, w3, w2, b1, b3, b2)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x, token_idx, weight, w1, w3, w2 = ctx.saved_tensors
-        weights = LoopWeights(ctx.activation, w1, w3, w2)
+        x, token_idx, weight, *params = ctx.saved_tensors
+        weights = LoopWeights(ctx.activation, *params)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.empty_like(x) if token_idx is None else torch.zeros_like(x)
@@ -262,5 +301,4 @@ class ExpertLoop(torch.autograd.Function):
         grads = LoopGrads(weights)
         pre, ctx.pre = ctx.pre, None
         loop_backward(x, ctx.segments, weights, pre, grad_out, grads, grad_x, token_idx, weight, grad_weight)
-        grad_w1, grad_w3, grad_w2 = grads.finish()
-        return grad_x, None, grad_weight, None, None, grad_w1, grad_w3, grad_w2
+        return grad_x, None, grad_weight, None, None, *grads.finish()

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from sparta.errors import InputError
 from sparta.moe.dispatch import DispatchPlan, combine
-from sparta.moe.expert_loop import ExpertLoop, Segment, activate, consecutive_segments
+from sparta.moe.expert_loop import ExpertLoop, LoopWeights, Segment, activate, consecutive_segments
 
 # torch._grouped_mm's dtypes per device type; CUDA kernels exist for bfloat16 only.
 _GROUPED_MM_DTYPES = {
@@ -35,20 +35,22 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class GroupedExperts(nn.Module):
-    """``num_experts`` independent MLPs ``act(x @ w1[e]) @ w2[e]`` (SwiGLU:
-    ``(silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]``), no biases.
+    """``num_experts`` independent MLPs ``act(x @ w1[e] + b1[e]) @ w2[e] + b2[e]`` (SwiGLU:
+    ``(silu(x @ w1[e] + b1[e]) * (x @ w3[e] + b3[e])) @ w2[e] + b2[e]``); the biases only
+    with ``bias=True``.
 
     Weights: ``w1``, ``w3`` ``[num_experts, d_model, d_ff]``, ``w2`` ``[num_experts, d_ff,
+    d_model]``; biases ``b1``, ``b3`` ``[num_experts, d_ff]``, ``b2`` ``[num_experts,
     d_model]``. Local expert ``i`` is global expert ``first_expert + i``; its initial weights
     depend only on the global RNG state and its global id, so a model built with any
     expert-parallel size starts from the same experts. ``state_dict()`` holds one entry per
     expert under its global id (``w1.<id>`` ``[d_model, d_ff]``, ``w2.<id>`` ``[d_ff,
-    d_model]``), and ``load_state_dict`` takes this rank's experts from any checkpoint that
+    d_model]``, ``b1.<id>`` ``[d_ff]``, ...), and ``load_state_dict`` takes this rank's experts from any checkpoint that
     contains them, whatever expert-parallel size wrote it.
 
     ``gemm``: ``"loop"`` runs the experts one after the other with a hand-written backward
-    (``sparta.moe.expert_loop``), fastest on CPU; ``"grouped_mm"`` runs each GEMM of all experts as one
-    ``torch._grouped_mm`` (float32/bfloat16/float16 on CPU, bfloat16 on CUDA, ``d_model``
+    (``sparta.moe.expert_loop``), fastest on CPU; ``"grouped_mm"`` runs each GEMM of all
+    experts as one ``torch._grouped_mm`` (float32/bfloat16/float16 on CPU, bfloat16 on CUDA, ``d_model``
     and ``d_ff`` rows 16-byte aligned), the choice for GPUs; ``"auto"`` takes grouped_mm on
     CUDA where it applies and the loop otherwise.
     """
@@ -61,6 +63,7 @@ class GroupedExperts(nn.Module):
         activation: str = "gelu",
         gemm: str = "auto",
         first_expert: int = 0,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -73,25 +76,36 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
         self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_ff)) if activation == "swiglu" else None
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
+        self.b1 = nn.Parameter(torch.empty(num_experts, d_ff)) if bias else None
+        self.b3 = nn.Parameter(torch.empty(num_experts, d_ff)) if bias and self.w3 is not None else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, d_model)) if bias else None
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Initialise each expert's matrices as ``nn.Linear`` initialises its weight
-        (uniform in ``+-1/sqrt(fan_in)``), from a generator seeded by one draw of the global
-        RNG plus the global expert id."""
+        """Initialise each expert's matrices and biases as ``nn.Linear`` initialises its
+        weight and bias (uniform in ``+-1/sqrt(fan_in)``), from a generator seeded by one
+        draw of the global RNG plus the global expert id."""
         base_seed = int(torch.randint(0, 2**62, ()).item())
+        pairs = ((self.w1, self.b1), (self.w3, self.b3), (self.w2, self.b2))
         for local in range(self.num_experts):
             generator = torch.Generator().manual_seed(base_seed + self.first_expert + local)
-            for _, weight in self.named_weights():
+            for weight, bias in pairs:
+                if weight is None:
+                    continue
                 fan_in, fan_out = weight.shape[1], weight.shape[2]
                 linear_weight = torch.empty(fan_out, fan_in)
                 nn.init.kaiming_uniform_(linear_weight, a=math.sqrt(5), generator=generator)
                 weight[local].copy_(linear_weight.t())
+                if bias is not None:
+                    bound = 1 / math.sqrt(fan_in)
+                    bias[local].uniform_(-bound, bound, generator=generator)
 
     def named_weights(self) -> list[tuple[str, nn.Parameter]]:
-        """(name, weight) of each expert weight, ``w3`` only for SwiGLU."""
-        return [(name, w) for name, w in (("w1", self.w1), ("w3", self.w3), ("w2", self.w2)) if w is not None]
+        """(name, tensor) of each per-expert parameter: ``w1``, ``w3`` (SwiGLU only),
+        ``w2``, then the biases ``b1``, ``b3``, ``b2`` where the experts have them."""
+        named = (("w1", self.w1), ("w3", self.w3), ("w2", self.w2), ("b1", self.b1), ("b3", self.b3), ("b2", self.b2))
+        return [(name, w) for name, w in named if w is not None]
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         # One entry per expert under its global id ("w1.5": [d_model, d_ff]), so that a
@@ -174,14 +188,28 @@ class GroupedExperts(nn.Module):
         segments = [(i % self.num_experts, start, end) for i, start, end in consecutive_segments(flat)]
         return self._loop(rows.contiguous(), None, None, segments)
 
+    def loop_weights(self) -> LoopWeights:
+        """The weights as the expert loop takes them."""
+        return LoopWeights(self.activation, self.w1, self.w3, self.w2, self.b1, self.b3, self.b2)
+
     def _loop(self, x: Tensor, token_idx: Tensor | None, weight: Tensor | None, segments: list[Segment]) -> Tensor:
-        return ExpertLoop.apply(x, token_idx, weight, segments, self.activation, self.w1, self.w3, self.w2)
+        w = self.loop_weights()
+        return ExpertLoop.apply(x, token_idx, weight, segments, w.activation, w.w1, w.w3, w.w2, w.b1, w.b3, w.b2)
 
     def _grouped_mm(self, rows: Tensor, counts: Tensor) -> Tensor:
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        h1 = torch._grouped_mm(rows, self.w1, offs=offsets)
-        h3 = torch._grouped_mm(rows, self.w3, offs=offsets) if self.w3 is not None else None
-        out = torch._grouped_mm(activate(self.activation, h1, h3), self.w2, offs=offsets)
+
+        def linear(x: Tensor, w: Tensor | None, b: Tensor | None) -> Tensor | None:
+            if w is None:
+                return None
+            y = torch._grouped_mm(x, w, offs=offsets)
+            # output_size: no device-to-host sync for the row count.
+            return y if b is None else y + b.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+
+        h1 = linear(rows, self.w1, self.b1)
+        assert h1 is not None
+        h3 = linear(rows, self.w3, self.b3)
+        out = linear(activate(self.activation, h1, h3), self.w2, self.b2)
         return _ContiguousGrad.apply(out)
 
     def uses_grouped_mm(self, rows: Tensor) -> bool:

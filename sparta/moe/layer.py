@@ -99,7 +99,7 @@ class MoELayer(nn.Module):
 
     ``name`` identifies the layer in error messages (give it the module path).
     Extra keyword ``options`` are the other ``MoEConfig`` fields (``jitter_eps``,
-    ``bias_update_rate``, ``xmoe_dim``, ``slots_per_expert``, ``expert_gemm``).
+    ``bias_update_rate``, ``xmoe_dim``, ``slots_per_expert``, ``expert_gemm``, ``expert_bias``).
     """
 
     def __init__(
@@ -175,6 +175,7 @@ class MoELayer(nn.Module):
             activation=config.activation,
             gemm=config.expert_gemm,
             first_expert=first_expert,
+            bias=config.expert_bias,
         )
         self.name = name
         self.aux_loss: Tensor = torch.zeros(())

@@ -7,9 +7,9 @@ An MLP is recognised by its weights, whatever its class is called:
 - two linears: ``fc1``/``fc2``, ``linear1``/``linear2``, ``w1``/``w2``, ``dense_h_to_4h``/
   ``dense_4h_to_h``, or an ``nn.Sequential`` of two ``nn.Linear`` around an activation.
 
-Upcycling copies the dense weights into every expert. The experts have no biases, so an MLP's
-biases are not carried over (a warning says so); with top-k > 1 the router's weights sum to 1
-per token, so a bias-free MLP upcycled under ``router="topk"`` computes exactly what it did.
+Upcycling copies the dense weights, and biases, into every expert (an MLP with biases gets
+experts with biases, ``expert_bias=True``). The top-k router's weights sum to 1 per token, so
+an MLP upcycled under ``router="topk"`` (dropless) computes exactly what it did.
 """
 
 from __future__ import annotations
@@ -53,13 +53,20 @@ _ACTIVATIONS = {
 @dataclass
 class DenseMLP:
     """The weights of one dense MLP, laid out as an expert's: ``w1``/``w3`` ``[d_model,
-    d_ff]``, ``w2`` ``[d_ff, d_model]``; ``w3`` only for a gated MLP."""
+    d_ff]``, ``w2`` ``[d_ff, d_model]``, biases ``b1``/``b3`` ``[d_ff]``, ``b2``
+    ``[d_model]``; ``w3``/``b3`` only for a gated MLP, a bias only where the MLP has it."""
 
     activation: str
     w1: Tensor
     w2: Tensor
-    w3: Tensor | None
-    has_bias: bool
+    w3: Tensor | None = None
+    b1: Tensor | None = None
+    b2: Tensor | None = None
+    b3: Tensor | None = None
+
+    @property
+    def has_bias(self) -> bool:
+        return any(b is not None for b in (self.b1, self.b2, self.b3))
 
     @property
     def d_model(self) -> int:
@@ -70,12 +77,13 @@ class DenseMLP:
         return self.w1.shape[1]
 
 
-def _linear_in_out(module: nn.Module) -> tuple[Tensor, bool] | None:
-    """A linear map's weight as ``[in, out]``, and whether it has a bias."""
+def _linear_in_out(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """A linear map's weight as ``[in, out]``, and its bias (None if it has none)."""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         return None
-    bias = getattr(module, "bias", None) is not None
+    bias = getattr(module, "bias", None)
+    bias = bias if isinstance(bias, Tensor) else None
     if isinstance(module, nn.Linear):
         return weight.t(), bias
     if type(module).__name__ == "Conv1D":  # Hugging Face GPT-2 stores x @ W, W [in, out]
@@ -102,7 +110,7 @@ def read_dense_mlp(module: nn.Module) -> DenseMLP | None:
         parts = [_linear_in_out(names[n]) for n in ("gate_proj", "up_proj", "down_proj")]
         if all(parts):
             (w1, b1), (w3, b3), (w2, b2) = parts  # type: ignore[misc]
-            return DenseMLP("swiglu", w1, w2, w3, b1 or b2 or b3)
+            return DenseMLP("swiglu", w1, w2, w3, b1, b2, b3)
     pairs = [(names[a], names[b]) for a, b in _TWO_LINEAR_NAMES if a in names and b in names]
     if "c_fc" in names and "c_proj" in names:
         pairs.append((names["c_fc"], names["c_proj"]))
@@ -116,7 +124,7 @@ def read_dense_mlp(module: nn.Module) -> DenseMLP | None:
             activation = _activation_of(module, default="gelu")
             if activation == "swiglu":  # an ungated SiLU MLP has no exact expert form
                 activation = "gelu"
-            return DenseMLP(activation, first[0], second[0], None, first[1] or second[1])
+            return DenseMLP(activation, first[0], second[0], None, first[1], second[1])
     return None
 
 
@@ -168,7 +176,7 @@ def moeify(
                 f"moeify: {path} ({type(module).__name__}) is not an MLP it can read: it needs "
                 "gate_proj/up_proj/down_proj, c_fc/c_proj, fc1/fc2, linear1/linear2 or w1/w2 linears"
             )
-        options = {"activation": dense.activation, **moe_options}
+        options = {"activation": dense.activation, "expert_bias": upcycle and dense.has_bias, **moe_options}
         if upcycle and options["activation"] != dense.activation:
             raise ConfigError(
                 f"moeify: cannot upcycle {path}, a {dense.activation} MLP, into {options['activation']} "
@@ -177,11 +185,15 @@ def moeify(
         moe = MoELayer(dense.d_model, dense.d_ff, num_experts, top_k, comm=comm, name=path, **options)
         moe.to(device=dense.w1.device, dtype=dense.w1.dtype)
         if upcycle:
-            if dense.has_bias:
-                log.warning("moeify: %s has biases; the experts have none, so they are not upcycled", path)
+            if dense.has_bias and not options["expert_bias"]:
+                log.warning("moeify: %s has biases but expert_bias=False, so they are not upcycled", path)
             with torch.no_grad():
                 for name, weight in moe.experts.named_weights():
-                    weight.copy_(getattr(dense, name).unsqueeze(0).expand_as(weight))
+                    source = getattr(dense, name)
+                    if source is None:  # e.g. a bias the experts have and this linear map lacks
+                        weight.zero_()
+                    else:
+                        weight.copy_(source.unsqueeze(0).expand_as(weight))
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         setattr(parent, child, moe)

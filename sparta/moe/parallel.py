@@ -125,7 +125,8 @@ def expert_parallel_mlp(
     if not experts.uses_grouped_mm(rows):
         blocks = recv_counts.view(ep_size, local).tolist()
         route = _Route(exchange or comm, comm.rank, send_splits, recv_splits, blocks)
-        return _LocalFirst.apply(rows, route, experts.activation, experts.w1, experts.w3, experts.w2)
+        w = experts.loop_weights()
+        return _LocalFirst.apply(rows, route, w.activation, w.w1, w.w3, w.w2, w.b1, w.b3, w.b2)
     received = all_to_all(rows, send_splits, recv_splits, exchange or comm, check=False)
     out = compute(received, recv_counts)
     return all_to_all(out, recv_splits, send_splits, exchange or comm, check=False)
@@ -156,27 +157,25 @@ class _LocalFirst(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx: Any, rows: Tensor, route: _Route, activation: str, w1: Tensor, w3: Tensor | None, w2: Tensor
-    ) -> Tensor:
-        weights = LoopWeights(activation, w1, w3, w2)
+    def forward(ctx: Any, rows: Tensor, route: _Route, activation: str, *params: Tensor | None) -> Tensor:
+        weights = LoopWeights(activation, *params)
         in_flight = route.exchange.all_to_all(rows, route.send, route.recv, async_op=True, check=False)
-        out = rows.new_empty(sum(route.recv), w2.shape[2])
+        out = rows.new_empty(sum(route.recv), weights.w2.shape[2])
         own = rows[route.own_sent]
         own_pre = loop_forward(own, route.own_segments, weights, out[route.own_received])
         received = in_flight.wait()
         other_pre = loop_forward(received, route.other_segments, weights, out)
         # Intermediates, not inputs or outputs: kept on ctx so that backward can drop them.
         ctx.pre, ctx.route, ctx.activation = (own_pre, other_pre), route, activation
-        ctx.save_for_backward(rows, received, w1, w3, w2)
+        ctx.save_for_backward(rows, received, *params)
         return route.exchange.all_to_all(out, route.recv, route.send, check=False)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        rows, received, w1, w3, w2 = ctx.saved_tensors
+        rows, received, *params = ctx.saved_tensors
         route: _Route = ctx.route
-        weights = LoopWeights(ctx.activation, w1, w3, w2)
+        weights = LoopWeights(ctx.activation, *params)
         (own_pre, other_pre), ctx.pre = ctx.pre, None
         grad = grad.contiguous()
         in_flight = route.exchange.all_to_all(grad, route.send, route.recv, async_op=True, check=False)
@@ -186,5 +185,4 @@ class _LocalFirst(torch.autograd.Function):
         loop_backward(own, route.own_segments, weights, own_pre, own_grad, grads, grad_received[route.own_received])
         loop_backward(received, route.other_segments, weights, other_pre, in_flight.wait(), grads, grad_received)
         grad_rows = route.exchange.all_to_all(grad_received, route.recv, route.send, check=False)
-        grad_w1, grad_w3, grad_w2 = grads.finish()
-        return grad_rows, None, None, grad_w1, grad_w3, grad_w2
+        return grad_rows, None, None, *grads.finish()

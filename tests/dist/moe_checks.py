@@ -20,12 +20,12 @@ EXPERTS, D_MODEL, D_FF, SEQ = 8, 8, 16, 9
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 CASES = [
     {"router": "topk", "capacity_factor": None, "activation": "gelu"},
-    {"router": "topk", "capacity_factor": 1.25, "activation": "swiglu"},
+    {"router": "topk", "capacity_factor": 1.25, "activation": "swiglu", "expert_bias": True},
     {"router": "switch", "top_k": 1, "capacity_factor": None, "activation": "relu"},
     {"router": "switch", "top_k": 1, "capacity_factor": 1.25, "activation": "gelu"},
     {"router": "sigmoid", "capacity_factor": None, "activation": "relu"},
     {"router": "sigmoid", "capacity_factor": 1.25, "activation": "swiglu"},
-    {"router": "xmoe", "capacity_factor": None, "activation": "gelu"},
+    {"router": "xmoe", "capacity_factor": None, "activation": "gelu", "expert_bias": True},
     {"router": "xmoe", "capacity_factor": 1.25, "activation": "gelu"},
     {"router": "expert_choice", "capacity_factor": None, "activation": "gelu"},
     {"router": "soft", "capacity_factor": None, "activation": "gelu"},
@@ -154,7 +154,7 @@ def check_empty_ranks_and_idle_experts(world: World) -> None:
 
 
 def check_checkpoint_loads_under_other_expert_parallel_sizes(world: World) -> None:
-    case = {"router": "topk", "activation": "swiglu"}
+    case = {"router": "topk", "activation": "swiglu", "expert_bias": True}
     torch.manual_seed(3)
     written = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=world.size, comm=world.comm, **case).eval()
     local = written.state_dict()
@@ -163,6 +163,7 @@ def check_checkpoint_loads_under_other_expert_parallel_sizes(world: World) -> No
     assert {k for k in local if k.startswith("experts.w1.")} == {f"experts.w1.{e}" for e in mine}, sorted(local)
     full = full_state_dict(written)
     assert {k for k in full if k.startswith("experts.w2.")} == {f"experts.w2.{e}" for e in range(EXPERTS)}
+    assert {k for k in full if k.startswith("experts.b3.")} == {f"experts.b3.{e}" for e in range(EXPERTS)}
     x = torch.randn(2, SEQ, D_MODEL, generator=torch.Generator().manual_seed(world.rank))
     with torch.no_grad():
         want = written(x)

@@ -14,14 +14,18 @@ from sparta.moe import MoELayer
 
 def expert_mlp(layer: MoELayer, e: int, rows: Tensor) -> Tensor:
     experts = layer.experts
-    hidden = rows @ experts.w1[e]
+
+    def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        return x @ w[e] if b is None else x @ w[e] + b[e]
+
+    hidden = linear(rows, experts.w1, experts.b1)
     if layer.config.activation == "swiglu":
-        hidden = nn.functional.silu(hidden) * (rows @ experts.w3[e])
+        hidden = nn.functional.silu(hidden) * linear(rows, experts.w3, experts.b3)
     elif layer.config.activation == "gelu":
         hidden = nn.functional.gelu(hidden)
     else:
         hidden = nn.functional.relu(hidden)
-    return hidden @ experts.w2[e]
+    return linear(hidden, experts.w2, experts.b2)
 
 
 def balance_loss(probs: Tensor, chosen: Tensor) -> Tensor:

@@ -10,11 +10,12 @@ import torch
 from sparta.moe import GroupedExperts, MoELayer
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("activation", ["gelu", "relu", "swiglu"])
 @pytest.mark.parametrize("counts", [[3, 0, 5, 2], [4, 4, 4, 4], [0, 0, 0, 0]])
-def test_grouped_mm_equals_loop(activation: str, counts: list[int]) -> None:
-    fast = GroupedExperts(4, 8, 12, activation=activation, gemm="grouped_mm")
-    slow = GroupedExperts(4, 8, 12, activation=activation, gemm="loop")
+def test_grouped_mm_equals_loop(activation: str, counts: list[int], bias: bool) -> None:
+    fast = GroupedExperts(4, 8, 12, activation=activation, gemm="grouped_mm", bias=bias)
+    slow = GroupedExperts(4, 8, 12, activation=activation, gemm="loop", bias=bias)
     slow.load_state_dict(fast.state_dict())
     rows = torch.randn(sum(counts), 8, requires_grad=True)
     count_tensor = torch.tensor(counts)
@@ -31,12 +32,12 @@ def test_grouped_mm_equals_loop(activation: str, counts: list[int]) -> None:
 
 
 @pytest.mark.parametrize("gemm", ["grouped_mm", "loop"])
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize(("activation", "bias"), [("gelu", False), ("swiglu", False), ("gelu", True), ("swiglu", True)])
 @pytest.mark.parametrize("blocks", [[[3, 0, 2], [1, 4, 0]], [[0, 0, 0], [2, 0, 1], [0, 3, 0]], [[0, 0, 0]]])
-def test_blocks_equal_rows_in_expert_order(gemm: str, activation: str, blocks: list[list[int]]) -> None:
+def test_blocks_equal_rows_in_expert_order(gemm: str, activation: str, bias: bool, blocks: list[list[int]]) -> None:
     """Rows in per-source blocks give each row the output and gradient it gets in expert
     order, and the weights the same gradients (an expert's rows split over blocks add up)."""
-    experts = GroupedExperts(3, 8, 12, activation=activation, gemm=gemm)
+    experts = GroupedExperts(3, 8, 12, activation=activation, gemm=gemm, bias=bias)
     block_counts = torch.tensor(blocks)
     rows = torch.randn(int(block_counts.sum()), 8, requires_grad=True)
     upstream = torch.randn(rows.shape[0], 8)

@@ -11,16 +11,23 @@ from tests.moe.moe_reference import reference_forward
 
 D_MODEL, D_FF, EXPERTS = 16, 32, 8
 CASES = [
-    (router, capacity, activation, gemm)
+    (router, capacity, activation, gemm, False)
     for router in ROUTERS
     for capacity in (None, 1.25)
     for activation in ("gelu", "relu", "swiglu")
     for gemm in ("loop", "grouped_mm")
     if not (router == "soft" and capacity is not None)
+] + [
+    (router, capacity, activation, gemm, True)
+    for router in ROUTERS
+    for capacity in (None, 1.25)
+    for activation in ("gelu", "swiglu")
+    for gemm in ("loop", "grouped_mm")
+    if not (router == "soft" and capacity is not None)
 ]
 
 
-def _layer(router: str, capacity: float | None, activation: str, gemm: str) -> MoELayer:
+def _layer(router: str, capacity: float | None, activation: str, gemm: str, bias: bool = False) -> MoELayer:
     layer = MoELayer(
         D_MODEL,
         D_FF,
@@ -32,6 +39,7 @@ def _layer(router: str, capacity: float | None, activation: str, gemm: str) -> M
         aux_loss_coef=0.1,
         z_loss_coef=0.01,
         expert_gemm=gemm,
+        expert_bias=bias,
         slots_per_expert=2,
     )
     if router == "sigmoid":
@@ -40,11 +48,11 @@ def _layer(router: str, capacity: float | None, activation: str, gemm: str) -> M
     return layer.train()
 
 
-@pytest.mark.parametrize(("router", "capacity", "activation", "gemm"), CASES)
+@pytest.mark.parametrize(("router", "capacity", "activation", "gemm", "bias"), CASES)
 def test_output_and_gradients_match_reference(
-    router: str, capacity: float | None, activation: str, gemm: str
+    router: str, capacity: float | None, activation: str, gemm: str, bias: bool
 ) -> None:
-    layer = _layer(router, capacity, activation, gemm)
+    layer = _layer(router, capacity, activation, gemm, bias)
     # Shifted input with 3 sequences of 11 tokens: routing is uneven enough that a capacity
     # of 1.25 drops pairs, and Soft MoE sees several sequences.
     x = (torch.randn(3, 11, D_MODEL) + 0.5).requires_grad_()

@@ -17,9 +17,21 @@ transformers = pytest.importorskip("transformers")
 VOCAB, D_MODEL, LAYERS = 64, 32, 2
 
 
-def gpt2() -> nn.Module:
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=D_MODEL, n_layer=LAYERS, n_head=2)
+def gpt2(activation_function: str = "gelu_new") -> nn.Module:
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=D_MODEL,
+        n_layer=LAYERS,
+        n_head=2,
+        activation_function=activation_function,
+    )
     return transformers.GPT2LMHeadModel(cfg)
+
+
+def gpt2_exact_gelu() -> nn.Module:
+    """GPT-2 with the erf GELU the experts compute (its default is the tanh approximation)."""
+    return gpt2("gelu")
 
 
 def llama() -> nn.Module:
@@ -102,9 +114,10 @@ def test_converted_model_trains(build: type, match: str | None, paths: list[str]
     assert all(model.get_submodule(p).last_stats.tokens_dropped == 0 for p in paths)
 
 
-@pytest.mark.parametrize("build", [llama, PlainLM])
-def test_upcycled_bias_free_model_computes_what_it_did(build: type) -> None:
-    """Every expert is the dense MLP and top-2 weights sum to 1: the same function."""
+@pytest.mark.parametrize("build", [llama, PlainLM, gpt2_exact_gelu])
+def test_upcycled_model_computes_what_it_did(build: type) -> None:
+    """Every expert is the dense MLP, biases included, and top-2 weights sum to 1: the same
+    function."""
     model = build().eval()
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -114,15 +127,23 @@ def test_upcycled_bias_free_model_computes_what_it_did(build: type) -> None:
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
 
 
-def test_gpt2_biases_are_reported_not_carried(caplog: pytest.LogCaptureFixture) -> None:
+def test_gpt2_biases_are_upcycled_unless_turned_off(caplog: pytest.LogCaptureFixture) -> None:
     model = gpt2()
-    dense = read_dense_mlp(model.transformer.h[0].mlp)
+    mlp = model.transformer.h[0].mlp
+    dense = read_dense_mlp(mlp)
     assert dense is not None and dense.has_bias and (dense.d_model, dense.d_ff) == (D_MODEL, 4 * D_MODEL)
-    want = model.transformer.h[0].mlp.c_fc.weight.detach().clone()  # Conv1D: already [in, out]
+    w1 = mlp.c_fc.weight.detach().clone()  # Conv1D: already [in, out]
+    b1, b2 = mlp.c_fc.bias.detach().clone(), mlp.c_proj.bias.detach().clone()
+    moeify(model, num_experts=2, top_k=1, router="switch")
+    experts = model.transformer.h[0].mlp.experts
+    assert model.transformer.h[0].mlp.config.expert_bias
+    torch.testing.assert_close(experts.w1[1], w1)
+    torch.testing.assert_close(experts.b1[1], b1)
+    torch.testing.assert_close(experts.b2[0], b2)
+    assert "transformer.h.0.mlp.experts.b1.1" in model.state_dict()
     with caplog.at_level(logging.WARNING, logger="sparta.moe"):
-        moeify(model, num_experts=2, top_k=1, router="switch")
-    assert "transformer.h.0.mlp has biases" in caplog.text
-    torch.testing.assert_close(model.transformer.h[0].mlp.experts.w1[1], want)
+        moeify(gpt2(), num_experts=2, top_k=1, router="switch", expert_bias=False)
+    assert "transformer.h.0.mlp has biases but expert_bias=False" in caplog.text
 
 
 def test_no_upcycle_keeps_fresh_experts_and_options_reach_the_layer() -> None:
