@@ -10,7 +10,7 @@ all ranks) around the MoE exchange (dispatch, experts, combine; 8 experts, top-2
 
 "auto" is what the co-scheduler settles on: the model's best plans (dense gradients cut by
 the cost model and sent in the backward's network gaps, or DDP's buckets) and flat r=1 run
-one untimed and two timed steps each; the fastest by agreed timings wins, r=1 unless
+two untimed and two timed steps each; the fastest by agreed timings wins, r=1 unless
 another beats it by 3%, and those timings calibrate the model (cost_model.Calibration).
 Then, alternating: flat r=1 and hierarchical r=1 with DDP's default 25 MiB buckets (what
 DeepSpeed-MoE does), auto's degrees with DDP buckets ("auto_ddp") and with partitioned
@@ -180,11 +180,13 @@ def worker(args: argparse.Namespace) -> None:
     # online check and calibration: the model's three best choices, degrees apart (gradients
     # partitioned; the profile's per-transfer latency is the least certain fit), its
     # best with DDP buckets, and flat r=1 with DDP buckets, the baseline auto must clearly
-    # beat (by 3%, above this machine's step-to-step noise) or fall back to; one untimed
-    # round, then two timed; the agreed timings calibrate the model before any timed step
+    # beat (by 3%, above this machine's step-to-step noise) or fall back to; two untimed
+    # rounds (with one, r=1's large buffers were still warming up: its steps ran 13-25%
+    # slower than later ones), then two timed; the agreed timings calibrate the model
+    # before any timed step
     flat1 = (UNPIPELINED, False)
     candidates = [*((c, True) for c in plan.ranked(3)), (plan.choice, False), flat1]
-    tuner = OnlineTuner(world.comm, candidates, trials=2, baseline=flat1, margin=0.03, warmup=1)
+    tuner = OnlineTuner(world.comm, candidates, trials=2, baseline=flat1, margin=0.03, warmup=2)
     while tuner.chosen is None:
         tuner.observe(step(*tuner.current))
     auto = tuner.chosen
