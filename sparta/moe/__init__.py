@@ -10,15 +10,17 @@ shape. Inside, for ``T`` tokens, ``E`` experts and ``k`` experts per token:
 - ``plan_dispatch`` sorts the pairs by expert and applies the capacity, giving counts ``[E]``
   and the grouped order (``N = P`` pairs dropless, fewer with a capacity); ``dispatch``
   also gathers the rows ``[N, d_model]``;
-- ``GroupedExperts`` runs every expert's MLP on its rows (grouped GEMM, or an expert loop
-  that fuses gather, MLP and combine on one process);
+- ``GroupedExperts`` runs every expert's MLP (with biases if ``expert_bias=True``) on its
+  rows (grouped GEMM, or the expert loop of ``sparta.moe.expert_loop``, which fuses
+  gather, MLP and combine on one process);
 - ``combine`` adds the weighted outputs back into token order ``[T, d_model]``.
 
 With ``ep_size > 1`` the rows travel to the rank holding their expert and back by
-all-to-all between dispatch and combine (``sparta.moe.parallel``).
+all-to-all between dispatch and combine (``sparta.moe.parallel``); a rank computes the rows
+it sends itself while the others' rows travel.
 
 Around the layer: ``moeify(model, ...)`` swaps an existing model's MLPs for MoE layers
-(upcycling their weights); ``expert_parallel_groups`` / ``sync_gradients`` combine expert
+(upcycling their weights and biases); ``expert_parallel_groups`` / ``sync_gradients`` combine expert
 parallelism with data parallelism; ``state_dict()`` saves experts under their global ids and
 ``full_state_dict`` gathers them, so a checkpoint reloads under any ``ep_size``.
 
