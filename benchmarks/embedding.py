@@ -12,6 +12,8 @@ distribution (s = 1.1). Variants, run in one launch per engine:
   hvd_dense      the same with sparse_as_dense=True (dense all-reduce)
   sparta_row / sparta_column   SparseEmbedding via sparta.embedding.parallelize (dense
                  block on DDP under torchrun, on Horovod under horovodrun)
+  sparta_row_sparse / sparta_column_sparse   the same from nn.Embedding(sparse=True): the
+                 shard's gradient is sparse, so SGD updates the touched rows only
   sparta_row_queue     every gradient through the PriorityQueue (data_parallel="sparta"):
                  dense chunks issued while backward computes, the table's all-to-all an
                  async task, the shard stepped as soon as its rows arrive (torchrun only)
@@ -90,7 +92,9 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
 
     comm = world.comm
     torch.manual_seed(0)
-    model = Model(vocab, sparse=name.startswith("hvd"))
+    sparse_grad = name.endswith("_sparse")
+    name_parts = name.removesuffix("_sparse")
+    model = Model(vocab, sparse=name.startswith("hvd") or sparse_grad)
     dense_numel = sum(p.numel() for p in model.block.parameters())
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     if name == "ddp":
@@ -114,7 +118,7 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
         hidden = torch.randn(BATCH, SEQ, DIM)
         net, opt, sent = (lambda ids: model.block(hidden).square().mean()), sgd(model.block.parameters()), 0
     else:
-        _, sharding, *queue = name.split("_")
+        _, sharding, *queue = name_parts.split("_")
         mode, config = "auto", None
         if queue:
             mode, config = "sparta", QueueConfig(QUEUE_CHUNK_BYTES, chunks_per_ready=QUEUES[queue[0]])
@@ -153,6 +157,9 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
         comm.barrier()
         back_to_back = {"back_to_back_step_s": round((time.perf_counter() - start) / steps, 5)}
     emb_param = model.emb.weight
+    grad_bytes = emb_param.numel() * 4
+    if sparse_grad and name.startswith("sparta"):  # the rows this rank's shard received gradients for
+        grad_bytes = sum(model.emb.last_route.recv) * model.emb.layout.shard_dim * 4
     return {
         "variant": name,
         "engine": comm.backend,
@@ -162,7 +169,7 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
         "ids_per_rank": BATCH * SEQ,
         "median_step_s": round(statistics.median(times), 5),
         "bytes_sent_per_rank_per_step": sent,
-        "embedding_param_grad_bytes_per_rank": 0 if name == "dense_block_alone" else 2 * emb_param.numel() * 4,
+        "embedding_param_grad_bytes_per_rank": 0 if name == "dense_block_alone" else emb_param.numel() * 4 + grad_bytes,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         **back_to_back,
     }
@@ -175,9 +182,10 @@ def worker(args: argparse.Namespace) -> None:
     world = sparta.init()
     if world.backend == "torch":
         variants = ["ddp", "sparta_row", "sparta_column", "sparta_row_queue", "sparta_row_queue_deferred"]
-        variants += ["sparta_row_keyorder"]
+        variants += ["sparta_row_keyorder", "sparta_row_sparse", "sparta_column_sparse"]
     else:
         variants = ["hvd_sparse", "hvd_dense", "sparta_row", "sparta_column"]
+        variants += ["sparta_row_sparse", "sparta_column_sparse"]
     if args.dense_alone and world.backend == "torch":
         variants.append("dense_block_alone")
     for vocab in args.vocabs:

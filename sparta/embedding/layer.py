@@ -26,6 +26,9 @@ class SparseEmbedding(nn.Module):
         holds `embedding_dim / world` columns of every row: balanced under skewed ids).
     comm: the Communicator of the ranks that share the table; None means one process.
     name: how error messages name the table (the model helper passes the module path).
+    sparse: as `nn.Embedding(sparse=True)`: the shard's gradient is a sparse tensor of the
+        touched rows, so SGD (or SparseAdam, Adagrad) updates those rows only, not the whole
+        shard; a step then costs the batch's rows, whatever the vocabulary size.
 
     `self.weight` is this rank's shard (`[rows of the range, dim]` or `[num, dim / world]`);
     a standard optimizer over `parameters()` updates it, and its gradient is averaged over
@@ -47,9 +50,11 @@ class SparseEmbedding(nn.Module):
         name: str | None = None,
         _weight: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
+        sparse: bool = False,
     ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        self.sparse = bool(sparse)
         self.sharding, self.comm = sharding, comm
         self.table_name = name or f"SparseEmbedding({num_embeddings}, {embedding_dim})"
         world, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
@@ -92,18 +97,22 @@ class SparseEmbedding(nn.Module):
         sharding: str = "row",
         comm: Communicator | None = None,
         name: str | None = None,
+        sparse: bool = False,
     ) -> SparseEmbedding:
         """Like `nn.Embedding.from_pretrained`: every rank passes the full `[num, dim]` table
         and keeps its shard. freeze=True stops the table from training."""
         if embeddings.dim() != 2:
             raise ConfigError(f"from_pretrained takes a 2-D [num, dim] table, got shape {tuple(embeddings.shape)}")
         num, dim = embeddings.shape
-        emb = cls(num, dim, padding_idx, sharding, comm, name, _weight=embeddings, dtype=embeddings.dtype)
+        emb = cls(
+            num, dim, padding_idx, sharding, comm, name, _weight=embeddings, dtype=embeddings.dtype, sparse=sparse
+        )
         emb.weight.requires_grad_(not freeze)
         return emb
 
     def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        pad += ", sparse=True" if self.sparse else ""
         world = self.comm.size if self.comm is not None else 1
         return f"{self.num_embeddings}, {self.embedding_dim}{pad}, sharding={self.sharding!r}, world={world}"
 
@@ -122,11 +131,11 @@ class SparseEmbedding(nn.Module):
         if self.comm is None:
             if finding.problem:
                 raise InputError(finding.message(self.table_name))
-            return nn.functional.embedding(ids, self.weight, self.padding_idx)
+            return nn.functional.embedding(ids, self.weight, self.padding_idx, sparse=self.sparse)
         route = plan_route(ids, self.layout, self.comm, finding, self.table_name)
         self.last_route = route
         defer = self._defer if self._queue is not None else None
-        rows = ShardedLookup.apply(self.weight, route, self.layout, self.comm, self.padding_idx, defer)
+        rows = ShardedLookup.apply(self.weight, route, self.layout, self.comm, self.padding_idx, defer, self.sparse)
         return rows[route.inverse].view(*ids.shape, self.embedding_dim)
 
     # ------------------------------------------------------ queued gradients
@@ -157,7 +166,7 @@ class SparseEmbedding(nn.Module):
         if self._pending is None:
             return
         (handle, route), self._pending = self._pending, None
-        grad = rows_to_shard(handle.wait(), route, self.weight.shape)
+        grad = rows_to_shard(handle.wait(), route, self.weight.shape, self.sparse)
         if self.weight.grad is None:
             self.weight.grad = grad
         else:

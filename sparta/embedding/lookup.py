@@ -48,8 +48,13 @@ class Route:
 Defer = Callable[[torch.Tensor, Route], bool]
 
 
-def rows_to_shard(got: torch.Tensor, route: Route, shard_shape: torch.Size) -> torch.Tensor:
-    """The shard's gradient from the rows every rank sent here (summed where ids repeat)."""
+def rows_to_shard(got: torch.Tensor, route: Route, shard_shape: torch.Size, sparse: bool = False) -> torch.Tensor:
+    """The shard's gradient from the rows every rank sent here (summed where ids repeat):
+    dense, or with `sparse` a sparse COO tensor holding the touched rows only, so that an
+    optimizer that takes sparse gradients (SGD, SparseAdam, Adagrad) updates those rows and
+    no others, as with `nn.Embedding(sparse=True)`."""
+    if sparse:
+        return torch.sparse_coo_tensor(route.served.unsqueeze(0), got, shard_shape)
     shard_grad = torch.zeros(shard_shape, dtype=got.dtype, device=got.device)
     return shard_grad.index_add_(0, route.served, got)
 
@@ -88,8 +93,10 @@ class ShardedLookup(torch.autograd.Function):
         comm: Communicator,
         padding_idx: int | None,
         defer: Defer | None,
+        sparse: bool,
     ) -> torch.Tensor:
         ctx.route, ctx.layout, ctx.comm, ctx.padding_idx, ctx.defer = route, layout, comm, padding_idx, defer
+        ctx.sparse = sparse
         ctx.shard_shape = shard.shape
         rows = comm.all_to_all(shard[route.served], route.recv, route.send, check=False)
         assert isinstance(rows, torch.Tensor)
@@ -100,7 +107,7 @@ class ShardedLookup(torch.autograd.Function):
         return rows.view(comm.size, u, layout.shard_dim).transpose(0, 1).reshape(u, layout.embedding_dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
         route, layout, comm = ctx.route, ctx.layout, ctx.comm
         grad = grad / comm.size
         if ctx.padding_idx is not None:
@@ -110,7 +117,7 @@ class ShardedLookup(torch.autograd.Function):
             grad = grad.view(u, comm.size, layout.shard_dim).transpose(0, 1).reshape(comm.size * u, layout.shard_dim)
         grad = grad.contiguous()
         if ctx.defer is not None and ctx.defer(grad, route):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         got = comm.all_to_all(grad, route.send, route.recv, check=False)
         assert isinstance(got, torch.Tensor)
-        return rows_to_shard(got, route, ctx.shard_shape), None, None, None, None, None
+        return rows_to_shard(got, route, ctx.shard_shape, ctx.sparse), None, None, None, None, None, None

@@ -47,15 +47,15 @@ def swap_embeddings(model: nn.Module, comm: Communicator, sharding: str = "row",
     for path, module in list(model.named_modules()):
         if type(module) is not nn.Embedding:
             continue
-        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+        if module.max_norm is not None or module.scale_grad_by_freq:
             raise ConfigError(
-                f"{path}: nn.Embedding with max_norm, scale_grad_by_freq or sparse=True has no sharded "
+                f"{path}: nn.Embedding with max_norm or scale_grad_by_freq has no sharded "
                 "equivalent; build it without those options"
             )
         table = comm.broadcast(module.weight.detach().contiguous(), src=0)
         assert isinstance(table, torch.Tensor)
         emb = SparseEmbedding.from_pretrained(
-            table, not module.weight.requires_grad, module.padding_idx, sharding, comm, name=path
+            table, not module.weight.requires_grad, module.padding_idx, sharding, comm, name=path, sparse=module.sparse
         )
         _replace(model, path, emb)
         swapped.append(path)

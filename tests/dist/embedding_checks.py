@@ -46,12 +46,16 @@ def table() -> torch.Tensor:
     return t
 
 
-def train_against_reference(comm: Communicator, sharding: str, opt: str, steps: int = 3) -> None:
-    ref = torch.nn.Embedding.from_pretrained(table(), freeze=False, padding_idx=PAD)
-    emb = SparseEmbedding.from_pretrained(table(), freeze=False, padding_idx=PAD, sharding=sharding, comm=comm)
+def train_against_reference(comm: Communicator, sharding: str, opt: str, steps: int = 3, sparse: bool = False) -> None:
+    ref = torch.nn.Embedding.from_pretrained(table(), freeze=False, padding_idx=PAD, sparse=sparse)
+    emb = SparseEmbedding.from_pretrained(
+        table(), freeze=False, padding_idx=PAD, sharding=sharding, comm=comm, sparse=sparse
+    )
     make = {
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
         "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+        "plain_sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
+        "sparse_adam": lambda ps: torch.optim.SparseAdam(list(ps), lr=0.01),
     }[opt]
     ref_opt, opt_ = make(ref.parameters()), make(emb.parameters())
     for step in range(steps):
@@ -60,6 +64,7 @@ def train_against_reference(comm: Communicator, sharding: str, opt: str, steps: 
         y = emb(ids[comm.rank])
         torch.testing.assert_close(y, ref(ids[comm.rank]).detach(), **TOL)
         objective(y, step, comm.rank).backward()
+        assert emb.weight.grad is not None and emb.weight.grad.is_sparse == sparse
         opt_.step()
         ref_opt.zero_grad()
         ref_loss = sum(objective(ref(ids[r]), step, r) for r in range(comm.size)) / comm.size
@@ -84,6 +89,13 @@ def check_column_sgd(world: World) -> None:
 
 def check_column_adam(world: World) -> None:
     train_against_reference(world.comm, "column", "adam")
+
+
+def check_sparse_gradients_step_touched_rows_only(world: World) -> None:
+    """sparse=True: the shard's gradient holds the touched rows only, and SGD / SparseAdam
+    over it train the table as they train nn.Embedding(sparse=True) on the global batch."""
+    train_against_reference(world.comm, "row", "plain_sgd", sparse=True)
+    train_against_reference(world.comm, "column", "sparse_adam", sparse=True)
 
 
 def check_forward_matches_and_repeats_summed_once(world: World) -> None:
@@ -356,6 +368,7 @@ CHECKS = [
     check_row_adam,
     check_column_sgd,
     check_column_adam,
+    check_sparse_gradients_step_touched_rows_only,
     check_uneven_and_empty_batches,
     check_from_pretrained_frozen_and_random_init,
     check_state_dict_full_table_and_other_world,
