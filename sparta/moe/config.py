@@ -85,13 +85,9 @@ class MoEConfig:
         if self.router not in ROUTERS:
             raise ConfigError(f"router={self.router!r} is unknown: choose one of {', '.join(ROUTERS)}")
         if self.activation not in ACTIVATIONS:
-            raise ConfigError(
-                f"activation={self.activation!r} is unknown: choose one of {', '.join(ACTIVATIONS)}"
-            )
+            raise ConfigError(f"activation={self.activation!r} is unknown: choose one of {', '.join(ACTIVATIONS)}")
         if self.expert_gemm not in EXPERT_GEMMS:
-            raise ConfigError(
-                f"expert_gemm={self.expert_gemm!r} is unknown: choose one of {', '.join(EXPERT_GEMMS)}"
-            )
+            raise ConfigError(f"expert_gemm={self.expert_gemm!r} is unknown: choose one of {', '.join(EXPERT_GEMMS)}")
         if self.capacity_factor is not None:
             cf = self.capacity_factor
             if not isinstance(cf, (int, float)) or isinstance(cf, bool) or not 0 < cf < math.inf:

@@ -124,9 +124,7 @@ class MoELayer(nn.Module):
         known = {f.name for f in fields(MoEConfig)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ConfigError(
-                f"MoELayer got unknown options {unknown}: the options are {sorted(known)}"
-            )
+            raise ConfigError(f"MoELayer got unknown options {unknown}: the options are {sorted(known)}")
         config = MoEConfig(
             d_model=d_model,
             d_ff=d_ff,
@@ -220,9 +218,7 @@ class MoELayer(nn.Module):
                 "pass tokens with d_model features in the last dimension"
             )
         if not x.is_floating_point():
-            raise InputError(
-                f"MoE layer {self.name!r} got {x.dtype} input: pass floating-point activations"
-            )
+            raise InputError(f"MoE layer {self.name!r} got {x.dtype} input: pass floating-point activations")
 
     def _guard(self, step: Callable[[], T]) -> T:
         """Local work before the first collective: an error on one rank raises on all."""

@@ -20,9 +20,7 @@ class ExpertChoiceRouter(LinearRouter):
     tokens in autoregressive training and changes under batch composition at inference.
     """
 
-    def __init__(
-        self, d_model: int, num_experts: int, top_k: int, capacity_factor: float | None = None
-    ) -> None:
+    def __init__(self, d_model: int, num_experts: int, top_k: int, capacity_factor: float | None = None) -> None:
         super().__init__(d_model, num_experts, top_k)
         self.capacity_factor = 1.0 if capacity_factor is None else capacity_factor
 

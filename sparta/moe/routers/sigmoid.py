@@ -29,9 +29,7 @@ class SigmoidRouter(LinearRouter):
     replica: report a load summed over replicas, or synchronise the buffer.
     """
 
-    def __init__(
-        self, d_model: int, num_experts: int, top_k: int, bias_update_rate: float = 1e-3
-    ) -> None:
+    def __init__(self, d_model: int, num_experts: int, top_k: int, bias_update_rate: float = 1e-3) -> None:
         super().__init__(d_model, num_experts, top_k)
         self.bias_update_rate = bias_update_rate
         self.register_buffer("expert_bias", torch.zeros(num_experts))
