@@ -136,7 +136,9 @@ class SparseEmbedding(nn.Module):
         self.last_route = route
         defer = self._defer if self._queue is not None else None
         rows = ShardedLookup.apply(self.weight, route, self.layout, self.comm, self.padding_idx, defer, self.sparse)
-        return rows[route.inverse].view(*ids.shape, self.embedding_dim)
+        # An embedding lookup, not rows[inverse]: its backward sums repeated ids with a plain
+        # index-add, where advanced indexing's backward goes through index_put(accumulate).
+        return nn.functional.embedding(route.inverse.view(ids.shape), rows)
 
     # ------------------------------------------------------ queued gradients
     def defer_gradients(self, queue: PriorityQueue | None, key: TaskKey | None = None) -> None:

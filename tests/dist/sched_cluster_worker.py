@@ -31,9 +31,10 @@ def check_links_are_shaped(world: World) -> None:
     world.comm.barrier()
     t_inter, y_inter = timed_all_reduce(inter, n)
     assert torch.equal(y_intra, torch.full((n,), 3.0)) and torch.equal(y_inter, torch.full((n,), 3.0))
-    # 2 inter groups share each 100 Mbit/s link; a ring all-reduce of 2 ranks sends half the
-    # buffer twice each way: 2 x 1 MiB per direction, >= 168 ms at 100 Mbit/s
-    assert t_inter > 0.12, f"inter-node all-reduce took {t_inter * 1e3:.1f} ms; the link is not shaped"
+    # A ring all-reduce of 2 ranks sends half the buffer twice each way: 1 MiB per direction
+    # per inter group, >= 84 ms at 100 Mbit/s even when the other group's transfer does not
+    # overlap it (168 ms when both share the link the whole time); loopback takes a few ms.
+    assert t_inter > 0.07, f"inter-node all-reduce took {t_inter * 1e3:.1f} ms; the link is not shaped"
     assert t_intra < t_inter / 3, f"intra {t_intra * 1e3:.1f} ms vs inter {t_inter * 1e3:.1f} ms"
 
 
