@@ -93,7 +93,7 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
     comm = world.comm
     torch.manual_seed(0)
     sparse_grad = name.endswith("_sparse")
-    name_parts = name.removesuffix("_sparse")
+    base_name = name.removesuffix("_sparse")
     model = Model(vocab, sparse=name.startswith("hvd") or sparse_grad)
     dense_numel = sum(p.numel() for p in model.block.parameters())
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
@@ -118,7 +118,7 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
         hidden = torch.randn(BATCH, SEQ, DIM)
         net, opt, sent = (lambda ids: model.block(hidden).square().mean()), sgd(model.block.parameters()), 0
     else:
-        _, sharding, *queue = name_parts.split("_")
+        _, sharding, *queue = base_name.split("_")
         mode, config = "auto", None
         if queue:
             mode, config = "sparta", QueueConfig(QUEUE_CHUNK_BYTES, chunks_per_ready=QUEUES[queue[0]])

@@ -48,6 +48,19 @@ def consecutive_segments(counts_list: list[int], offset: int = 0) -> list[Segmen
     return [(e, end - count, end) for e, (count, end) in enumerate(zip(counts_list, ends, strict=True))]
 
 
+def block_segments(blocks: list[list[int]], skip: int | None = None) -> list[Segment]:
+    """Segments of rows in consecutive blocks, each grouped by expert: block ``b`` holds
+    ``blocks[b][e]`` rows of expert ``e``, after every earlier block's rows. Block ``skip``
+    is left out (its rows keep their place)."""
+    segments: list[Segment] = []
+    offset = 0
+    for b, counts in enumerate(blocks):
+        if b != skip:
+            segments += consecutive_segments(counts, offset)
+        offset += sum(counts)
+    return segments
+
+
 def activate(activation: str, h1: Tensor, h3: Tensor | None) -> Tensor:
     if activation == "swiglu":
         return nn.functional.silu(h1) * h3
@@ -69,6 +82,10 @@ class LoopWeights:
     b1: Tensor | None = None
     b3: Tensor | None = None
     b2: Tensor | None = None
+
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """``(w1, w3, w2, b1, b3, b2)``, the order ``ExpertLoop.apply`` takes them in."""
+        return self.w1, self.w3, self.w2, self.b1, self.b3, self.b2
 
 
 def _linear(x: Tensor, w: Tensor, b: Tensor | None, out: Tensor | None = None) -> Tensor:

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from sparta.errors import InputError
 from sparta.moe.dispatch import DispatchPlan, combine
-from sparta.moe.expert_loop import ExpertLoop, LoopWeights, Segment, activate, consecutive_segments
+from sparta.moe.expert_loop import ExpertLoop, LoopWeights, Segment, activate, block_segments, consecutive_segments
 
 # torch._grouped_mm's dtypes per device type; CUDA kernels exist for bfloat16 only.
 _GROUPED_MM_DTYPES = {
@@ -184,9 +184,7 @@ class GroupedExperts(nn.Module):
             by_expert = torch.sort(row_expert, stable=True).indices
             out = self._grouped_mm(rows.index_select(0, by_expert), block_counts.sum(dim=0).to(rows.device))
             return torch.empty_like(out).index_copy_(0, by_expert, out)
-        flat = block_counts.reshape(-1).tolist()
-        segments = [(i % self.num_experts, start, end) for i, start, end in consecutive_segments(flat)]
-        return self._loop(rows.contiguous(), None, None, segments)
+        return self._loop(rows.contiguous(), None, None, block_segments(block_counts.tolist()))
 
     def loop_weights(self) -> LoopWeights:
         """The weights as the expert loop takes them."""
@@ -194,7 +192,7 @@ class GroupedExperts(nn.Module):
 
     def _loop(self, x: Tensor, token_idx: Tensor | None, weight: Tensor | None, segments: list[Segment]) -> Tensor:
         w = self.loop_weights()
-        return ExpertLoop.apply(x, token_idx, weight, segments, w.activation, w.w1, w.w3, w.w2, w.b1, w.b3, w.b2)
+        return ExpertLoop.apply(x, token_idx, weight, segments, w.activation, *w.tensors())
 
     def _grouped_mm(self, rows: Tensor, counts: Tensor) -> Tensor:
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)

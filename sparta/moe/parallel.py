@@ -20,7 +20,14 @@ from torch.autograd.function import once_differentiable
 from sparta.comm import all_to_all
 from sparta.comm.dtypes import dtype_code, dtype_name
 from sparta.errors import InputError, SpartaError
-from sparta.moe.expert_loop import LoopGrads, LoopWeights, Segment, consecutive_segments, loop_backward, loop_forward
+from sparta.moe.expert_loop import (
+    LoopGrads,
+    LoopWeights,
+    block_segments,
+    consecutive_segments,
+    loop_backward,
+    loop_forward,
+)
 from sparta.moe.experts import GroupedExperts
 from sparta.scheduling.pipeline import Exchange, PipelineDegrees, pipelined_exchange
 
@@ -126,7 +133,7 @@ def expert_parallel_mlp(
         blocks = recv_counts.view(ep_size, local).tolist()
         route = _Route(exchange or comm, comm.rank, send_splits, recv_splits, blocks)
         w = experts.loop_weights()
-        return _LocalFirst.apply(rows, route, w.activation, w.w1, w.w3, w.w2, w.b1, w.b3, w.b2)
+        return _LocalFirst.apply(rows, route, w.activation, *w.tensors())
     received = all_to_all(rows, send_splits, recv_splits, exchange or comm, check=False)
     out = compute(received, recv_counts)
     return all_to_all(out, recv_splits, send_splits, exchange or comm, check=False)
@@ -140,12 +147,7 @@ class _Route:
         self.own_sent = slice(sum(send[:me]), sum(send[: me + 1]))
         self.own_received = slice(sum(recv[:me]), sum(recv[: me + 1]))
         self.own_segments = consecutive_segments(blocks[me])
-        self.other_segments: list[Segment] = [
-            segment
-            for source, counts in enumerate(blocks)
-            if source != me
-            for segment in consecutive_segments(counts, offset=sum(recv[:source]))
-        ]
+        self.other_segments = block_segments(blocks, skip=me)
 
 
 class _LocalFirst(torch.autograd.Function):
