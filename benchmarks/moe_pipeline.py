@@ -83,7 +83,8 @@ def worker(args: argparse.Namespace) -> None:
     intra, inter = world.node_comms()
     hier = HierarchicalAllToAll(world.comm, intra, inter)
     mib = 2**20
-    config = ProfileConfig(bytes=(mib, 4 * mib, 8 * mib), rows=(1024, 4096, 8192), repeats=2)
+    # up to the whole exchange (16 MiB at r=1): chunked transfers span 1 to 16 MiB
+    config = ProfileConfig(bytes=(mib, 4 * mib, 16 * mib), rows=(1024, 4096, 8192), repeats=2)
     g = torch.Generator().manual_seed(world.rank)
     experts = torch.randint(0, EXPERTS, (TOKENS * TOP_K,), generator=g)
     counts = torch.bincount(experts, minlength=EXPERTS)
@@ -132,7 +133,7 @@ def worker(args: argparse.Namespace) -> None:
 
     def partition_of(choice: Choice) -> tuple[GradientPartition, tuple[int, ...]]:
         """The pieces for `choice`'s backward gaps, and the transfers after which each gap opens."""
-        line = model.backward_timeline(shape, choice.degrees.backward, choice.hierarchical)
+        line = model.backward_timeline(shape, choice.degrees, choice.hierarchical)
         part = partition_gradients(dense_bytes, [e - b for b, e in line.idle_network()], ar, 4096, element_bytes=4)
         return part, line.gap_openings()
 
@@ -265,7 +266,8 @@ def worker(args: argparse.Namespace) -> None:
         part = partition_of(auto[0])[0]
 
         def choice_json(c: Choice) -> dict[str, object]:
-            return {"r_fwd": c.degrees.forward, "r_bwd": c.degrees.backward, "hier": c.hierarchical}
+            d = c.degrees
+            return {"r_fwd": d.forward, "r_bwd": d.backward, "taper": d.taper, "hier": c.hierarchical}
 
         result = {
             "rate": args.rate,

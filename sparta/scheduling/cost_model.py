@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sparta.errors import ConfigError, InputError
-from sparta.scheduling.pipeline import PipelineDegrees
+from sparta.scheduling.pipeline import MAX_TAPER, PipelineDegrees, chunk_weights
 from sparta.scheduling.profiler import LinearFit, Profile
 from sparta.scheduling.tuner import Choice
 
@@ -71,6 +71,7 @@ class Prediction:
     # pipeline saves is serial - overlapped, the part a Calibration scales by its efficiency
     forward_serial_s: float = 0.0
     backward_serial_s: float = 0.0
+    taper: int = 0  # PipelineDegrees.taper the chunks were cut with
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ class SchedulePlan:
                 for t in taken
             )
             if apart and len(taken) < count:
-                taken.append(Choice(PipelineDegrees(c.degree, c.degree), c.hierarchical))
+                taken.append(Choice(PipelineDegrees(c.degree, c.degree, c.taper), c.hierarchical))
         return taken[:count]
 
 
@@ -196,37 +197,49 @@ class Timeline:
         return tuple(sum(begin < gap_begin for begin, _ in self.network) for gap_begin, _ in self.idle_network())
 
 
-def timeline(degree: int, comm_s: float, compute_s: float, blocking_s: float = 0.0) -> Timeline:
-    """Replay pipeline._pipeline for `degree` chunks of `comm_s` network time each way,
-    `compute_s` compute, and `blocking_s` spent on this thread to start each transfer (the
-    hierarchical intra-node step). The network is one FIFO channel."""
+def timeline(
+    comm_s: Sequence[float], compute_s: Sequence[float], blocking_s: Sequence[float] | float = 0.0
+) -> Timeline:
+    """Replay pipeline._pipeline for chunks of `comm_s[i]` network time each way,
+    `compute_s[i]` compute, and `blocking_s[i]` spent on this thread to start each of their
+    transfers (the hierarchical intra-node step; one float: the same for every chunk). The
+    network is one FIFO channel."""
+    degree = len(comm_s)
+    blocks = [blocking_s] * degree if isinstance(blocking_s, (int, float)) else list(blocking_s)
+    if degree < 1 or len(compute_s) != degree or len(blocks) != degree:
+        raise InputError(
+            f"timeline: {degree} transfer times, {len(compute_s)} compute times, {len(blocks)} blocking "
+            "times; give one of each per chunk (at least one chunk)"
+        )
     now, free = 0.0, 0.0  # compute thread clock; time the network channel frees up
     network: list[tuple[float, float]] = []
     compute: list[tuple[float, float]] = []
 
-    def start() -> float:
+    def start(i: int) -> float:
         nonlocal now, free
-        now += blocking_s
+        now += blocks[i]
         begin = max(now, free)
-        free = begin + comm_s
+        free = begin + comm_s[i]
         network.append((begin, free))
         return free
 
-    outbound = [start()]
+    outbound = [start(0)]
     back = 0.0
     for i in range(degree):
         now = max(now, outbound[i])
         if i + 1 < degree:
-            outbound.append(start())
-        compute.append((now, now + compute_s))
-        now += compute_s
-        back = start()
+            outbound.append(start(i + 1))
+        compute.append((now, now + compute_s[i]))
+        now += compute_s[i]
+        back = start(i)
     return Timeline(tuple(network), tuple(compute), max(now, back))
 
 
 def simulate(degree: int, comm_s: float, compute_s: float, blocking_s: float = 0.0) -> float:
-    """Seconds until the last chunk is back (see `timeline`)."""
-    return timeline(degree, comm_s, compute_s, blocking_s).end_s
+    """Seconds until the last of `degree` equal chunks is back, each taking `comm_s` network
+    time each way, `compute_s` compute and `blocking_s` of this thread per transfer (see
+    `timeline`)."""
+    return timeline([comm_s] * degree, [compute_s] * degree, blocking_s).end_s
 
 
 class CostModel:
@@ -242,9 +255,10 @@ class CostModel:
         """(forward, backward) seconds of `p` through this model's Calibration."""
         return self.calibration(p.forward_s, p.forward_serial_s), self.calibration(p.backward_s, p.backward_serial_s)
 
-    def _exchange(self, shape: LayerShape, degree: int, hierarchical: bool) -> tuple[float, float]:
-        """(network seconds, blocking seconds) of one chunk's all-to-all."""
-        nbytes = shape.exchange_bytes / degree
+    def _exchange(self, shape: LayerShape, fraction: float, hierarchical: bool) -> tuple[float, float]:
+        """(network seconds, blocking seconds) of the all-to-all of a chunk holding `fraction`
+        of the rows."""
+        nbytes = shape.exchange_bytes * fraction
         if not hierarchical:
             return self.profile.fit("all_to_all", "world")(nbytes), 0.0
         if "all_to_all/hier" in self.profile.fits:
@@ -256,31 +270,46 @@ class CostModel:
     def _compute(self, shape: LayerShape, kind: str) -> LinearFit:
         return self.profile.fit(f"expert_{kind}", f"{shape.d_model}x{shape.d_ff}")
 
-    def predict(self, shape: LayerShape, degree: int, hierarchical: bool, recompute: bool = False) -> Prediction:
-        """Forward and backward seconds at `degree`; `recompute` adds the forward's compute to
-        the backward's (what the pipeline does when the two degrees differ)."""
+    def _chunks(
+        self, shape: LayerShape, degree: int, hierarchical: bool, taper: int, recompute: bool = False
+    ) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Per chunk: (transfer, blocking, forward compute, backward compute) seconds;
+        `recompute` adds the forward's compute to the backward's."""
         if degree < 1:
-            raise ConfigError(f"CostModel.predict: degree = {degree}; use >= 1")
-        comm, blocking = self._exchange(shape, degree, hierarchical)
-        rows = shape.rows / degree
-        fwd_compute = self._compute(shape, "fwd")(rows)
-        bwd_compute = self._compute(shape, "bwd")(rows) + (fwd_compute if recompute else 0.0)
+            raise ConfigError(f"CostModel: degree = {degree}; use >= 1")
+        weights = chunk_weights(degree, taper)
+        parts = [w / sum(weights) for w in weights]
+        exchange = [self._exchange(shape, f, hierarchical) for f in parts]
+        fwd = [self._compute(shape, "fwd")(shape.rows * f) for f in parts]
+        redo = fwd if recompute else [0.0] * degree
+        bwd = [self._compute(shape, "bwd")(shape.rows * f) + c for f, c in zip(parts, redo, strict=True)]
+        return [c for c, _ in exchange], [b for _, b in exchange], fwd, bwd
+
+    def predict(
+        self, shape: LayerShape, degree: int, hierarchical: bool, recompute: bool = False, taper: int = 0
+    ) -> Prediction:
+        """Forward and backward seconds at `degree` with chunks tapered by `taper`
+        (PipelineDegrees); `recompute` adds the forward's compute to the backward's (what the
+        pipeline does when the two degrees differ)."""
+        comm, blocking, fwd, bwd = self._chunks(shape, degree, hierarchical, taper, recompute)
+        transfers = 2 * (sum(comm) + sum(blocking))
         return Prediction(
             degree,
             hierarchical,
-            simulate(degree, comm, fwd_compute, blocking),
-            simulate(degree, comm, bwd_compute, blocking),
-            degree * (2 * (comm + blocking) + fwd_compute),
-            degree * (2 * (comm + blocking) + bwd_compute),
+            timeline(comm, fwd, blocking).end_s,
+            timeline(comm, bwd, blocking).end_s,
+            transfers + sum(fwd),
+            transfers + sum(bwd),
+            taper,
         )
 
     def predict_degrees(self, shape: LayerShape, degrees: PipelineDegrees, hierarchical: bool) -> Prediction:
         """Forward at degrees.forward, backward at degrees.backward (recomputing the forward's
         compute when they differ, as the pipeline does); `degree` is the forward's."""
-        fwd = self.predict(shape, degrees.forward, hierarchical)
+        fwd = self.predict(shape, degrees.forward, hierarchical, taper=degrees.taper)
         if degrees.backward == degrees.forward:
             return fwd
-        bwd = self.predict(shape, degrees.backward, hierarchical, recompute=True)
+        bwd = self.predict(shape, degrees.backward, hierarchical, recompute=True, taper=degrees.taper)
         return Prediction(
             degrees.forward,
             hierarchical,
@@ -288,13 +317,15 @@ class CostModel:
             bwd.backward_s,
             fwd.forward_serial_s,
             bwd.backward_serial_s,
+            degrees.taper,
         )
 
-    def backward_timeline(self, shape: LayerShape, degree: int, hierarchical: bool) -> Timeline:
-        """The simulated backward of one layer at `degree` (its network gaps feed the
+    def backward_timeline(self, shape: LayerShape, degrees: PipelineDegrees, hierarchical: bool) -> Timeline:
+        """The simulated backward of one layer under `degrees` (its network gaps feed the
         gradient partitioner)."""
-        comm, blocking = self._exchange(shape, degree, hierarchical)
-        return timeline(degree, comm, self._compute(shape, "bwd")(shape.rows / degree), blocking)
+        recompute = degrees.backward != degrees.forward
+        comm, blocking, _, bwd = self._chunks(shape, degrees.backward, hierarchical, degrees.taper, recompute)
+        return timeline(comm, bwd, blocking)
 
     def router(self, shape: LayerShape, name: str) -> tuple[float, float]:
         """(forward, backward) seconds of router `name` over shape.tokens tokens, from the
@@ -313,23 +344,35 @@ class CostModel:
         fits = self.profile.fits
         has_hier = "all_to_all/hier" in fits or ("all_to_all/inter" in fits and "all_to_all/intra" in fits)
         forms = [hierarchical] if hierarchical is not None else ([False, True] if has_hier else [False])
-        candidates = tuple(self.predict(shape, r, h) for h in forms for r in range(1, max_degree + 1))
+        # tapers that change the cut (a degree-2 cut is the same at every taper)
+        shapes = [
+            (h, r, t)
+            for h in forms
+            for r in range(1, max_degree + 1)
+            for t in range(MAX_TAPER + 1)
+            if t == 0 or chunk_weights(r, t) != chunk_weights(r, t - 1)
+        ]
+        candidates = tuple(self.predict(shape, r, h, taper=t) for h, r, t in shapes)
         cal = self.calibration
         router_s = self.router(shape, router) if router is not None else (0.0, 0.0)
         best: tuple[float, SchedulePlan] | None = None
-        for h in forms:
-            mine = [c for c in candidates if c.hierarchical == h]
+        for h, t in ((h, t) for h in forms for t in range(MAX_TAPER + 1)):
+            # a taper applies to both passes; a degree it leaves uniform fits under any taper
+            same_cut = [c for c in candidates if chunk_weights(c.degree, c.taper) == chunk_weights(c.degree, t)]
+            mine = [c for c in same_cut if c.hierarchical == h]
             fwd = min(mine, key=lambda c: cal(c.forward_s, c.forward_serial_s))
             bwd = min(mine, key=lambda c: cal(c.backward_s, c.backward_serial_s))
             if bwd.degree != fwd.degree:
                 # unequal degrees make the backward recompute the forward: price that in
-                both = self.predict_degrees(shape, PipelineDegrees(fwd.degree, bwd.degree), h)
+                both = self.predict_degrees(shape, PipelineDegrees(fwd.degree, bwd.degree, t), h)
                 if cal(both.backward_s, both.backward_serial_s) > cal(fwd.backward_s, fwd.backward_serial_s):
                     bwd = fwd
-            chosen = self.predict_degrees(shape, PipelineDegrees(fwd.degree, bwd.degree), h)
+            # candidates carry the least taper giving their cut: equal plans then compare equal
+            degrees = PipelineDegrees(fwd.degree, bwd.degree, max(fwd.taper, bwd.taper))
+            chosen = self.predict_degrees(shape, degrees, h)
             fwd_s, bwd_s = self.corrected(chosen)
-            if best is None or fwd_s + bwd_s < best[0]:
-                plan = SchedulePlan(PipelineDegrees(fwd.degree, bwd.degree), h, fwd_s, bwd_s, candidates, cal, router_s)
+            if best is None or fwd_s + bwd_s < best[0] - 1e-12:
+                plan = SchedulePlan(degrees, h, fwd_s, bwd_s, candidates, cal, router_s)
                 best = (fwd_s + bwd_s, plan)
         assert best is not None
         return best[1]

@@ -8,7 +8,7 @@ the all-to-alls and delay them. Sized by the cost model instead, each piece fill
 n = (gap - alpha) / beta bytes of a fitted all-reduce t = alpha + beta * n, and only what no
 gap can hold is left exposed after backward.
 
-    gaps = model.backward_timeline(shape, plan.degrees.backward, plan.hierarchical).idle_network()
+    gaps = model.backward_timeline(shape, plan.degrees, plan.hierarchical).idle_network()
     part = partition_gradients(dense_bytes, [end - begin for begin, end in gaps], profile.fit("all_reduce", "world"))
     part.pieces, part.gaps, part.exposed_s
 

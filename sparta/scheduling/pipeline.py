@@ -8,6 +8,10 @@ into `degree` pieces and the exchange becomes a pipeline:
     dispatch 0 | dispatch 1 | combine 0 + dispatch 2 | combine 1 + ...    (network, async)
                | compute 0  | compute 1              | compute 2  ...     (this thread)
 
+Only dispatch 0 (nothing to compute yet) and the last compute and combine (nothing left to
+send) are not overlapped, so the chunks may taper: small at both ends, full size in the
+middle (`PipelineDegrees.taper`).
+
 The backward pass runs the same pipeline on the gradients, with its own degree (the best
 one differs: backward computes about twice as much per row). When the degrees are equal
 the forward's autograd graphs are reused; otherwise each backward chunk recomputes its
@@ -55,25 +59,53 @@ class Exchange(Protocol):
 
 @dataclass(frozen=True)
 class PipelineDegrees:
-    """How many chunks the forward and the backward exchange are cut into (1 = no pipeline)."""
+    """How many chunks the forward and the backward exchange are cut into (1 = no pipeline),
+    and how their sizes taper at the ends.
+
+    With `taper` t > 0 the first and last chunks are 2**-t the size of the middle ones, and
+    sizes double from either end up to the middle size (degree 6, taper 2: sizes in
+    proportion 1, 2, 4, 4, 2, 1). The first chunk's transfer (before any compute can start)
+    and the last chunk's compute and return (after the last transfer in) are the parts of a
+    pipeline that nothing overlaps; small end chunks shorten them. 0 cuts equal chunks.
+    """
 
     forward: int = 1
     backward: int = 1
+    taper: int = 0
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"PipelineDegrees.{name} = {value!r}; use an int >= 1 (1 means no pipelining)")
+        if not isinstance(self.taper, int) or not 0 <= self.taper <= MAX_TAPER:
+            raise ConfigError(
+                f"PipelineDegrees.taper = {self.taper!r}; use an int in [0, {MAX_TAPER}] (0: equal chunks)"
+            )
+
+    def weights(self, degree: int) -> tuple[int, ...]:
+        """Relative sizes of `degree` chunks under this taper (ints, for exact cuts)."""
+        return chunk_weights(degree, self.taper)
+
+
+MAX_TAPER = 3
+
+
+def chunk_weights(degree: int, taper: int) -> tuple[int, ...]:
+    """Relative sizes of `degree` chunks whose ends are 2**-taper of the middle ones (see
+    PipelineDegrees); all 1 for taper 0."""
+    return tuple(min(2**taper, 2 ** min(i, degree - 1 - i)) for i in range(degree))
 
 
 @dataclass(frozen=True)
 class Chunks:
-    """`degree` chunks of a buffer grouped into segments of `counts` rows (dim 0).
+    """Chunks of a buffer grouped into segments of `counts` rows (dim 0), in proportion to
+    integer `weights`.
 
-    Chunk i takes rows [c*i//degree, c*(i+1)//degree) of every segment of c rows, so every
-    chunk stays grouped by segment. index[i]: its row indices [rows_i] (int64); counts[i]:
-    its rows per segment; splits[i]: its rows per rank (segments are `slots` per rank).
+    With W_i the sum of the first i weights and W their total, chunk i takes rows
+    [c*W_i//W, c*W_{i+1}//W) of every segment of c rows, so every chunk stays grouped by
+    segment. index[i]: its row indices [rows_i] (int64); counts[i]: its rows per segment;
+    splits[i]: its rows per rank (segments are `slots` per rank).
     """
 
     index: tuple[Tensor, ...]
@@ -81,17 +113,19 @@ class Chunks:
     splits: tuple[list[int], ...]
 
     @classmethod
-    def cut(cls, counts: Tensor, degree: int, ranks: int) -> Chunks:
+    def cut(cls, counts: Tensor, weights: Sequence[int], ranks: int) -> Chunks:
         counts = counts.to(torch.int64).cpu()
         starts = torch.cumsum(counts, 0) - counts
+        total = sum(weights)
+        edges = [sum(weights[:i]) for i in range(len(weights) + 1)]
         index, per_chunk, splits = [], [], []
-        for i in range(degree):
-            lo = starts + counts * i // degree
-            sizes = starts + counts * (i + 1) // degree - lo
-            total = int(sizes.sum())
+        for i in range(len(weights)):
+            lo = starts + counts * edges[i] // total
+            sizes = starts + counts * edges[i + 1] // total - lo
+            rows = int(sizes.sum())
             # row k of the chunk is row (k - first row of its segment in the chunk) + lo of the segment
             shift = torch.repeat_interleave(lo - (torch.cumsum(sizes, 0) - sizes), sizes)
-            index.append(torch.arange(total, dtype=torch.int64) + shift)
+            index.append(torch.arange(rows, dtype=torch.int64) + shift)
             per_chunk.append(sizes)
             splits.append(sizes.view(ranks, -1).sum(1).tolist())
         return cls(tuple(index), tuple(per_chunk), tuple(splits))
@@ -154,10 +188,10 @@ def pipelined_exchange(
         exchange,
         compute,
         degrees,
-        Chunks.cut(counts, degrees.forward, size),
-        Chunks.cut(recv_counts, degrees.forward, size),
-        Chunks.cut(counts, degrees.backward, size),
-        Chunks.cut(recv_counts, degrees.backward, size),
+        Chunks.cut(counts, degrees.weights(degrees.forward), size),
+        Chunks.cut(recv_counts, degrees.weights(degrees.forward), size),
+        Chunks.cut(counts, degrees.weights(degrees.backward), size),
+        Chunks.cut(recv_counts, degrees.weights(degrees.backward), size),
         slots,
         tracer,
     )

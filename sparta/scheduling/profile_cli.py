@@ -217,6 +217,7 @@ def run_worker(run: ProfileRun, make_block: Callable[[Any, Any], torch.nn.Module
             "model_plan": {
                 "r_fwd": plan.degrees.forward,
                 "r_bwd": plan.degrees.backward,
+                "taper": plan.degrees.taper,
                 "hierarchical": plan.hierarchical,
                 "predicted_forward_s": round(plan.forward_s, 4),
                 "predicted_backward_s": round(plan.backward_s, 4),
@@ -224,6 +225,7 @@ def run_worker(run: ProfileRun, make_block: Callable[[Any, Any], torch.nn.Module
             "layer_ran": {
                 "r_fwd": degrees.forward if degrees else None,
                 "r_bwd": degrees.backward if degrees else None,
+                "taper": degrees.taper if degrees else None,
                 "hierarchical": bool(exchange) if layer_plan is None else layer_plan.hierarchical,
                 "planned_in_layer": layer_plan is not None,
             },

@@ -25,7 +25,9 @@ from sparta.scheduling.trace import Tracer, gather, write_chrome_trace
 from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
 
 SLOTS, D_IN, D_OUT = 3, 5, 4
-DEGREES = [(1, 1), (2, 2), (3, 2), (1, 4), (5, 5)]
+# (forward, backward, taper): equal degrees reuse the forward's graphs, unequal recompute;
+# tapered cuts have chunks of unequal sizes (1, 2, 4, 4, 2, 1 at degree 6)
+DEGREES = [(1, 1, 0), (2, 2, 0), (3, 2, 0), (1, 4, 0), (5, 5, 0), (6, 6, 2), (3, 7, 3)]
 _HIER: list[HierarchicalAllToAll] = []
 
 
@@ -80,11 +82,12 @@ def compare(world: World, dtype: torch.dtype, tol: float) -> None:
         weight = torch.linspace(-1, 1, D_OUT, dtype=dtype)
         (y0 * weight).square().sum().backward()
         for ex in exchanges(world):
-            for fwd, bwd in DEGREES:
+            for fwd, bwd, taper in DEGREES:
                 x, w, b = (t.clone().requires_grad_() for t in (rows, *params))
-                y = pipelined_exchange(x, counts, slot_mlp(w, b, world.size), ex, PipelineDegrees(fwd, bwd), [w, b])
+                degrees = PipelineDegrees(fwd, bwd, taper)
+                y = pipelined_exchange(x, counts, slot_mlp(w, b, world.size), ex, degrees, [w, b])
                 (y * weight).square().sum().backward()
-                what = (salt, type(ex).__name__, fwd, bwd)
+                what = (salt, type(ex).__name__, fwd, bwd, taper)
                 torch.testing.assert_close(y, y0, rtol=tol, atol=tol, msg=lambda m, what=what: f"{what}: {m}")
                 for got, want in ((x.grad, x0.grad), (w.grad, w0.grad), (b.grad, b0.grad)):
                     torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m, what=what: f"{what}: {m}")

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from sparta.errors import ConfigError
-from sparta.scheduling.cost_model import CostModel, LayerShape, simulate
+from sparta.scheduling.cost_model import CostModel, LayerShape, simulate, timeline
+from sparta.scheduling.pipeline import PipelineDegrees
 from sparta.scheduling.profiler import LinearFit, Profile, ProfileConfig
 
 SHAPE = LayerShape(tokens=4096, top_k=2, d_model=512, d_ff=1024, ep_size=4)
@@ -58,6 +59,31 @@ def test_simulation_bounds() -> None:
     assert simulate(4, 1.0, 1.0) < simulate(1, 4.0, 4.0)
 
 
+def test_tapered_chunks_shorten_a_compute_bound_pipeline() -> None:
+    # compute-bound (2 s of transfers each way against 8 s of compute), 4 chunks: equal
+    # ones expose the first transfer in (0.5) and the last one back (0.5)
+    assert simulate(4, 0.5, 2.0) == pytest.approx(9.0)
+    # sizes 1, 2, 2, 1 (taper 1): the ends are 1/6 of the rows each
+    comm, compute = [2.0 * w / 6 for w in (1, 2, 2, 1)], [8.0 * w / 6 for w in (1, 2, 2, 1)]
+    line = timeline(comm, compute)
+    assert line.end_s == pytest.approx(8.0 + 2 * 2.0 / 6)
+    assert len(line.network) == 8 and len(line.compute) == 4
+    with pytest.raises(Exception, match="one of each per chunk"):
+        timeline([1.0, 1.0], [1.0])
+
+
+def test_plan_tapers_when_compute_dominates() -> None:
+    # transfers a quarter of the compute, per-transfer latency small: tapered ends pay
+    model = CostModel(profile(2e-9, 2e-9, 3.2e-5, alpha=1e-4))
+    plan = model.plan(SHAPE, max_degree=6, hierarchical=False)
+    assert plan.degrees.taper > 0 and plan.degrees.backward > 2
+    flat = model.predict_degrees(SHAPE, PipelineDegrees(plan.degrees.forward, plan.degrees.backward), False)
+    assert plan.forward_s + plan.backward_s < flat.forward_s + flat.backward_s
+    # the plan's prediction is the simulation of its own tapered cut
+    again = model.predict_degrees(SHAPE, plan.degrees, False)
+    assert (again.forward_s, again.backward_s) == pytest.approx((plan.forward_s, plan.backward_s))
+
+
 def test_plan_pipelines_when_comm_and_compute_balance() -> None:
     # 16 MiB per exchange at ~8 ns/byte = 0.13 s; 8192 rows at 16 us/row = 0.13 s
     model = CostModel(profile(8e-9, 1e-8, 1.6e-5))
@@ -66,7 +92,8 @@ def test_plan_pipelines_when_comm_and_compute_balance() -> None:
     flat1 = model.predict(SHAPE, 1, hierarchical=False)
     assert plan.forward_s + plan.backward_s < (flat1.forward_s + flat1.backward_s) / 1.3
     assert plan.hierarchical  # its inter link is cheaper per byte than the flat exchange here
-    assert len(plan.candidates) == 16
+    # 2 forms x each degree's distinct cuts (tapers up to floor((r - 1) / 2) change it)
+    assert len(plan.candidates) == 2 * (1 + 1 + 2 + 2 + 3 + 3 + 4 + 4)
     ranked = plan.ranked(3)
     assert ranked[0] == plan.choice and len(set(ranked)) == 3
 

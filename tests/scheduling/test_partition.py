@@ -7,19 +7,20 @@ import pytest
 from sparta.errors import ConfigError
 from sparta.scheduling.cost_model import CostModel, LayerShape, timeline
 from sparta.scheduling.partition import bucketed_exposed_s, partition_gradients
+from sparta.scheduling.pipeline import PipelineDegrees
 from sparta.scheduling.profiler import LinearFit, Profile
 
 AR = LinearFit.fit([(1e5, 1e-3 + 1e-8 * 1e5), (1e7, 1e-3 + 1e-8 * 1e7)])  # 1 ms + 100 MB/s
 
 
 def test_timeline_of_one_chunk() -> None:
-    t = timeline(1, comm_s=2.0, compute_s=3.0)
+    t = timeline(comm_s=[2.0], compute_s=[3.0])
     assert t.network == ((0.0, 2.0), (5.0, 7.0)) and t.compute == ((2.0, 5.0),) and t.end_s == 7.0
     assert t.idle_network() == ((2.0, 5.0),)
 
 
 def test_pipelined_timeline_keeps_network_fifo_and_compute_serial() -> None:
-    t = timeline(4, comm_s=1.0, compute_s=1.5)
+    t = timeline(comm_s=[1.0] * 4, compute_s=[1.5] * 4)
     assert all(a[1] <= b[0] + 1e-12 for a, b in zip(t.network, sorted(t.network)[1:], strict=False))
     assert all(a[1] <= b[0] + 1e-12 for a, b in zip(t.compute, t.compute[1:], strict=False))
     busy = sum(e - b for b, e in t.network) + sum(e - b for b, e in t.idle_network())
@@ -50,7 +51,7 @@ def test_gaps_of_a_planned_backward() -> None:
     }
     model = CostModel(Profile({**line, **rows}))
     shape = LayerShape(tokens=4096, top_k=2, d_model=512, d_ff=1024, ep_size=4)
-    gaps = model.backward_timeline(shape, 4, hierarchical=False).idle_network()
+    gaps = model.backward_timeline(shape, PipelineDegrees(4, 4), hierarchical=False).idle_network()
     assert gaps and all(e > b for b, e in gaps)
     part = partition_gradients(8 * 2**20, [e - b for b, e in gaps], model.profile.fit("all_reduce", "world"))
     assert part.exposed_s < bucketed_exposed_s(8 * 2**20, model.profile.fit("all_reduce", "world"))

@@ -14,7 +14,7 @@ def test_chunks_cover_every_row_once_in_segment_order() -> None:
     import torch
 
     counts = torch.tensor([5, 0, 3, 1, 7, 2])
-    chunks = Chunks.cut(counts, 3, ranks=2)
+    chunks = Chunks.cut(counts, (1, 1, 1), ranks=2)
     assert [c.tolist() for c in chunks.counts] == [[1, 0, 1, 0, 2, 0], [2, 0, 1, 0, 2, 1], [2, 0, 1, 1, 3, 1]]
     assert chunks.splits == ([2, 2], [3, 3], [3, 5])
     everything = torch.cat(chunks.index)
@@ -23,9 +23,28 @@ def test_chunks_cover_every_row_once_in_segment_order() -> None:
     assert chunks.index[0].tolist()[:1] == [0] and chunks.index[1].tolist()[:2] == [1, 2]
 
 
+def test_tapered_chunks_are_small_at_both_ends() -> None:
+    import torch
+
+    assert PipelineDegrees(6, 6, taper=2).weights(6) == (1, 2, 4, 4, 2, 1)
+    assert PipelineDegrees(4, 4, taper=3).weights(4) == (1, 2, 2, 1)
+    assert PipelineDegrees(5, 5).weights(5) == (1,) * 5
+    counts = torch.tensor([40, 0, 13, 80])
+    chunks = Chunks.cut(counts, (1, 2, 4, 4, 2, 1), ranks=2)
+    assert sorted(torch.cat(chunks.index).tolist()) == list(range(133))
+    sizes = [int(c.sum()) for c in chunks.counts]
+    assert sizes[0] < sizes[1] < sizes[2] and sizes[-1] < sizes[-2] < sizes[-3]
+    assert [c.tolist() for c in chunks.counts][0] == [40 // 14, 0, 13 // 14, 80 // 14]
+    # each chunk holds rows grouped by segment, segments in order
+    first = chunks.index[0].tolist()
+    assert first == sorted(first)
+
+
 def test_degrees_validated() -> None:
     with pytest.raises(ConfigError, match="backward = 0"):
         PipelineDegrees(1, 0)
+    with pytest.raises(ConfigError, match="taper = 4"):
+        PipelineDegrees(4, 4, taper=4)
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "horovodrun"])
