@@ -84,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     hier = HierarchicalAllToAll(world.comm, intra, inter)
     mib = 2**20
     # up to the whole exchange (16 MiB at r=1): chunked transfers span 1 to 16 MiB
-    config = ProfileConfig(bytes=(mib, 4 * mib, 16 * mib), rows=(1024, 4096, 8192), repeats=2)
+    config = ProfileConfig(bytes=(mib, 4 * mib, 16 * mib), rows=(1024, 4096, 8192), repeats=3)
     g = torch.Generator().manual_seed(world.rank)
     experts = torch.randint(0, EXPERTS, (TOKENS * TOP_K,), generator=g)
     counts = torch.bincount(experts, minlength=EXPERTS)
@@ -116,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
         return block.out(torch.nn.functional.gelu(block.post(block.pre(x))))
 
     # the experts and dense layers as this benchmark runs them, not stand-ins
-    profiler = Profiler(world.comm, {"world": world.comm, "hier": hier}, config)
+    profiler = Profiler(world.comm, {"world": world.comm, "hier": hier, "intra": intra}, config)
     profile = (
         profiler.collectives(("all_to_all",))
         | Profiler(world.comm, {"world": world.comm}, config).collectives(("all_reduce",))

@@ -275,6 +275,9 @@ class MoELayer(nn.Module):
         groups: dict[str, Any] = {"world": self.comm}
         if self.exchange is not None:
             groups["hier"] = self.exchange
+            intra = getattr(self.exchange, "intra", None)  # a HierarchicalAllToAll's node group
+            if intra is not None:
+                groups["intra"] = intra  # the share of "hier" that blocks this thread
         profiler = Profiler(self.comm, groups)
         profile = profiler.collectives(("all_to_all",)) | profiler.expert_mlp(cfg.d_model, cfg.d_ff, rows.dtype)
         router = None

@@ -6,6 +6,8 @@ all-to-all, by replaying the exact issue order of `pipeline._pipeline` on two re
 the network (one FIFO channel: the slow link carries one transfer at a time) and this
 rank's compute thread. The hierarchical all-to-all's intra-node step blocks the compute
 thread (it is waited before the call returns); its inter-node step queues on the network.
+Measured whole ("all_to_all/hier"), the intra-node fit, when profiled, says how much of it
+blocks.
 
 A profile fitted apart from training misses what a real step adds (cores shared between
 ranks and gloo's threads, transfers that overlap compute less than perfectly), so the model
@@ -261,10 +263,14 @@ class CostModel:
         nbytes = shape.exchange_bytes * fraction
         if not hierarchical:
             return self.profile.fit("all_to_all", "world")(nbytes), 0.0
-        if "all_to_all/hier" in self.profile.fits:
+        fits = self.profile.fits
+        if "all_to_all/hier" in fits:
             # measured whole (its block permutations and count exchanges included): more
-            # faithful than the sum of its two steps
-            return self.profile.fit("all_to_all", "hier")(nbytes), 0.0
+            # faithful than the sum of its two steps; its intra-node step runs on the calling
+            # thread before an async call returns, so that much of it blocks compute
+            whole = self.profile.fit("all_to_all", "hier")(nbytes)
+            intra = self.profile.fit("all_to_all", "intra")(nbytes) if "all_to_all/intra" in fits else 0.0
+            return whole - min(intra, whole), min(intra, whole)
         return self.profile.fit("all_to_all", "inter")(nbytes), self.profile.fit("all_to_all", "intra")(nbytes)
 
     def _compute(self, shape: LayerShape, kind: str) -> LinearFit:

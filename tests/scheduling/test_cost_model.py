@@ -117,3 +117,14 @@ def test_whole_hierarchical_fit_is_preferred_over_its_steps() -> None:
     p = profile(1e-9, 8e-9, 1.6e-5)  # by its steps, hierarchical looks far cheaper...
     p.fits["all_to_all/hier"] = line(1e-4, 2e-8)  # ...but measured whole it is the slower
     assert not CostModel(p).plan(SHAPE).hierarchical
+
+
+def test_hierarchical_intra_step_blocks_compute() -> None:
+    # measured whole, the two-level exchange is mostly its intra-node step: that part runs on
+    # the compute thread, so it cannot overlap compute and pipelining gains less
+    fits = profile(1e-9, 1e-8, 1.6e-5).fits
+    whole = {**fits, "all_to_all/hier": line(1e-4, 8e-9), "all_to_all/intra": line(1e-4, 6e-9)}
+    blind = {k: v for k, v in whole.items() if k != "all_to_all/intra"}
+    seen, unseen = (CostModel(Profile(f)).predict(SHAPE, 4, hierarchical=True) for f in (whole, blind))
+    assert seen.forward_serial_s == pytest.approx(unseen.forward_serial_s)
+    assert seen.forward_s > unseen.forward_s and seen.backward_s > unseen.backward_s
