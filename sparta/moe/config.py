@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from sparta.errors import ConfigError
+from sparta.scheduling.pipeline import MAX_TAPER
 
 ROUTERS = ("topk", "switch", "sigmoid", "xmoe", "expert_choice", "soft")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
@@ -40,9 +41,10 @@ class MoEConfig:
     (GPT-2's), so such an MLP upcycles exactly.
     ``pipeline_degree`` (expert parallel only): chunks the row exchanges are cut into so that
     communication overlaps expert compute, one int for both passes, ``(forward, backward)``,
-    or ``"auto"``: the layer profiles its all-to-all and expert GEMMs at its first forward and
-    takes the degrees (and flat or hierarchical exchange) that ``sparta.scheduling.CostModel``
-    predicts fastest.
+    ``(forward, backward, taper)`` (``sparta.scheduling.PipelineDegrees``: end chunks
+    ``2**-taper`` of the middle size), or ``"auto"``: the layer profiles its all-to-all and
+    expert GEMMs at its first forward and takes the degrees (and flat or hierarchical
+    exchange) that ``sparta.scheduling.CostModel`` predicts fastest.
     """
 
     d_model: int
@@ -61,7 +63,7 @@ class MoEConfig:
     slots_per_expert: int = 1
     expert_gemm: str = "auto"
     expert_bias: bool = False
-    pipeline_degree: int | tuple[int, int] | str = 1
+    pipeline_degree: int | tuple[int, int] | tuple[int, int, int] | str = 1
 
     def __post_init__(self) -> None:
         _check_int("d_model", self.d_model, 1)
@@ -108,11 +110,13 @@ class MoEConfig:
             )
         pd = self.pipeline_degree
         degrees = pd if isinstance(pd, (tuple, list)) else [pd]
-        valid = all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in degrees)
-        if pd != "auto" and (len(degrees) not in (1, 2) or not valid):
+        ints = all(isinstance(d, int) and not isinstance(d, bool) for d in degrees)
+        valid = ints and all(d >= 1 for d in degrees[:2]) and all(0 <= d <= MAX_TAPER for d in degrees[2:])
+        if pd != "auto" and (len(degrees) not in (1, 2, 3) or not valid):
             raise ConfigError(
                 f"pipeline_degree={self.pipeline_degree!r} is invalid: use an int >= 1 (1 = no pipelining), "
-                "a (forward, backward) pair of them, or 'auto' (chosen from a profile at the first forward)"
+                f"a (forward, backward) pair of them, optionally with a taper in [0, {MAX_TAPER}] as a third, "
+                "or 'auto' (chosen from a profile at the first forward)"
             )
         _check_float("aux_loss_coef", self.aux_loss_coef, 0.0)
         _check_float("z_loss_coef", self.z_loss_coef, 0.0)
@@ -122,12 +126,14 @@ class MoEConfig:
             raise ConfigError(f"expert_bias={self.expert_bias!r} is invalid: pass True or False")
 
     @property
-    def degrees(self) -> tuple[int, int] | None:
-        """(forward, backward) pipeline degrees; None for "auto"."""
+    def degrees(self) -> tuple[int, int, int] | None:
+        """(forward, backward, taper) of the pipeline; None for "auto"."""
         pd = self.pipeline_degree
         if isinstance(pd, str):
             return None
-        return (pd, pd) if isinstance(pd, int) else (int(pd[0]), int(pd[-1]))
+        if isinstance(pd, int):
+            return (pd, pd, 0)
+        return (int(pd[0]), int(pd[1 if len(pd) > 1 else 0]), int(pd[2]) if len(pd) > 2 else 0)
 
     @property
     def num_local_experts(self) -> int:

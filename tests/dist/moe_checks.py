@@ -121,8 +121,10 @@ def check_pipelined_and_hierarchical_exchanges(world: World) -> None:
     assert auto.degrees is None and auto.schedule_plan is None
     auto(torch.randn(2 + world.rank, SEQ, D_MODEL)).sum().backward()  # plans at the first forward
     plan = auto.schedule_plan
-    assert plan is not None and auto.degrees == plan.degrees and len(plan.candidates) == 8, plan
-    mine = torch.tensor([plan.degrees.forward, plan.degrees.backward, int(plan.hierarchical)])
+    # degrees 1..8, each with its distinct tapered cuts (1, 1, 2, 2, 3, 3, 4, 4), flat only
+    assert plan is not None and auto.degrees == plan.degrees and len(plan.candidates) == 20, plan
+    d = plan.degrees
+    mine = torch.tensor([d.forward, d.backward, d.taper, int(plan.hierarchical)])
     assert all(torch.equal(p, mine) for p in world.comm.all_gather(mine)), "ranks chose different plans"
     if world.size == 4:  # posed as 2 nodes x 2 ranks
         intra = world.comm.split_groups([[0, 1], [2, 3]])

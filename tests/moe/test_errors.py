@@ -31,6 +31,7 @@ from sparta.moe import GroupedExperts, MoEConfig, MoELayer
         ({"pipeline_degree": 0}, r"pipeline_degree=0 is invalid: use an int >= 1 \(1 = no pipelining\)"),
         ({"pipeline_degree": (2, 0)}, r"pipeline_degree=\(2, 0\) is invalid.*\(forward, backward\) pair"),
         ({"pipeline_degree": "fast"}, r"pipeline_degree='fast' is invalid.*or 'auto'"),
+        ({"pipeline_degree": (4, 4, 5)}, r"pipeline_degree=\(4, 4, 5\) is invalid.*taper in \[0, 3\]"),
     ],
 )
 def test_bad_config(kwargs: dict[str, object], pattern: str) -> None:

@@ -43,6 +43,7 @@ def check_auto_plan_is_agreed_and_leaves_the_layer_as_it_was(world: World) -> No
         [
             plan.degrees.forward,
             plan.degrees.backward,
+            plan.degrees.taper,
             plan.hierarchical,
             plan.calibration.scale,
             plan.calibration.efficiency,
@@ -55,7 +56,7 @@ def check_auto_plan_is_agreed_and_leaves_the_layer_as_it_was(world: World) -> No
     assert plan.router_s[0] > 0 and plan.router_s[1] > 0, plan.router_s
     assert 0.0 <= plan.calibration.efficiency <= 1.0 and plan.calibration.scale > 0
     y.square().sum().backward()
-    fixed = layer(world, (plan.degrees.forward, plan.degrees.backward), plan.hierarchical)
+    fixed = layer(world, (plan.degrees.forward, plan.degrees.backward, plan.degrees.taper), plan.hierarchical)
     want = fixed(x)
     want.square().sum().backward()
     torch.testing.assert_close(y, want, rtol=0, atol=0)
