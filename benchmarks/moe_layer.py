@@ -18,7 +18,8 @@ other processes share the cores (their cache pressure still shows); the wall tim
 user waits for on an idle machine.
 
 Expert parallelism (``--ranks 2,4``): the script launches itself under torchrun on that
-many ranks (gloo, one thread each), or under mpirun with ``--engine mpi`` (Sparta then
+many ranks (gloo, one thread each, each rank bound to one core round-robin unless
+``--bind none``), or under mpirun with ``--engine mpi`` (Sparta then
 exchanges rows over MPI, whose shared-memory transport copies once where gloo goes through
 loopback TCP; DeepSpeed and the timing barriers stay on torch.distributed's gloo). The T
 tokens are split over the ranks (T / ranks each,
@@ -374,6 +375,8 @@ def launch_ranks(ranks: int, args: argparse.Namespace, configs: list[BenchConfig
             cfg.name,
             "--repeats",
             str(args.repeats),
+            "--bind",
+            args.bind,
             "--candidates",
             ",".join(c for c in candidates if c in EP_CANDIDATES),
         ]
@@ -394,13 +397,20 @@ def launch_ranks(ranks: int, args: argparse.Namespace, configs: list[BenchConfig
             )
 
 
-def ep_worker(cfg: BenchConfig, candidates: list[str], repeats: int, engine: str, port: int) -> None:
+def ep_worker(cfg: BenchConfig, candidates: list[str], repeats: int, engine: str, port: int, bind: bool) -> None:
     """One rank of a torchrun or mpirun launch: time the expert-parallel candidates. Sparta
     communicates over ``engine``; the timing barriers and DeepSpeed use torch.distributed
     (gloo), which under mpirun is started beside MPI."""
     import sparta
 
     torch.set_num_threads(1)
+    if bind:
+        # one core per rank, round-robin, as `mpirun --bind-to core` binds: unbound, the
+        # scheduler moves ranks between cores and two can share one while another idles,
+        # and every collective waits for the rank it starved
+        local = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[local % len(cpus)]})
     world = sparta.init(backend=engine)
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size)
@@ -423,6 +433,9 @@ def main() -> None:
     parser.add_argument(
         "--engine", choices=["torch", "mpi"], default="torch", help="Sparta's engine with --ranks > 1 (torchrun/mpirun)"
     )
+    parser.add_argument(
+        "--bind", choices=["core", "none"], default="core", help="pin each rank to one core (--ranks > 1)"
+    )
     parser.add_argument("--_port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_ep_worker", action="store_true", help=argparse.SUPPRESS)
@@ -433,7 +446,7 @@ def main() -> None:
         parser.error(f"unknown candidates {unknown}; known: {', '.join(CANDIDATES)}")
     candidates = ["dense", *(c for c in args.candidates.split(",") if c != "dense")]
     if args._ep_worker:
-        ep_worker(configs[0], candidates, args.repeats, args.engine, args._port)
+        ep_worker(configs[0], candidates, args.repeats, args.engine, args._port, args.bind == "core")
         return
     torch.set_num_threads(args.threads)
     if args._child:

@@ -46,7 +46,10 @@ class ClusterConfig:
     ("100mbit", "1gbit"); `subnet` is the first three octets of the private /24 used only
     inside the namespaces ("10.213.0" -> nodes at 10.213.0.1, .2, ...); `master_port` the
     rendezvous port on node 0; `prefix` names the namespaces and links (unique per process
-    by default, at most 8 characters so interface names fit Linux's 15)."""
+    by default, at most 8 characters so interface names fit Linux's 15); `pin_nodes` gives
+    each node its own share of this machine's CPUs (`node_cpus`), as real nodes have their
+    own cores: unpinned, the ranks of all nodes time-slice on every core, and a rank that
+    the scheduler starves stalls every collective it is part of."""
 
     nodes: int = 2
     ranks_per_node: int = 2
@@ -54,6 +57,7 @@ class ClusterConfig:
     subnet: str = "10.213.0"
     master_port: int = 29531
     prefix: str = field(default_factory=lambda: f"sp{os.getpid() % 100000}")
+    pin_nodes: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 200:
@@ -67,6 +71,8 @@ class ClusterConfig:
             raise ConfigError(f"ClusterConfig.subnet = {self.subnet!r}; give three octets of a 10.x.y.0/24 network")
         if not re.match(r"^[a-z][a-z0-9]{0,7}$", self.prefix):
             raise ConfigError(f"ClusterConfig.prefix = {self.prefix!r}; use 1-8 lowercase letters and digits")
+        if not isinstance(self.pin_nodes, bool):
+            raise ConfigError(f"ClusterConfig.pin_nodes = {self.pin_nodes!r}; use True or False")
         if not 1024 <= self.master_port < 65536:
             raise ConfigError(f"ClusterConfig.master_port = {self.master_port}; use 1024..65535")
 
@@ -184,14 +190,30 @@ class EmulatedCluster:
             "PYTHONUNBUFFERED": "1",
         }
 
+    def node_cpus(self, node: int) -> set[int] | None:
+        """The CPUs node `node`'s ranks run on (None: unpinned): this process's CPUs dealt
+        out evenly, in order; with fewer CPUs than nodes, nodes share them round-robin."""
+        if not self.config.pin_nodes:
+            return None
+        cpus = sorted(os.sched_getaffinity(0))
+        nodes = self.config.nodes
+        if len(cpus) < nodes:
+            return {cpus[node % len(cpus)]}
+        share = len(cpus) // nodes
+        return set(cpus[node * share : (node + 1) * share])
+
     def start(self, cmd: Sequence[str], env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
         """Start `cmd` once per rank, each inside its node's namespace; returns the processes."""
         base = dict(os.environ if env is None else env)
         procs = []
         for rank in range(self.config.world_size):
-            ns = self.node_ns[rank // self.config.ranks_per_node]
+            node = rank // self.config.ranks_per_node
+            cpus = self.node_cpus(node)
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", ns, *cmd], env={**base, **self.rank_env(rank)}, start_new_session=True
+                ["ip", "netns", "exec", self.node_ns[node], *cmd],
+                env={**base, **self.rank_env(rank)},
+                start_new_session=True,
+                preexec_fn=None if cpus is None else lambda cpus=cpus: os.sched_setaffinity(0, cpus),
             )
             self._procs.append(proc)
             procs.append(proc)

@@ -5,6 +5,8 @@ Run by tests/scheduling/test_cluster.py (as root) through sparta.scheduling.clus
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import torch
@@ -38,6 +40,12 @@ def check_links_are_shaped(world: World) -> None:
     assert t_intra < t_inter / 3, f"intra {t_intra * 1e3:.1f} ms vs inter {t_inter * 1e3:.1f} ms"
 
 
+def check_ranks_run_on_their_nodes_cpus(world: World) -> None:
+    node = world.rank // int(os.environ["LOCAL_WORLD_SIZE"])
+    want = json.loads(os.environ["SPARTA_TEST_NODE_CPUS"])[node]
+    assert sorted(os.sched_getaffinity(0)) == want, f"node {node}: CPUs {os.sched_getaffinity(0)}, want {want}"
+
+
 if __name__ == "__main__":
     world, _ = start(ranks_per_node=2)
-    finish(world, run_checks(world, [check_links_are_shaped]))
+    finish(world, run_checks(world, [check_links_are_shaped, check_ranks_run_on_their_nodes_cpus]))

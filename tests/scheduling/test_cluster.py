@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,7 @@ def test_two_nodes_shaped_and_torn_down() -> None:
     env = {"SPARTA_TEST_RESULTS": results, "PATH": f"{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin"}
     try:
         with EmulatedCluster(config) as cluster:
+            env["SPARTA_TEST_NODE_CPUS"] = json.dumps([sorted(cluster.node_cpus(n) or ()) for n in range(2)])
             assert config.prefix + "n1" in _namespaces()
             codes = cluster.run([sys.executable, str(WORKER)], timeout_s=90, env=env)
     except ClusterUnavailableError as e:  # e.g. a container without CAP_SYS_ADMIN
@@ -55,7 +57,19 @@ def test_two_nodes_shaped_and_torn_down() -> None:
     recs = [json.loads(line) for p in Path(results).glob("rank-*.jsonl") for line in p.read_text().splitlines()]
     failed = [r["error"] for r in recs if not r["ok"]]
     assert not failed, failed[0]
-    assert codes == [0] * 4 and len(recs) == 4, (codes, recs)
+    assert codes == [0] * 4 and len(recs) == 8, (codes, recs)
+
+
+def test_nodes_get_their_own_cpus() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    cluster = EmulatedCluster(ClusterConfig(nodes=2))
+    shares = [cluster.node_cpus(n) for n in range(2)]
+    assert all(shares) and set().union(*shares) <= set(cpus)
+    if len(cpus) >= 2:
+        assert not shares[0] & shares[1] and len(shares[0]) == len(cpus) // 2
+    many = EmulatedCluster(ClusterConfig(nodes=len(cpus) + 1))
+    assert many.node_cpus(len(cpus)) == {cpus[0]}  # more nodes than CPUs: round-robin
+    assert EmulatedCluster(ClusterConfig(pin_nodes=False)).node_cpus(0) is None
 
 
 def test_teardown_on_error() -> None:
