@@ -18,8 +18,8 @@ other processes share the cores (their cache pressure still shows); the wall tim
 user waits for on an idle machine.
 
 Expert parallelism (``--ranks 2,4``): the script launches itself under torchrun on that
-many ranks (gloo, one thread each, each rank bound to one core round-robin unless
-``--bind none``), or under mpirun with ``--engine mpi`` (Sparta then
+many ranks (gloo, one thread each; ``--bind core`` pins rank i to core i mod cores, as
+``mpirun --bind-to core`` would), or under mpirun with ``--engine mpi`` (Sparta then
 exchanges rows over MPI, whose shared-memory transport copies once where gloo goes through
 loopback TCP; DeepSpeed and the timing barriers stay on torch.distributed's gloo). The T
 tokens are split over the ranks (T / ranks each,
@@ -434,7 +434,7 @@ def main() -> None:
         "--engine", choices=["torch", "mpi"], default="torch", help="Sparta's engine with --ranks > 1 (torchrun/mpirun)"
     )
     parser.add_argument(
-        "--bind", choices=["core", "none"], default="core", help="pin each rank to one core (--ranks > 1)"
+        "--bind", choices=["core", "none"], default="none", help="core: pin each rank to one core (--ranks > 1)"
     )
     parser.add_argument("--_port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--_child", help=argparse.SUPPRESS)
