@@ -4,8 +4,9 @@
                   GEMMs and routers at several sizes, fit t = alpha + beta * n, save/load JSON
     cost_model.py CostModel, LayerShape, SchedulePlan, Calibration: predict an expert-parallel
                   exchange's forward/backward time for degree r, flat or hierarchical, corrected
-                  by timed steps; choose r_fwd, r_bwd
-    pipeline.py   pipelined_exchange, PipelineDegrees: chunk i+1 travels while chunk i computes
+                  by timed steps; choose r_fwd, r_bwd and the chunks' taper
+    pipeline.py   pipelined_exchange, PipelineDegrees: chunk i+1 travels while chunk i computes;
+                  PipelineDegrees(r_fwd, r_bwd, taper): end chunks 2**-taper of the middle ones
     partition.py  partition_gradients: dense all-reduce pieces sized to the backward's network gaps
     tuner.py      OnlineTuner, Choice: try the model's best plans and r=1 on real steps, keep the
                   fastest (r=1 unless clearly beaten)
@@ -13,7 +14,8 @@
     trace.py      Tracer, TracedExchange, gather, write_chrome_trace, draw_timeline: per-rank
                   timelines for Perfetto and as a PNG
     profile_cli.py  `sparta profile`: run an MoE block on local ranks, trace it, print the fits
-    cluster.py    EmulatedCluster, ClusterConfig: nodes as network namespaces behind tbf links
+    cluster.py    EmulatedCluster, ClusterConfig: nodes as network namespaces behind tbf links,
+                  each node's ranks on their own CPUs
 
 Imports point down only: this package uses sparta.comm and never sparta.moe.
 """
