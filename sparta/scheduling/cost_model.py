@@ -3,8 +3,9 @@
 From a Profile's fits it predicts the time of the dispatch -> experts -> combine part of an
 MoE layer, forward and backward, for a pipeline degree r and a flat or hierarchical
 all-to-all, by replaying the exact issue order of `pipeline._pipeline` on two resources:
-the network (one FIFO channel: the slow link carries one transfer at a time) and this
-rank's compute thread. The hierarchical all-to-all's intra-node step blocks the compute
+the network (one FIFO channel: the slow link carries one transfer's bytes at a time; a fit's
+alpha delays its transfer's arrival but leaves the channel to the next) and this rank's
+compute thread. The hierarchical all-to-all's intra-node step blocks the compute
 thread (it is waited before the call returns); its inter-node step queues on the network.
 Measured whole ("all_to_all/hier"), the intra-node fit, when profiled, says how much of it
 blocks.
@@ -200,18 +201,23 @@ class Timeline:
 
 
 def timeline(
-    comm_s: Sequence[float], compute_s: Sequence[float], blocking_s: Sequence[float] | float = 0.0
+    comm_s: Sequence[float],
+    compute_s: Sequence[float],
+    blocking_s: Sequence[float] | float = 0.0,
+    latency_s: Sequence[float] | float = 0.0,
 ) -> Timeline:
     """Replay pipeline._pipeline for chunks of `comm_s[i]` network time each way,
     `compute_s[i]` compute, and `blocking_s[i]` spent on this thread to start each of their
-    transfers (the hierarchical intra-node step; one float: the same for every chunk). The
-    network is one FIFO channel."""
+    transfers (the hierarchical intra-node step). The network is one FIFO channel; of a
+    transfer's time, `latency_s[i]` (a fit's alpha: setup, handshakes, the last byte's
+    flight) delays its arrival without holding the channel, so a transfer issued behind it
+    starts moving data at once. A float for blocking or latency: the same for every chunk."""
     degree = len(comm_s)
-    blocks = [blocking_s] * degree if isinstance(blocking_s, (int, float)) else list(blocking_s)
-    if degree < 1 or len(compute_s) != degree or len(blocks) != degree:
+    blocks, lats = ([float(v)] * degree if isinstance(v, (int, float)) else list(v) for v in (blocking_s, latency_s))
+    if degree < 1 or len(compute_s) != degree or len(blocks) != degree or len(lats) != degree:
         raise InputError(
             f"timeline: {degree} transfer times, {len(compute_s)} compute times, {len(blocks)} blocking "
-            "times; give one of each per chunk (at least one chunk)"
+            f"times, {len(lats)} latencies; give one of each per chunk (at least one chunk)"
         )
     now, free = 0.0, 0.0  # compute thread clock; time the network channel frees up
     network: list[tuple[float, float]] = []
@@ -221,9 +227,10 @@ def timeline(
         nonlocal now, free
         now += blocks[i]
         begin = max(now, free)
-        free = begin + comm_s[i]
+        latency = min(lats[i], comm_s[i])
+        free = begin + comm_s[i] - latency
         network.append((begin, free))
-        return free
+        return free + latency
 
     outbound = [start(0)]
     back = 0.0
@@ -257,39 +264,43 @@ class CostModel:
         """(forward, backward) seconds of `p` through this model's Calibration."""
         return self.calibration(p.forward_s, p.forward_serial_s), self.calibration(p.backward_s, p.backward_serial_s)
 
-    def _exchange(self, shape: LayerShape, fraction: float, hierarchical: bool) -> tuple[float, float]:
-        """(network seconds, blocking seconds) of the all-to-all of a chunk holding `fraction`
-        of the rows."""
+    def _exchange(self, shape: LayerShape, fraction: float, hierarchical: bool) -> tuple[float, float, float]:
+        """(network seconds, blocking seconds, latency seconds within the network's) of the
+        all-to-all of a chunk holding `fraction` of the rows."""
         nbytes = shape.exchange_bytes * fraction
-        if not hierarchical:
-            return self.profile.fit("all_to_all", "world")(nbytes), 0.0
         fits = self.profile.fits
+        if not hierarchical:
+            flat = self.profile.fit("all_to_all", "world")
+            return flat(nbytes), 0.0, flat.alpha
         if "all_to_all/hier" in fits:
             # measured whole (its block permutations and count exchanges included): more
             # faithful than the sum of its two steps; its intra-node step runs on the calling
             # thread before an async call returns, so that much of it blocks compute
-            whole = self.profile.fit("all_to_all", "hier")(nbytes)
-            intra = self.profile.fit("all_to_all", "intra")(nbytes) if "all_to_all/intra" in fits else 0.0
-            return whole - min(intra, whole), min(intra, whole)
-        return self.profile.fit("all_to_all", "inter")(nbytes), self.profile.fit("all_to_all", "intra")(nbytes)
+            hier = self.profile.fit("all_to_all", "hier")
+            whole = hier(nbytes)
+            intra = min(whole, self.profile.fit("all_to_all", "intra")(nbytes) if "all_to_all/intra" in fits else 0.0)
+            return whole - intra, intra, min(hier.alpha, whole - intra)
+        inter = self.profile.fit("all_to_all", "inter")
+        return inter(nbytes), self.profile.fit("all_to_all", "intra")(nbytes), inter.alpha
 
     def _compute(self, shape: LayerShape, kind: str) -> LinearFit:
         return self.profile.fit(f"expert_{kind}", f"{shape.d_model}x{shape.d_ff}")
 
     def _chunks(
         self, shape: LayerShape, degree: int, hierarchical: bool, taper: int, recompute: bool = False
-    ) -> tuple[list[float], list[float], list[float], list[float]]:
-        """Per chunk: (transfer, blocking, forward compute, backward compute) seconds;
-        `recompute` adds the forward's compute to the backward's."""
+    ) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
+        """Per chunk: transfer, blocking, latency, forward compute and backward compute
+        seconds; `recompute` adds the forward's compute to the backward's."""
         if degree < 1:
             raise ConfigError(f"CostModel: degree = {degree}; use >= 1")
         weights = chunk_weights(degree, taper)
         parts = [w / sum(weights) for w in weights]
         exchange = [self._exchange(shape, f, hierarchical) for f in parts]
+        comm, blocking, latency = ([e[k] for e in exchange] for k in range(3))
         fwd = [self._compute(shape, "fwd")(shape.rows * f) for f in parts]
         redo = fwd if recompute else [0.0] * degree
         bwd = [self._compute(shape, "bwd")(shape.rows * f) + c for f, c in zip(parts, redo, strict=True)]
-        return [c for c, _ in exchange], [b for _, b in exchange], fwd, bwd
+        return comm, blocking, latency, fwd, bwd
 
     def predict(
         self, shape: LayerShape, degree: int, hierarchical: bool, recompute: bool = False, taper: int = 0
@@ -297,13 +308,13 @@ class CostModel:
         """Forward and backward seconds at `degree` with chunks tapered by `taper`
         (PipelineDegrees); `recompute` adds the forward's compute to the backward's (what the
         pipeline does when the two degrees differ)."""
-        comm, blocking, fwd, bwd = self._chunks(shape, degree, hierarchical, taper, recompute)
+        comm, blocking, latency, fwd, bwd = self._chunks(shape, degree, hierarchical, taper, recompute)
         transfers = 2 * (sum(comm) + sum(blocking))
         return Prediction(
             degree,
             hierarchical,
-            timeline(comm, fwd, blocking).end_s,
-            timeline(comm, bwd, blocking).end_s,
+            timeline(comm, fwd, blocking, latency).end_s,
+            timeline(comm, bwd, blocking, latency).end_s,
             transfers + sum(fwd),
             transfers + sum(bwd),
             taper,
@@ -330,8 +341,8 @@ class CostModel:
         """The simulated backward of one layer under `degrees` (its network gaps feed the
         gradient partitioner)."""
         recompute = degrees.backward != degrees.forward
-        comm, blocking, _, bwd = self._chunks(shape, degrees.backward, hierarchical, degrees.taper, recompute)
-        return timeline(comm, bwd, blocking)
+        comm, blocking, latency, _, bwd = self._chunks(shape, degrees.backward, hierarchical, degrees.taper, recompute)
+        return timeline(comm, bwd, blocking, latency)
 
     def router(self, shape: LayerShape, name: str) -> tuple[float, float]:
         """(forward, backward) seconds of router `name` over shape.tokens tokens, from the

@@ -128,3 +128,17 @@ def test_hierarchical_intra_step_blocks_compute() -> None:
     seen, unseen = (CostModel(Profile(f)).predict(SHAPE, 4, hierarchical=True) for f in (whole, blind))
     assert seen.forward_serial_s == pytest.approx(unseen.forward_serial_s)
     assert seen.forward_s > unseen.forward_s and seen.backward_s > unseen.backward_s
+
+
+def test_latency_delays_a_transfer_without_holding_the_link() -> None:
+    # one chunk: latency or not, out + compute + back
+    assert timeline([2.0], [3.0], latency_s=0.5).end_s == pytest.approx(7.0)
+    # two chunks of 1 s transfers, 0.5 s of it latency. Out 1 is issued when out 0 is in
+    # (at 1.0) and arrives at 2.0 either way; back 0 (issued at 1.1) moves its data while
+    # out 1's last bytes are in flight instead of queueing behind all of out 1
+    held, released = timeline([1.0] * 2, [0.1] * 2), timeline([1.0] * 2, [0.1] * 2, latency_s=0.5)
+    assert held.compute[1][0] == pytest.approx(2.0) and released.compute[1][0] == pytest.approx(2.0)
+    assert held.end_s == pytest.approx(4.0) and released.end_s == pytest.approx(3.1)
+    # the channel's busy spans exclude latency: the gaps a gradient piece can use grow
+    busy = sum(e - b for b, e in released.network)
+    assert busy == pytest.approx(4 * 0.5)
