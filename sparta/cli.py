@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--d-ff", type=int, default=512)
     prof.add_argument("--experts", type=int, default=4, help="experts in all, spread over every rank")
     prof.add_argument("--top-k", type=int, default=2)
-    prof.add_argument("--pipeline-degree", default="auto", help="'auto', an int, or FWD,BWD")
+    prof.add_argument("--pipeline-degree", default="auto", help="'auto', an int, FWD,BWD or FWD,BWD,TAPER")
     prof.add_argument("--flat", action="store_true", help="no two-level (intra, then inter-node) exchange")
     prof.add_argument("--steps", type=int, default=2, help="traced steps after one warm-up step")
     prof.add_argument("--rate", default="", help="run in an emulated cluster with this link rate (root; e.g. 300mbit)")

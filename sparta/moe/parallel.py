@@ -10,7 +10,7 @@ layer with ``ep_size > 1``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -150,6 +150,14 @@ class _Route:
         self.other_segments = block_segments(blocks, skip=me)
 
 
+def _compute_span(exchange: Exchange, name: str) -> AbstractContextManager[None]:
+    """A span on the "compute" track when the exchange records into a Tracer
+    (sparta.scheduling.trace.TracedExchange, as `sparta profile` passes): the unpipelined
+    step then shows its compute beside its transfers, as the pipelined one does."""
+    tracer = getattr(exchange, "tracer", None)
+    return tracer.span(name, "compute") if tracer is not None else nullcontext()
+
+
 class _LocalFirst(torch.autograd.Function):
     """All-to-all, experts, all-to-all back, with this rank's own rows computed while the
     other ranks' rows travel, and their gradients while the other ranks' gradients travel:
@@ -164,9 +172,11 @@ class _LocalFirst(torch.autograd.Function):
         in_flight = route.exchange.all_to_all(rows, route.send, route.recv, async_op=True, check=False)
         out = rows.new_empty(sum(route.recv), weights.w2.shape[2])
         own = rows[route.own_sent]
-        own_pre = loop_forward(own, route.own_segments, weights, out[route.own_received])
+        with _compute_span(route.exchange, "fwd compute own"):
+            own_pre = loop_forward(own, route.own_segments, weights, out[route.own_received])
         received = in_flight.wait()
-        other_pre = loop_forward(received, route.other_segments, weights, out)
+        with _compute_span(route.exchange, "fwd compute others"):
+            other_pre = loop_forward(received, route.other_segments, weights, out)
         # Intermediates, not inputs or outputs: kept on ctx so that backward can drop them.
         ctx.pre, ctx.route, ctx.activation = (own_pre, other_pre), route, activation
         ctx.save_for_backward(rows, received, *params)
@@ -184,7 +194,11 @@ class _LocalFirst(torch.autograd.Function):
         grads = LoopGrads(weights)
         grad_received = received.new_empty(received.shape)
         own, own_grad = rows[route.own_sent], grad[route.own_sent]
-        loop_backward(own, route.own_segments, weights, own_pre, own_grad, grads, grad_received[route.own_received])
-        loop_backward(received, route.other_segments, weights, other_pre, in_flight.wait(), grads, grad_received)
+        with _compute_span(route.exchange, "bwd compute own"):
+            own_out = grad_received[route.own_received]
+            loop_backward(own, route.own_segments, weights, own_pre, own_grad, grads, own_out)
+        got = in_flight.wait()
+        with _compute_span(route.exchange, "bwd compute others"):
+            loop_backward(received, route.other_segments, weights, other_pre, got, grads, grad_received)
         grad_rows = route.exchange.all_to_all(grad_received, route.recv, route.send, check=False)
         return grad_rows, None, None, *grads.finish()

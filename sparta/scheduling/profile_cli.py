@@ -37,23 +37,28 @@ import torch
 from sparta.errors import ConfigError
 from sparta.scheduling.cluster import ClusterConfig, EmulatedCluster
 from sparta.scheduling.cost_model import CostModel, LayerShape
+from sparta.scheduling.pipeline import MAX_TAPER
 from sparta.scheduling.profiler import Profile, ProfileConfig, Profiler
 from sparta.scheduling.trace import TracedExchange, Tracer, draw_timeline, gather, write_chrome_trace
 
 TRACKS = ("step", "compute", "intra-node comm", "inter-node comm", "world comm")
 
 
-def parse_degree(text: str) -> int | tuple[int, int] | str:
-    """ "auto", "3" or "2,4" (forward, backward), as MoELayer's pipeline_degree takes it."""
+def parse_degree(text: str) -> int | tuple[int, ...] | str:
+    """ "auto", "3", "2,4" (forward, backward) or "8,8,2" (and a taper), as MoELayer's
+    pipeline_degree takes it."""
     if text == "auto":
         return text
     try:
         parts = [int(p) for p in text.split(",")]
     except ValueError:
         parts = []
-    if len(parts) not in (1, 2) or min(parts) < 1:
-        raise ConfigError(f"--pipeline-degree {text!r}; give 'auto', an int >= 1, or 'FWD,BWD' (e.g. 2,4)")
-    return parts[0] if len(parts) == 1 else (parts[0], parts[1])
+    if len(parts) not in (1, 2, 3) or min(parts[:2]) < 1 or not all(0 <= t <= MAX_TAPER for t in parts[2:]):
+        raise ConfigError(
+            f"--pipeline-degree {text!r}; give 'auto', an int >= 1, 'FWD,BWD' (e.g. 2,4) or "
+            f"'FWD,BWD,TAPER' with a taper in [0, {MAX_TAPER}] (e.g. 8,8,2)"
+        )
+    return parts[0] if len(parts) == 1 else tuple(parts)
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,16 @@ def test_run_config_validated() -> None:
         ProfileRun(out="x", experts=3)
     with pytest.raises(ConfigError, match="--pipeline-degree '0'"):
         parse_degree("0")
-    assert parse_degree("2,4") == (2, 4) and parse_degree("auto") == "auto"
+    assert parse_degree("2,4") == (2, 4) and parse_degree("auto") == "auto" and parse_degree("8,8,2") == (8, 8, 2)
+    with pytest.raises(ConfigError, match="taper in \\[0, 3\\]"):
+        parse_degree("8,8,4")
 
 
-def test_profile_two_ranks_writes_trace_and_timeline(tmp_path: Path) -> None:
+@pytest.mark.parametrize("degree", ["3,2", "1"])
+def test_profile_two_ranks_writes_trace_and_timeline(tmp_path: Path, degree: str) -> None:
     cmd = [sys.executable, "-m", "sparta.cli", "profile", "--out", str(tmp_path), "--nprocs", "2",
            "--ranks-per-node", "1", "--tokens", "128", "--d-model", "32", "--d-ff", "64", "--experts", "4",
-           "--pipeline-degree", "3,2", "--steps", "1", "--timeout", "60"]  # fmt: skip
+           "--pipeline-degree", degree, "--steps", "1", "--timeout", "60"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -32,7 +35,8 @@ def test_profile_two_ranks_writes_trace_and_timeline(tmp_path: Path) -> None:
     assert {"all_to_all/world", "all_to_all/inter", "all_reduce/world", "expert_bwd/32x64"} <= set(fits)
     assert all(rec["alpha_s"] >= 0 and rec["beta_s_per_unit"] >= 0 for rec in fits.values())
     summary = next(rec for rec in lines if "layer_ran" in rec)
-    assert (summary["layer_ran"]["r_fwd"], summary["layer_ran"]["r_bwd"]) == (3, 2)
+    want_degrees = (3, 2) if degree == "3,2" else (1, 1)
+    assert (summary["layer_ran"]["r_fwd"], summary["layer_ran"]["r_bwd"]) == want_degrees
     assert summary["model_plan"]["r_fwd"] >= 1 and summary["step_s"] > 0
 
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
@@ -40,10 +44,16 @@ def test_profile_two_ranks_writes_trace_and_timeline(tmp_path: Path) -> None:
     spans = [(e["pid"], threads[e["pid"], e["tid"]], e["name"]) for e in events if e["ph"] == "X"]
     for rank in (0, 1):
         mine = {(track, name) for r, track, name in spans if r == rank}
+        assert ("step", "backward") in mine
+        if degree == "1":
+            # unpipelined: own rows computed while the others' travel, then the others'
+            want = {("compute", f"{p} compute {whose}") for p in ("fwd", "bwd") for whose in ("own", "others")}
+            assert want <= mine and any(name == "all_to_all" for _, name in mine), sorted(mine)
+            continue
         want_compute = {("compute", f"{p} compute {i}") for p, r in (("fwd", 3), ("bwd", 2)) for i in range(r)}
         assert want_compute <= mine, sorted(mine)
         assert {("inter-node comm", "fwd out 2"), ("inter-node comm", "bwd back 1")} <= mine
-        assert ("intra-node comm", "fwd out 0") in mine and ("step", "backward") in mine
+        assert ("intra-node comm", "fwd out 0") in mine
     png = tmp_path / "timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "profile.json").read_text()).keys() == fits.keys()
