@@ -227,10 +227,11 @@ def worker(args: argparse.Namespace) -> None:
         run()
         return time.perf_counter() - begin, time.process_time() - cpu
 
-    # the last list: the CPU time the exchange alone costs this rank (gloo's threads and the
-    # kernel's TCP work in its syscalls); on this machine that CPU is taken from the cores
-    # the experts compute on, which a cluster's NICs would spare
-    parts_runs: list[list[float]] = [[], [], [], [], []]
+    # and the CPU time the exchange alone costs this rank (gloo's threads and the kernel's
+    # TCP work in its syscalls): on this machine that CPU is taken from the cores the experts
+    # compute on, which a cluster's NICs would spare
+    parts_runs: list[list[float]] = [[], [], [], []]
+    exchange_cpu: list[float] = []
     for _ in range(3):
         for k, run in enumerate(
             (
@@ -245,8 +246,8 @@ def worker(args: argparse.Namespace) -> None:
             wall, cpu = timed(run)
             parts_runs[k].append(wall)
             if k == 0:
-                parts_runs[4].append(cpu)
-    bound = torch.tensor([sorted(r)[1] for r in parts_runs], dtype=torch.float64)
+                exchange_cpu.append(cpu)
+    bound = torch.tensor([sorted(r)[1] for r in [*parts_runs, exchange_cpu]], dtype=torch.float64)
     exchange_s, all_reduce_s, experts_s, dense_compute_s, exchange_cpu_s = (
         torch.stack(world.comm.all_gather(bound)).max(0).values.tolist()  # type: ignore[arg-type]
     )

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from sparta.errors import ConfigError
-from sparta.scheduling.pipeline import MAX_TAPER
+from sparta.scheduling.pipeline import DEGREES_HELP, PipelineDegrees
 
 ROUTERS = ("topk", "switch", "sigmoid", "xmoe", "expert_choice", "soft")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
@@ -108,16 +108,14 @@ class MoEConfig:
                 "has no meaning: set capacity_factor=None (size the experts' work with "
                 "slots_per_expert instead)"
             )
-        pd = self.pipeline_degree
-        degrees = pd if isinstance(pd, (tuple, list)) else [pd]
-        ints = all(isinstance(d, int) and not isinstance(d, bool) for d in degrees)
-        valid = ints and all(d >= 1 for d in degrees[:2]) and all(0 <= d <= MAX_TAPER for d in degrees[2:])
-        if pd != "auto" and (len(degrees) not in (1, 2, 3) or not valid):
-            raise ConfigError(
-                f"pipeline_degree={self.pipeline_degree!r} is invalid: use an int >= 1 (1 = no pipelining), "
-                f"a (forward, backward) pair of them, optionally with a taper in [0, {MAX_TAPER}] as a third, "
-                "or 'auto' (chosen from a profile at the first forward)"
-            )
+        if self.pipeline_degree != "auto":
+            try:
+                PipelineDegrees.of(self.pipeline_degree)  # type: ignore[arg-type]
+            except ConfigError:
+                raise ConfigError(
+                    f"pipeline_degree={self.pipeline_degree!r} is invalid: use {DEGREES_HELP}, "
+                    "or 'auto' (chosen from a profile at the first forward)"
+                ) from None
         _check_float("aux_loss_coef", self.aux_loss_coef, 0.0)
         _check_float("z_loss_coef", self.z_loss_coef, 0.0)
         _check_float("jitter_eps", self.jitter_eps, 0.0, 1.0)
@@ -126,14 +124,10 @@ class MoEConfig:
             raise ConfigError(f"expert_bias={self.expert_bias!r} is invalid: pass True or False")
 
     @property
-    def degrees(self) -> tuple[int, int, int] | None:
-        """(forward, backward, taper) of the pipeline; None for "auto"."""
+    def degrees(self) -> PipelineDegrees | None:
+        """The pipeline's degrees and taper; None for "auto"."""
         pd = self.pipeline_degree
-        if isinstance(pd, str):
-            return None
-        if isinstance(pd, int):
-            return (pd, pd, 0)
-        return (int(pd[0]), int(pd[1 if len(pd) > 1 else 0]), int(pd[2]) if len(pd) > 2 else 0)
+        return None if isinstance(pd, str) else PipelineDegrees.of(pd)
 
     @property
     def num_local_experts(self) -> int:

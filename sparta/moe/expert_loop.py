@@ -184,7 +184,7 @@ def loop_forward(
     """Run the segments' rows through their experts into ``out`` (rows form: the segments'
     rows of ``out``; token form: added into ``out`` ``[T, d]``, which must start at zero).
     Returns the pre-activations ``loop_backward`` needs."""
-    w1, w3, w2, b1, b3, b2 = weights.w1, weights.w3, weights.w2, weights.b1, weights.b3, weights.b2
+    w1, w3, w2, b1, b3, b2 = weights.tensors()
     pre1 = PreActivations(segments, w1.shape[2], x)
     pre3 = PreActivations(segments, w1.shape[2], x) if w3 is not None else None
     for i, (e, start, end) in enumerate(segments):

@@ -157,8 +157,7 @@ class GroupedExperts(nn.Module):
                 f"GroupedExperts got counts {counts_list} for {rows.shape[0]} rows and "
                 f"{self.num_experts} experts: pass one count per local expert summing to the rows"
             )
-        # No rows at all: grouped_mm's backward rejects the stride-0 gradient of an empty tensor.
-        if self.uses_grouped_mm(rows) and rows.shape[0] > 0:
+        if self._grouped_mm_takes(rows, rows.shape[0]):
             return self._grouped_mm(rows, counts)
         return self._loop(rows.contiguous(), None, None, consecutive_segments(counts_list))
 
@@ -166,7 +165,7 @@ class GroupedExperts(nn.Module):
         """``[T, d_model]`` tokens -> ``[T, d_model]``: each token's experts' outputs, weighted
         and summed as ``plan`` (a ``plan_dispatch`` result for these experts) says. Equal to
         ``combine(self(rows, ...), plan)`` on the gathered rows, without building them."""
-        if self.uses_grouped_mm(x) and plan.token_idx.numel() > 0:
+        if self._grouped_mm_takes(x, plan.token_idx.numel()):
             rows = x.index_select(0, plan.token_idx)
             return combine(self._grouped_mm(rows, plan.counts), plan, x.shape[0])
         segments = consecutive_segments(plan.counts_list)
@@ -178,7 +177,7 @@ class GroupedExperts(nn.Module):
         int64; what an expert-parallel all-to-all receives, one block per source rank) ->
         ``[N, d_model]``, same order. The loop runs each block's rows where they lie;
         grouped_mm takes them in expert order and puts them back."""
-        if self.uses_grouped_mm(rows) and rows.shape[0] > 0:
+        if self._grouped_mm_takes(rows, rows.shape[0]):
             expert_of_row = torch.arange(self.num_experts, device=rows.device).repeat(block_counts.shape[0])
             row_expert = torch.repeat_interleave(expert_of_row, block_counts.reshape(-1).to(rows.device))
             by_expert = torch.sort(row_expert, stable=True).indices
@@ -209,6 +208,11 @@ class GroupedExperts(nn.Module):
         h3 = linear(rows, self.w3, self.b3)
         out = linear(activate(self.activation, h1, h3), self.w2, self.b2)
         return _ContiguousGrad.apply(out)
+
+    def _grouped_mm_takes(self, rows: Tensor, count: int) -> bool:
+        """Whether ``count`` rows like ``rows`` go through grouped_mm here. No rows at all take
+        the loop: grouped_mm's backward rejects the stride-0 gradient of an empty tensor."""
+        return self.uses_grouped_mm(rows) and count > 0
 
     def uses_grouped_mm(self, rows: Tensor) -> bool:
         """Whether rows like ``rows`` go through ``torch._grouped_mm`` (else the expert loop),

@@ -28,7 +28,7 @@ from sparta.moe.experts import GroupedExperts
 from sparta.moe.parallel import T, expert_parallel_mlp, fail_together
 from sparta.moe.routers import RouterOutput, build_router
 from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape, SchedulePlan
-from sparta.scheduling.pipeline import Exchange, PipelineDegrees
+from sparta.scheduling.pipeline import Exchange
 from sparta.scheduling.profiler import Profiler
 from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
 
@@ -163,7 +163,7 @@ class MoELayer(nn.Module):
             )
         self.exchange = exchange
         # None until "auto" has profiled and planned (at the first expert-parallel forward).
-        self.degrees = PipelineDegrees(*config.degrees) if config.degrees is not None else None
+        self.degrees = config.degrees
         self.schedule_plan: SchedulePlan | None = None
         self.router = build_router(config)
         self.experts = GroupedExperts(
@@ -266,8 +266,9 @@ class MoELayer(nn.Module):
         """``pipeline_degree="auto"``: profile this layer's all-to-all (flat, and hierarchical
         when an ``exchange`` is given), one expert's GEMMs and the router; take the cost
         model's two best plans and flat r=1, run this forward's rows through each (forward
-        and backward; once to warm up, then twice timed) and keep the fastest, r=1 unless another is 3% faster; those
-        timings calibrate the model (``schedule_plan.calibration``). Collective over
+        and backward; once to warm up, then twice timed) and keep the fastest, r=1 unless
+        another is 3% faster; those timings calibrate the model
+        (``schedule_plan.calibration``). Collective over
         ``comm``; the timings are agreed (slowest rank), and so is the token count planned
         for (the largest), so every rank picks the same plan."""
         assert self.comm is not None

@@ -375,8 +375,11 @@ class CostModel:
         best: tuple[float, SchedulePlan] | None = None
         for h, t in ((h, t) for h in forms for t in range(MAX_TAPER + 1)):
             # a taper applies to both passes; a degree it leaves uniform fits under any taper
-            same_cut = [c for c in candidates if chunk_weights(c.degree, c.taper) == chunk_weights(c.degree, t)]
-            mine = [c for c in same_cut if c.hierarchical == h]
+            mine = [
+                c
+                for c in candidates
+                if c.hierarchical == h and chunk_weights(c.degree, c.taper) == chunk_weights(c.degree, t)
+            ]
             fwd = min(mine, key=lambda c: cal(c.forward_s, c.forward_serial_s))
             bwd = min(mine, key=lambda c: cal(c.backward_s, c.backward_serial_s))
             if bwd.degree != fwd.degree:
@@ -388,6 +391,7 @@ class CostModel:
             degrees = PipelineDegrees(fwd.degree, bwd.degree, max(fwd.taper, bwd.taper))
             chosen = self.predict_degrees(shape, degrees, h)
             fwd_s, bwd_s = self.corrected(chosen)
+            # strictly faster only: a tie keeps the flat form and the smaller taper, tried first
             if best is None or fwd_s + bwd_s < best[0] - 1e-12:
                 plan = SchedulePlan(degrees, h, fwd_s, bwd_s, candidates, cal, router_s)
                 best = (fwd_s + bwd_s, plan)

@@ -83,12 +83,32 @@ class PipelineDegrees:
                 f"PipelineDegrees.taper = {self.taper!r}; use an int in [0, {MAX_TAPER}] (0: equal chunks)"
             )
 
-    def weights(self, degree: int) -> tuple[int, ...]:
-        """Relative sizes of `degree` chunks under this taper (ints, for exact cuts)."""
-        return chunk_weights(degree, self.taper)
+    @classmethod
+    def of(cls, value: int | Sequence[int]) -> PipelineDegrees:
+        """From an int (both passes), a (forward, backward) pair or (forward, backward,
+        taper): the forms `MoELayer(pipeline_degree=...)` and `sparta profile` take. Raises
+        ConfigError for anything else (see DEGREES_HELP)."""
+        parts = list(value) if isinstance(value, (tuple, list)) else [value]
+        if not 1 <= len(parts) <= 3 or not all(isinstance(p, int) and not isinstance(p, bool) for p in parts):
+            raise ConfigError(f"pipeline degrees {value!r}: use {DEGREES_HELP}")
+        return cls(parts[0], parts[1] if len(parts) > 1 else parts[0], parts[2] if len(parts) > 2 else 0)
+
+    @property
+    def forward_weights(self) -> tuple[int, ...]:
+        """Relative sizes of the forward's chunks (ints, for exact cuts)."""
+        return chunk_weights(self.forward, self.taper)
+
+    @property
+    def backward_weights(self) -> tuple[int, ...]:
+        """Relative sizes of the backward's chunks."""
+        return chunk_weights(self.backward, self.taper)
 
 
 MAX_TAPER = 3
+DEGREES_HELP = (
+    "an int >= 1 (1 = no pipelining), a (forward, backward) pair of them, optionally with a "
+    f"taper in [0, {MAX_TAPER}] as a third"
+)
 
 
 def chunk_weights(degree: int, taper: int) -> tuple[int, ...]:
@@ -188,10 +208,10 @@ def pipelined_exchange(
         exchange,
         compute,
         degrees,
-        Chunks.cut(counts, degrees.weights(degrees.forward), size),
-        Chunks.cut(recv_counts, degrees.weights(degrees.forward), size),
-        Chunks.cut(counts, degrees.weights(degrees.backward), size),
-        Chunks.cut(recv_counts, degrees.weights(degrees.backward), size),
+        Chunks.cut(counts, degrees.forward_weights, size),
+        Chunks.cut(recv_counts, degrees.forward_weights, size),
+        Chunks.cut(counts, degrees.backward_weights, size),
+        Chunks.cut(recv_counts, degrees.backward_weights, size),
         slots,
         tracer,
     )

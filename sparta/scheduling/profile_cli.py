@@ -37,7 +37,7 @@ import torch
 from sparta.errors import ConfigError
 from sparta.scheduling.cluster import ClusterConfig, EmulatedCluster
 from sparta.scheduling.cost_model import CostModel, LayerShape
-from sparta.scheduling.pipeline import MAX_TAPER
+from sparta.scheduling.pipeline import DEGREES_HELP, PipelineDegrees
 from sparta.scheduling.profiler import Profile, ProfileConfig, Profiler
 from sparta.scheduling.trace import TracedExchange, Tracer, draw_timeline, gather, write_chrome_trace
 
@@ -50,15 +50,13 @@ def parse_degree(text: str) -> int | tuple[int, ...] | str:
     if text == "auto":
         return text
     try:
-        parts = [int(p) for p in text.split(",")]
-    except ValueError:
-        parts = []
-    if len(parts) not in (1, 2, 3) or min(parts[:2]) < 1 or not all(0 <= t <= MAX_TAPER for t in parts[2:]):
+        parts = tuple(int(p) for p in text.split(","))
+        PipelineDegrees.of(parts)
+    except (ValueError, ConfigError):
         raise ConfigError(
-            f"--pipeline-degree {text!r}; give 'auto', an int >= 1, 'FWD,BWD' (e.g. 2,4) or "
-            f"'FWD,BWD,TAPER' with a taper in [0, {MAX_TAPER}] (e.g. 8,8,2)"
-        )
-    return parts[0] if len(parts) == 1 else tuple(parts)
+            f"--pipeline-degree {text!r}; give 'auto' or {DEGREES_HELP}, comma-separated (e.g. 2,4 or 8,8,2)"
+        ) from None
+    return parts[0] if len(parts) == 1 else parts
 
 
 @dataclass(frozen=True)

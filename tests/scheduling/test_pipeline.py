@@ -26,9 +26,11 @@ def test_chunks_cover_every_row_once_in_segment_order() -> None:
 def test_tapered_chunks_are_small_at_both_ends() -> None:
     import torch
 
-    assert PipelineDegrees(6, 6, taper=2).weights(6) == (1, 2, 4, 4, 2, 1)
-    assert PipelineDegrees(4, 4, taper=3).weights(4) == (1, 2, 2, 1)
-    assert PipelineDegrees(5, 5).weights(5) == (1,) * 5
+    assert PipelineDegrees(6, 3, taper=2).forward_weights == (1, 2, 4, 4, 2, 1)
+    assert PipelineDegrees(6, 3, taper=2).backward_weights == (1, 2, 1)
+    assert PipelineDegrees(4, 4, taper=3).forward_weights == (1, 2, 2, 1)
+    assert PipelineDegrees(5, 5).forward_weights == (1,) * 5
+    assert PipelineDegrees.of(3) == PipelineDegrees(3, 3) and PipelineDegrees.of((8, 8, 2)) == PipelineDegrees(8, 8, 2)
     counts = torch.tensor([40, 0, 13, 80])
     chunks = Chunks.cut(counts, (1, 2, 4, 4, 2, 1), ranks=2)
     assert sorted(torch.cat(chunks.index).tolist()) == list(range(133))
