@@ -8,6 +8,8 @@ Candidates, all fed the same input and sharing router / expert weights:
   sparta_dropless    MoELayer(capacity_factor=None), expert_gemm=auto (on CPU: the expert loop)
   sparta_grouped_mm  MoELayer(capacity_factor=None), expert_gemm=grouped_mm (torch._grouped_mm)
   sparta_cap1.25     MoELayer(capacity_factor=1.25)
+  sparta_tcp         dropless on the torch engine with CommConfig(shared_memory=False): rows through
+                     gloo's loopback TCP instead of /dev/shm (expert parallel, --engine torch only)
   sparta_pipelined   dropless, pipeline_degree="auto" (expert parallel only; planned untimed)
 
 Times: each repeat runs every candidate once, in a rotated order, so that machine noise
@@ -69,6 +71,7 @@ import torch.distributed as dist
 from baseline_deepspeed import deepspeed_step
 from torch import Tensor, nn
 
+from sparta.comm import CommConfig
 from sparta.moe import MoELayer
 
 if TYPE_CHECKING:
@@ -97,6 +100,7 @@ CANDIDATES = (
     "sparta_dropless",
     "sparta_grouped_mm",
     "sparta_cap1.25",
+    "sparta_tcp",
     "sparta_pipelined",
 )
 # Under expert parallelism the naive loop has no meaning (it holds every expert).
@@ -106,6 +110,7 @@ EP_CANDIDATES = (
     "deepspeed_cap1.25",
     "sparta_dropless",
     "sparta_cap1.25",
+    "sparta_tcp",
     "sparta_pipelined",
 )
 AUX_LOSS_COEF = 1e-2  # Sparta's default; DeepSpeed's l_aux gets the same weight in backward
@@ -118,6 +123,7 @@ class Place:
     """Where a candidate runs: the expert-parallel communicator (None on one process)."""
 
     comm: Communicator | None = None
+    tcp_comm: Communicator | None = None  # the same ranks without shared memory (sparta_tcp)
 
     @property
     def ranks(self) -> int:
@@ -215,6 +221,10 @@ def build(name: str, cfg: BenchConfig, x: Tensor, place: Place | None = None) ->
         return _sparta(cfg, x, place, None, "grouped_mm")
     if name == "sparta_cap1.25":
         return _sparta(cfg, x, place, 1.25, "auto")
+    if name == "sparta_tcp":
+        if place.tcp_comm is None:
+            return "expert parallel on the torch engine only: the others have no shared_memory switch"
+        return _sparta(cfg, x, Place(place.tcp_comm), None, "auto")
     if name == "sparta_pipelined":
         if place.comm is None:
             return "expert parallel only: one process has no exchange to pipeline"
@@ -264,7 +274,10 @@ def _timings(
 def time_candidates(
     cfg: BenchConfig, candidates: list[str], repeats: int, threads: int, comm: Communicator | None = None
 ) -> None:
-    place = Place(comm)
+    tcp = None
+    if "sparta_tcp" in candidates and comm is not None and comm.backend == "torch":
+        tcp = comm.split(list(range(comm.size)), CommConfig(shared_memory=False))
+    place = Place(comm, tcp)
     rank = 0 if comm is None else comm.rank
     bench = "moe_layer" if comm is None else "moe_layer_ep"
     x = _input(cfg, rank, place.ranks)

@@ -37,10 +37,15 @@ class CommConfig:
     check_inputs: before each collective, exchange a tiny row of metadata (shapes, dtypes,
         local problems) so that bad input raises the same error on every rank instead of
         hanging. Costs one small extra message per collective; turn it off in tuned runs.
+    shared_memory: the torch engine moves the all-to-all of CPU tensors through /dev/shm
+        when every rank of the group is on one host (and one network namespace), instead of
+        through gloo's loopback TCP (sparta.comm.shm). MPI has its own shared-memory path;
+        CUDA tensors always go through the engine (nccl).
     """
 
     timeout_s: float = 300.0
     check_inputs: bool = True
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -98,7 +103,7 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def shutdown(self) -> None:
-        """Release engine resources; only the world's communicator holds any. Idempotent."""
+        """Release engine resources (the world's engine, a group's shared memory). Idempotent."""
 
     # ---------------------------------------------------------------- helpers
     def _op(self, op: str) -> str:

@@ -212,6 +212,67 @@ def check_autograd_all_to_all(world: World) -> None:
     assert torch.allclose(x.grad, ref_in[r].grad, rtol=1e-12, atol=1e-12)
 
 
+def rows_between(src: int, dst: int, i: int, base: int) -> int:
+    """Rows src sends dst in the i-th all-to-all of a sequence: up to 1.5 * base, some zero."""
+    return 0 if (src + dst + i) % 5 == 0 else base * (1 + (src + 2 * dst + i) % 3) // 2
+
+
+def check_shared_memory_all_to_all(world: World) -> None:
+    """The torch engine's all-to-all of CPU rows goes through /dev/shm among ranks of one
+    host: same bytes as gloo's TCP, with many exchanges in flight, waited out of order, large
+    enough to outgrow the first ring twice; old rings go once drained, and every ring's file
+    once every rank has mapped it (nothing is left in /dev/shm, even without a shutdown); a rank
+    that cannot map shared memory makes every rank raise instead of hanging."""
+    import errno
+    import os
+
+    import sparta.comm.shm as shm_module
+    from sparta.comm import CommConfig
+    from sparta.errors import CollectiveError
+
+    r, n = world.rank, world.size
+    tcp = world.comm.split(list(range(n)), CommConfig(shared_memory=False))
+    shm = world.comm.split(list(range(n)))
+    assert tcp is not None and shm is not None
+    bases = [10, 60_000, 200, 150_000, 3, 120_000]  # rows of 12 bytes: up to 2.7 MiB per rank
+    handles, expected = [], []
+    for i, base in enumerate(bases):
+        send = [rows_between(r, d, i, base) for d in range(n)]
+        recv = [rows_between(s, r, i, base) for s in range(n)]
+        x = torch.cat([block(r, d, send[d], torch.float32) for d in range(n)])
+        handles.append(shm.all_to_all(x, send, recv, async_op=True, check=False))
+        expected.append(torch.cat([block(s, r, recv[s], torch.float32) for s in range(n)]))
+        if i == len(bases) - 1:
+            assert torch.equal(tcp.all_to_all(x, send, recv), expected[-1])
+    assert shm.shared_memory is not None and tcp.shared_memory is None
+    for i in reversed(range(len(bases))):
+        assert torch.equal(handles[i].wait(), expected[i]), i
+    grown = shm.shared_memory.files()
+    assert len(grown) >= 2, grown
+    for _ in range(2):  # every rank reports the exchanges above done: drained rings go
+        shm.all_to_all(torch.arange(n, dtype=torch.float32))
+    assert shm.shared_memory.files() == grown[-1:], (grown, shm.shared_memory.files())
+    assert not any(os.path.exists(f) for f in grown), grown
+    shm.shutdown()
+
+    fragile = world.comm.split(list(range(n)))
+    assert fragile is not None
+    fragile.all_to_all(torch.zeros(n))  # sets up shared memory: a first ring of 1 MiB
+    ring = shm_module._Ring
+    if r == 1:
+
+        def full(path: str, size: int = 0) -> shm_module._Ring:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        shm_module._Ring = full  # type: ignore[assignment,misc]
+    try:
+        with raises(CollectiveError, r"rank\(s\) \[1\] could not map shared memory.*shared_memory=False"):
+            fragile.all_to_all(torch.ones(n, 1 << 17))  # 1.5 MiB out of each rank: a new ring
+    finally:
+        shm_module._Ring = ring  # type: ignore[misc]
+    fragile.shutdown()
+
+
 def check_bad_input_raises_everywhere(world: World) -> None:
     r, n = world.rank, world.size
     c = world.comm
@@ -259,9 +320,11 @@ CHECKS = [
     check_from_process_group,
     check_autograd_all_to_all,
     check_bad_input_raises_everywhere,
+    check_shared_memory_all_to_all,
 ]
 
-TORCH_ONLY = [check_from_process_group]  # only the torch engine wraps process groups
+# only the torch engine wraps process groups and has its own shared-memory path
+TORCH_ONLY = [check_from_process_group, check_shared_memory_all_to_all]
 
 if __name__ == "__main__":
     world, _ = start()

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from sparta.comm.communicator import CommConfig, Communicator, require_world_parent
 from sparta.comm.handle import Handle, engine_failure
 from sparta.comm.launch import LaunchInfo
+from sparta.comm.shm import SharedMemoryAllToAll, group_token, host_identity
 
 
 class TorchCommunicator(Communicator):
@@ -22,6 +23,8 @@ class TorchCommunicator(Communicator):
         super().__init__(dist.get_rank(pg), dist.get_world_size(pg), dist.get_process_group_ranks(pg), config, name)
         self.pg = pg
         self._owns_world = owns_world
+        self._shm: SharedMemoryAllToAll | None = None
+        self._shm_decided = False
 
     @classmethod
     def wrap(cls, pg: dist.ProcessGroup, config: CommConfig) -> TorchCommunicator:
@@ -50,6 +53,8 @@ class TorchCommunicator(Communicator):
         return cls(dist.group.WORLD, config, name="world", owns_world=True)
 
     def shutdown(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
         if self._owns_world and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_world = False
@@ -64,7 +69,34 @@ class TorchCommunicator(Communicator):
 
         return Handle(wait)
 
+    def _gather_rows(self, row: torch.Tensor, op: str) -> Handle[list[torch.Tensor]]:
+        rows = [torch.empty_like(row) for _ in range(self.size)]
+        work = dist.all_gather(rows, row, group=self.pg, async_op=True)
+        return self._handle(work, rows, op)  # type: ignore[arg-type]
+
+    @property
+    def shared_memory(self) -> SharedMemoryAllToAll | None:
+        """The shared-memory path of this group's CPU all-to-alls (``CommConfig.shared_memory``),
+        or None: before the first CPU all-to-all, or where the ranks cannot share memory."""
+        return self._shm
+
+    def _shared_memory(self) -> SharedMemoryAllToAll | None:
+        """This group's shared-memory all-to-all, set up at its first CPU all-to-all (a
+        collective, so every rank decides together), or None where the ranks do not share
+        a host, a network namespace and /dev/shm."""
+        if not self._shm_decided:
+            self._shm_decided = True
+            if self.config.shared_memory and self.size > 1:
+                mine = torch.tensor([*host_identity(), group_token()], dtype=torch.int64)
+                rows = self._gather_rows(mine, self._op("all_to_all (shared-memory setup)")).wait()
+                hosts = {tuple(r[:4].tolist()) for r in rows}
+                if len(hosts) == 1 and int(rows[0][0]) != 0:
+                    self._shm = SharedMemoryAllToAll(self.rank, self.size, int(rows[0][4]), self._gather_rows)
+        return self._shm
+
     def _all_to_all_bytes(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
+        if buf.device.type == "cpu" and (shm := self._shared_memory()) is not None:
+            return shm.all_to_all(buf, send, recv, op)
         out = torch.empty(sum(recv), dtype=torch.uint8, device=buf.device)
         work = dist.all_to_all_single(out, buf, recv, send, group=self.pg, async_op=True)
         return self._handle(work, out, op)
