@@ -1,4 +1,5 @@
-"""Inside an emulated cluster of 2 nodes x 2 ranks: shaped links are slower than loopback.
+"""Inside an emulated cluster of 2 nodes x 2 ranks: shaped links are slower than loopback,
+and a flat all-to-all mixes shared memory (within a node) with the shaped links (across).
 
 Run by tests/scheduling/test_cluster.py (as root) through sparta.scheduling.cluster.
 """
@@ -10,6 +11,7 @@ import os
 import time
 
 import torch
+from comm_checks import DTYPES, payload
 from runner import finish, run_checks, start
 
 from sparta.comm import Communicator, World
@@ -41,6 +43,27 @@ def check_links_are_shaped(world: World) -> None:
     assert t_intra < t_inter / 3, f"intra {t_intra * 1e3:.1f} ms vs inter {t_inter * 1e3:.1f} ms"
 
 
+def check_flat_all_to_all_mixes_transports(world: World) -> None:
+    """The world's all-to-all of CPU rows reaches the node's other rank through /dev/shm and
+    the other node's ranks through gloo over the shaped link, in one exchange: same rows as
+    the oracle, uneven splits with zeros, every dtype, blocking and async. Within a node
+    every peer is local."""
+    intra, _ = world.node_comms()
+    for salt in range(3):
+        for dtype in DTYPES:
+            x, send, expect, recv = payload(world, salt, dtype)
+            assert torch.equal(world.comm.all_to_all(x, send), expect), (salt, dtype)
+            assert torch.equal(world.comm.all_to_all(x, send, recv, async_op=True).wait(), expect)
+    shm = world.comm.shared_memory
+    node = world.rank // 2
+    assert shm is not None and shm.local == tuple(r // 2 == node for r in range(world.size)), shm
+    big = torch.arange(world.size * 300_000, dtype=torch.float32).view(world.size, -1) + world.rank
+    got = world.comm.all_to_all(big)
+    assert torch.equal(got, torch.arange(world.size).view(-1, 1) + big[world.rank] - world.rank)
+    intra.all_to_all(torch.zeros(2))
+    assert intra.shared_memory is not None and intra.shared_memory.local == (True, True)
+
+
 def check_ranks_run_on_their_nodes_cpus(world: World) -> None:
     node = world.rank // int(os.environ["LOCAL_WORLD_SIZE"])
     want = json.loads(os.environ["SPARTA_TEST_NODE_CPUS"])[node]
@@ -49,4 +72,5 @@ def check_ranks_run_on_their_nodes_cpus(world: World) -> None:
 
 if __name__ == "__main__":
     world, _ = start(ranks_per_node=2)
-    finish(world, run_checks(world, [check_links_are_shaped, check_ranks_run_on_their_nodes_cpus]))
+    checks = [check_links_are_shaped, check_flat_all_to_all_mixes_transports, check_ranks_run_on_their_nodes_cpus]
+    finish(world, run_checks(world, checks))
