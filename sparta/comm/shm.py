@@ -18,12 +18,9 @@ lives in /dev/shm for about one exchange, so even a rank killed outright leaves 
 `World.shutdown` (and `World.exit`, which skips the interpreter's finalizers) closes every
 group's rings (`close_all`).
 
-Peers are local when they share the machine (boot id), the network namespace (ranks of
-different emulated nodes, sparta.scheduling.cluster, must cross their shaped link) and the
-/dev/shm file system. In a group that spans several hosts, rows for local peers go through
-shared memory and the rest through the engine's own all-to-all (gloo), started together, as
-NCCL and MPI mix their shared-memory and network transports. `CommConfig(shared_memory=False)`
-turns it off.
+Used only where every rank of the group shares the machine (boot id), the network namespace
+(ranks of different emulated nodes, sparta.scheduling.cluster, must cross their shaped link)
+and the /dev/shm file system; `CommConfig(shared_memory=False)` turns it off.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ import os
 import secrets
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 
@@ -49,8 +46,6 @@ _OK, _FAILED = 0, 1
 AllGather = Callable[[torch.Tensor, str], Handle[list[torch.Tensor]]]
 """Starts an all-gather of one int64 row per rank over the engine (the str names the
 operation in errors); the handle gives the rows, in rank order."""
-EngineAllToAll = Callable[[torch.Tensor, torch.Tensor, list[int], list[int], str], Handle[torch.Tensor]]
-"""Starts the engine's all-to-all of flat uint8 bytes: (send, out, send counts, recv counts, op)."""
 
 
 def host_identity() -> list[int]:
@@ -97,25 +92,11 @@ class _Region:
 
 
 class SharedMemoryAllToAll:
-    """The all-to-all of one communicator's ranks, through /dev/shm between ``local`` peers
-    (a bool per rank) and through ``engine`` between the others (None when all are local).
-    Not thread-safe: like every collective of a communicator, calls come in the same order
-    on every rank."""
+    """The all-to-all of one communicator's ranks through /dev/shm. Not thread-safe: like
+    every collective of a communicator, calls come in the same order on every rank."""
 
-    def __init__(
-        self,
-        rank: int,
-        size: int,
-        token: int,
-        all_gather: AllGather,
-        local: Sequence[bool] | None = None,
-        engine: EngineAllToAll | None = None,
-    ) -> None:
+    def __init__(self, rank: int, size: int, token: int, all_gather: AllGather) -> None:
         self.rank, self.size = rank, size
-        self.local = tuple(local) if local is not None else (True,) * size
-        if not all(self.local) and engine is None:
-            raise ValueError("peers outside this host need the engine's all-to-all")
-        self._engine = engine if not all(self.local) else None
         self._prefix = os.path.join(SHM_DIR, f"sparta-{token:016x}")
         self._all_gather = all_gather
         self._seq = 0  # all-to-alls started
@@ -191,11 +172,9 @@ class SharedMemoryAllToAll:
         ``sum(recv)`` received bytes, ordered by source rank."""
         seq, self._seq = self._seq, self._seq + 1
         send_at = [sum(send[:d]) for d in range(self.size)]
-        recv_at = [sum(recv[:s]) for s in range(self.size)]
-        shared = [d for d in range(self.size) if self.local[d] and d != self.rank]
         row = torch.full((3 + self.size,), -1, dtype=torch.int64)
         row[0], row[2] = _OK, self._done_upto
-        outgoing = sum(send[d] for d in shared)
+        outgoing = sum(send) - send[self.rank]
         failure = ""
         if outgoing:
             try:
@@ -205,19 +184,16 @@ class SharedMemoryAllToAll:
                 failure = f"{exc} (rank {self.rank} needed {outgoing} bytes under {SHM_DIR})"
             else:
                 row[1] = self._gen
-                for d in shared:
-                    if send[d]:
+                for d in range(self.size):
+                    if d != self.rank and send[d]:
                         ring.bytes[at : at + send[d]].copy_(buf[send_at[d] : send_at[d] + send[d]])
                         row[3 + d] = at
                         at += send[d]
         gathered = self._all_gather(row, op)
-        out = torch.empty(sum(recv), dtype=torch.uint8)
-        networked = self._start_engine(buf, out, send, recv, op)
+        own = buf[send_at[self.rank] : send_at[self.rank] + send[self.rank]]
 
         def finish() -> torch.Tensor:
             rows = torch.stack(gathered.wait())
-            if networked is not None:
-                networked.wait()
             failed = (rows[:, 0] == _FAILED).nonzero().flatten().tolist()
             if failed:
                 raise CollectiveError(
@@ -225,47 +201,25 @@ class SharedMemoryAllToAll:
                     f"{': ' + failure if failure else ''}; "
                     f"enlarge {SHM_DIR} (docker run --shm-size) or pass CommConfig(shared_memory=False)"
                 )
-            at, n = recv_at[self.rank], recv[self.rank]
-            out[at : at + n].copy_(buf[send_at[self.rank] : send_at[self.rank] + n])
-            for src in shared:
-                if recv[src]:
+            out = torch.empty(sum(recv), dtype=torch.uint8)
+            at = 0
+            for src in range(self.size):
+                n = recv[src]
+                if n and src == self.rank:
+                    out[at : at + n].copy_(own)
+                elif n:
                     gen, start = int(rows[src, 1]), int(rows[src, 3 + self.rank])
-                    ring = self._peer(src, gen)
-                    out[recv_at[src] : recv_at[src] + recv[src]].copy_(ring.bytes[start : start + recv[src]])
+                    out[at : at + n].copy_(self._peer(src, gen).bytes[start : start + n])
+                at += n
             gens = rows[:, 1].tolist()
-            for src in shared:
-                if gens[src] >= 0:
-                    self._peer(src, gens[src])  # map every announced ring now: its file goes soon
+            for src, gen in enumerate(gens):
+                if src != self.rank and gen >= 0:
+                    self._peer(src, gen)  # map every announced ring now: its file goes soon
             self._acked = max(self._acked, int(rows[:, 2].min()))
             self._finish(seq, gens)
             return out
 
         return Handle(finish)
-
-    def _start_engine(
-        self, buf: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], op: str
-    ) -> Handle[None] | None:
-        """The rows for peers on other hosts, through the engine (zero counts for the local
-        ones). Nodes hold consecutive ranks, so those rows are usually one run of ``buf`` and
-        of ``out``; otherwise they are packed and unpacked around the engine."""
-        if self._engine is None:
-            return None
-        remote = [not local for local in self.local]
-        send_remote = [n if far else 0 for n, far in zip(send, remote, strict=True)]
-        recv_remote = [n if far else 0 for n, far in zip(recv, remote, strict=True)]
-        packed = _run(buf, send, remote)
-        unpacked = _run(out, recv, remote)
-        landing = unpacked if unpacked is not None else torch.empty(sum(recv_remote), dtype=torch.uint8)
-        handle = self._engine(
-            packed if packed is not None else _pack(buf, send, remote), landing, send_remote, recv_remote, op
-        )
-
-        def wait() -> None:
-            handle.wait()
-            if unpacked is None:
-                _unpack(landing, out, recv, remote)
-
-        return Handle(wait)
 
     def _peer(self, rank: int, gen: int) -> _Ring:
         ring = self._peers.get((rank, gen))
@@ -307,32 +261,6 @@ def _close_all(owned: dict[str, _Ring], peers: dict[tuple[int, int], _Ring]) -> 
     for ring in peers.values():
         ring.close()
     peers.clear()
-
-
-def _pieces(counts: list[int], chosen: list[bool]) -> list[tuple[int, int]]:
-    """(offset, length) of the chosen ranks' non-empty pieces in a buffer cut by ``counts``."""
-    offsets = [sum(counts[:r]) for r in range(len(counts))]
-    return [(offsets[r], counts[r]) for r in range(len(counts)) if chosen[r] and counts[r]]
-
-
-def _run(buf: torch.Tensor, counts: list[int], chosen: list[bool]) -> torch.Tensor | None:
-    """The chosen ranks' pieces as a view of ``buf`` where they are one run, else None."""
-    pieces = _pieces(counts, chosen)
-    if not pieces:
-        return buf[:0]
-    first, (last, length) = pieces[0][0], pieces[-1]
-    return buf[first : last + length] if last + length - first == sum(n for _, n in pieces) else None
-
-
-def _pack(buf: torch.Tensor, counts: list[int], chosen: list[bool]) -> torch.Tensor:
-    return torch.cat([buf[at : at + n] for at, n in _pieces(counts, chosen)])
-
-
-def _unpack(packed: torch.Tensor, out: torch.Tensor, counts: list[int], chosen: list[bool]) -> None:
-    at_packed = 0
-    for at, n in _pieces(counts, chosen):
-        out[at : at + n].copy_(packed[at_packed : at_packed + n])
-        at_packed += n
 
 
 _OPEN: weakref.WeakSet[SharedMemoryAllToAll] = weakref.WeakSet()

@@ -82,32 +82,24 @@ class TorchCommunicator(Communicator):
 
     def _shared_memory(self) -> SharedMemoryAllToAll | None:
         """This group's shared-memory all-to-all, set up at its first CPU all-to-all (a
-        collective, so every rank decides together), or None where no two ranks share a
-        host, a network namespace and /dev/shm."""
+        collective, so every rank decides together), or None where the ranks do not share
+        a host, a network namespace and /dev/shm."""
         if not self._shm_decided:
             self._shm_decided = True
             if self.config.shared_memory and self.size > 1:
                 mine = torch.tensor([*host_identity(), group_token()], dtype=torch.int64)
                 rows = self._gather_rows(mine, self._op("all_to_all (shared-memory setup)")).wait()
-                local = [torch.equal(row[:4], mine[:4]) and int(mine[0]) != 0 for row in rows]
-                if sum(local) > 1:
-                    token = int(rows[local.index(True)][4])  # the first local rank's names the files
-                    self._shm = SharedMemoryAllToAll(
-                        self.rank, self.size, token, self._gather_rows, local, self._engine_all_to_all
-                    )
+                hosts = {tuple(r[:4].tolist()) for r in rows}
+                if len(hosts) == 1 and int(rows[0][0]) != 0:
+                    self._shm = SharedMemoryAllToAll(self.rank, self.size, int(rows[0][4]), self._gather_rows)
         return self._shm
-
-    def _engine_all_to_all(
-        self, buf: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], op: str
-    ) -> Handle[torch.Tensor]:
-        work = dist.all_to_all_single(out, buf, recv, send, group=self.pg, async_op=True)
-        return self._handle(work, out, op)
 
     def _all_to_all_bytes(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
         if buf.device.type == "cpu" and (shm := self._shared_memory()) is not None:
             return shm.all_to_all(buf, send, recv, op)
         out = torch.empty(sum(recv), dtype=torch.uint8, device=buf.device)
-        return self._engine_all_to_all(buf, out, send, recv, op)
+        work = dist.all_to_all_single(out, buf, recv, send, group=self.pg, async_op=True)
+        return self._handle(work, out, op)
 
     def _all_gather_bytes(self, buf: torch.Tensor, counts: list[int], op: str) -> Handle[torch.Tensor]:
         # gloo gathers equal sizes only: pad to the largest and cut after.
