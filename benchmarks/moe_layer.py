@@ -8,7 +8,7 @@ Candidates, all fed the same input and sharing router / expert weights:
   sparta_dropless    MoELayer(capacity_factor=None), expert_gemm=auto (on CPU: the expert loop)
   sparta_grouped_mm  MoELayer(capacity_factor=None), expert_gemm=grouped_mm (torch._grouped_mm)
   sparta_cap1.25     MoELayer(capacity_factor=1.25)
-  sparta_tcp         dropless on the torch engine with CommConfig(shared_memory=False): rows through
+  sparta_tcp         dropless on the torch engine with CommConfig(shared_memory="off"): rows through
                      gloo's loopback TCP instead of /dev/shm (expert parallel, --engine torch only)
   sparta_pipelined   dropless, pipeline_degree="auto" (expert parallel only; planned untimed)
 
@@ -276,7 +276,7 @@ def time_candidates(
 ) -> None:
     tcp = None
     if "sparta_tcp" in candidates and comm is not None and comm.backend == "torch":
-        tcp = comm.split(list(range(comm.size)), CommConfig(shared_memory=False))
+        tcp = comm.split(list(range(comm.size)), CommConfig(shared_memory="off"))
     place = Place(comm, tcp)
     rank = 0 if comm is None else comm.rank
     bench = "moe_layer" if comm is None else "moe_layer_ep"

@@ -83,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
 
     torch.set_num_threads(1)
-    comm_config = CommConfig(shared_memory=args.shared_memory == "on")
+    comm_config = CommConfig(shared_memory=args.shared_memory)
     world = sparta.init(backend="torch", ranks_per_node=args.ranks_per_node, config=comm_config)
     size, local = world.size, EXPERTS // world.size
     intra, inter = world.node_comms()
@@ -338,9 +338,9 @@ def main() -> int:
     ap.add_argument("--trace", default="", help="write a Chrome trace of one auto step; RATE is replaced by the rate")
     ap.add_argument(
         "--shared-memory",
-        choices=["on", "off"],
-        default="on",
-        help="rows between ranks of one node through /dev/shm (CommConfig.shared_memory) or gloo's loopback TCP",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="CommConfig.shared_memory: the node's rows through /dev/shm, or gloo's loopback TCP",
     )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rate", default="", help=argparse.SUPPRESS)

@@ -86,6 +86,8 @@ class TestDetect:
 def test_comm_config_validates() -> None:
     with pytest.raises(ConfigError, match="timeout_s = 0 must be > 0"):
         CommConfig(timeout_s=0)
+    with pytest.raises(ConfigError, match=r"shared_memory = True; choose one of \('auto', 'on', 'off'\)"):
+        CommConfig(shared_memory=True)  # type: ignore[arg-type]
 
 
 def test_world_of_one_runs_every_op() -> None:

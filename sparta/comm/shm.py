@@ -20,7 +20,8 @@ group's rings (`close_all`).
 
 Used only where every rank of the group shares the machine (boot id), the network namespace
 (ranks of different emulated nodes, sparta.scheduling.cluster, must cross their shaped link)
-and the /dev/shm file system; `CommConfig(shared_memory=False)` turns it off.
+and the /dev/shm file system, and by default only where the group has no more ranks than
+the host has CPUs (`CommConfig.shared_memory`: "auto", "on", "off").
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ class SharedMemoryAllToAll:
                 raise CollectiveError(
                     f"{op}: rank(s) {failed} could not map shared memory for the exchange"
                     f"{': ' + failure if failure else ''}; "
-                    f"enlarge {SHM_DIR} (docker run --shm-size) or pass CommConfig(shared_memory=False)"
+                    f"enlarge {SHM_DIR} (docker run --shm-size) or pass CommConfig(shared_memory='off')"
                 )
             out = torch.empty(sum(recv), dtype=torch.uint8)
             at = 0

@@ -231,8 +231,11 @@ def check_shared_memory_all_to_all(world: World) -> None:
     from sparta.errors import CollectiveError
 
     r, n = world.rank, world.size
-    tcp = world.comm.split(list(range(n)), CommConfig(shared_memory=False))
-    shm = world.comm.split(list(range(n)))
+    tcp = world.comm.split(list(range(n)), CommConfig(shared_memory="off"))
+    shm = world.comm.split(list(range(n)), CommConfig(shared_memory="on"))
+    auto = world.comm.split(list(range(n)))  # 4 ranks on this 2-CPU machine: gloo
+    auto.all_to_all(torch.zeros(n))
+    assert (auto.shared_memory is None) == (n > (os.cpu_count() or 1)), os.cpu_count()
     assert tcp is not None and shm is not None
     bases = [10, 60_000, 200, 150_000, 3, 120_000]  # rows of 12 bytes: up to 2.7 MiB per rank
     handles, expected = [], []
@@ -255,7 +258,7 @@ def check_shared_memory_all_to_all(world: World) -> None:
     assert not any(os.path.exists(f) for f in grown), grown
     shm.shutdown()
 
-    fragile = world.comm.split(list(range(n)))
+    fragile = world.comm.split(list(range(n)), CommConfig(shared_memory="on"))
     assert fragile is not None
     fragile.all_to_all(torch.zeros(n))  # sets up shared memory: a first ring of 1 MiB
     ring = shm_module._Ring
@@ -266,7 +269,7 @@ def check_shared_memory_all_to_all(world: World) -> None:
 
         shm_module._Ring = full  # type: ignore[assignment,misc]
     try:
-        with raises(CollectiveError, r"rank\(s\) \[1\] could not map shared memory.*shared_memory=False"):
+        with raises(CollectiveError, r"rank\(s\) \[1\] could not map shared memory.*shared_memory='off'"):
             fragile.all_to_all(torch.ones(n, 1 << 17))  # 1.5 MiB out of each rank: a new ring
     finally:
         shm_module._Ring = ring  # type: ignore[misc]

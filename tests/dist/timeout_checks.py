@@ -28,7 +28,7 @@ if __name__ == "__main__":
         ("timeout", "all_reduce", group, lambda: group.all_reduce(torch.ones(4)))
     ]
     if world.backend == "torch":
-        rows = world.comm.split_groups(everyone, CommConfig(timeout_s=3.0))
+        rows = world.comm.split_groups(everyone, CommConfig(timeout_s=3.0, shared_memory="on"))
         assert rows is not None
         rows.all_to_all(torch.ones(world.size, 2), check=False)  # sets up its shared memory
         assert rows.shared_memory is not None

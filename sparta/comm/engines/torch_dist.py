@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -83,15 +84,17 @@ class TorchCommunicator(Communicator):
     def _shared_memory(self) -> SharedMemoryAllToAll | None:
         """This group's shared-memory all-to-all, set up at its first CPU all-to-all (a
         collective, so every rank decides together), or None where the ranks do not share
-        a host, a network namespace and /dev/shm."""
+        a host, a network namespace and /dev/shm, or (``shared_memory="auto"``) they
+        outnumber the host's CPUs."""
         if not self._shm_decided:
             self._shm_decided = True
-            if self.config.shared_memory and self.size > 1:
-                mine = torch.tensor([*host_identity(), group_token()], dtype=torch.int64)
+            if self.config.shared_memory != "off" and self.size > 1:
+                mine = torch.tensor([*host_identity(), os.cpu_count() or 1, group_token()], dtype=torch.int64)
                 rows = self._gather_rows(mine, self._op("all_to_all (shared-memory setup)")).wait()
                 hosts = {tuple(r[:4].tolist()) for r in rows}
-                if len(hosts) == 1 and int(rows[0][0]) != 0:
-                    self._shm = SharedMemoryAllToAll(self.rank, self.size, int(rows[0][4]), self._gather_rows)
+                fits = self.config.shared_memory == "on" or self.size <= int(rows[0][4])
+                if len(hosts) == 1 and int(rows[0][0]) != 0 and fits:
+                    self._shm = SharedMemoryAllToAll(self.rank, self.size, int(rows[0][5]), self._gather_rows)
         return self._shm
 
     def _all_to_all_bytes(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
