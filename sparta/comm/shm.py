@@ -110,7 +110,7 @@ class SharedMemoryAllToAll:
         self._owned: dict[str, _Ring] = {}
         self._announced: dict[str, int] = {}  # file -> the all-to-all that announced it
         self._peers: dict[tuple[int, int], _Ring] = {}
-        self._finalizer = weakref.finalize(self, _close_all, self._owned, self._peers)
+        self._finalizer = weakref.finalize(self, _close_all, self._owned, self._peers, os.getpid())
         _OPEN.add(self)
 
     def _path(self, rank: int, gen: int) -> str:
@@ -256,7 +256,9 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
-def _close_all(owned: dict[str, _Ring], peers: dict[tuple[int, int], _Ring]) -> None:
+def _close_all(owned: dict[str, _Ring], peers: dict[tuple[int, int], _Ring], creator: int) -> None:
+    if os.getpid() != creator:
+        return  # a forked child (a DataLoader worker) must not remove its parent's files
     for ring in list(owned.values()):
         _close_owned(owned, ring)
     for ring in peers.values():
