@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import shutil
 import sys
@@ -18,7 +19,12 @@ def _info(_: argparse.Namespace) -> int:
     import sparta
 
     engines = {
-        "torch": {"available": True, "cpu": "gloo", "cuda": "nccl" if torch.cuda.is_available() else None},
+        "torch": {
+            "available": True,
+            "cpu": "gloo",
+            "cuda": "nccl" if torch.cuda.is_available() else None,
+            "cpu_all_to_all_within_a_host": _shared_memory_info(),
+        },
         "horovod": {"available": importlib.util.find_spec("horovod") is not None},
         "mpi": {"available": importlib.util.find_spec("mpi4py") is not None, "mpirun": shutil.which("mpirun")},
     }
@@ -35,6 +41,18 @@ def _info(_: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _shared_memory_info() -> dict[str, object]:
+    """Where the torch engine's shared-memory all-to-all (sparta.comm.shm) would put its rings,
+    and how much room there is: a container's small /dev/shm is the usual trouble."""
+    from sparta.comm.shm import SHM_DIR
+
+    try:
+        free = shutil.disk_usage(SHM_DIR).free
+    except OSError:
+        return {"shared_memory": None, "why": f"no {SHM_DIR}: gloo's loopback TCP is used"}
+    return {"shared_memory": SHM_DIR, "free_mib": free >> 20, "host_cpus": os.cpu_count()}
 
 
 def _profile(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -145,6 +146,11 @@ def test_cli_help_lists_subcommands() -> None:
     assert out.returncode == 0 and "info" in out.stdout
     info = subprocess.run([sys.executable, "-m", "sparta.cli", "info"], capture_output=True, text=True, timeout=60)
     assert '"torch": {' in info.stdout and '"engines"' in info.stdout
+    shm = json.loads(info.stdout)["engines"]["torch"]["cpu_all_to_all_within_a_host"]
+    if os.path.isdir("/dev/shm"):
+        assert shm["shared_memory"] == "/dev/shm" and shm["free_mib"] > 0, shm
+    else:
+        assert shm["shared_memory"] is None and "gloo" in shm["why"], shm
 
 
 def test_world_exit_ends_the_process_with_its_code_after_flushing() -> None:
