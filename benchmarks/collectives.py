@@ -8,7 +8,11 @@ Each point: the per-rank message size in bytes, the median over repeats of the s
 rank's time, and algorithm bandwidth (bytes / time). Three variants per point, run
 alternately: `raw` is the engine's own call (dist.all_to_all_single, hvd.alltoall,
 MPI Alltoall), `sparta` is Communicator with check_inputs off (what tuned code runs),
-`sparta+check` is the default with agreed input checks.
+`sparta+check` is the default with agreed input checks. On the torch engine a fourth,
+`sparta+shm`, forces the all-to-all through /dev/shm (`CommConfig(shared_memory="on")`,
+sparta.comm.shm), which "auto" leaves to gloo when ranks outnumber the host's CPUs:
+
+    python benchmarks/collectives.py --backends torch --nprocs 2 --table
 """
 
 from __future__ import annotations
@@ -106,10 +110,15 @@ def worker(args: argparse.Namespace) -> None:
     checked = world.comm
     fast = world.comm.split_groups([list(range(world.size))], CommConfig(check_inputs=False))
     assert fast is not None
+    shm = None
+    if world.backend == "torch":
+        shm = world.comm.split_groups([list(range(world.size))], CommConfig(check_inputs=False, shared_memory="on"))
     for nbytes in SIZES[: args.max_sizes]:
         x = torch.ones(nbytes // 4, dtype=torch.float32)
         raw = raw_ops(world, x)
         variants = {"raw": raw, "sparta": sparta_ops(fast, x), "sparta+check": sparta_ops(checked, x)}
+        if shm is not None:
+            variants["sparta+shm"] = sparta_ops(shm, x)
         repeats = max(3, min(30, int(64e6 / nbytes)))
         for op in ("all_to_all", "all_reduce"):
             times: dict[str, list[float]] = {v: [] for v in variants}
@@ -142,15 +151,18 @@ def worker(args: argparse.Namespace) -> None:
     world.shutdown()
 
 
+VARIANTS = ("raw", "sparta", "sparta+check", "sparta+shm")
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         f"{'backend':8} {'op':10} {'bytes':>9} "
-        + " ".join(f"{v + ' ms':>14}" for v in ("raw", "sparta", "sparta+check"))
+        + " ".join(f"{v + ' ms':>14}" for v in VARIANTS)
         + f" {'sparta GB/s':>12}"
     ]
     keyed = {(r["backend"], r["op"], r["bytes"], r["variant"]): r for r in rows}
     for backend, op, nbytes in sorted({(r["backend"], r["op"], r["bytes"]) for r in rows}):
-        cells = [keyed.get((backend, op, nbytes, v)) for v in ("raw", "sparta", "sparta+check")]
+        cells = [keyed.get((backend, op, nbytes, v)) for v in VARIANTS]
         ms = " ".join(f"{c['median_s'] * 1e3:14.3f}" if c else f"{'-':>14}" for c in cells)
         bw = f"{cells[1]['algbw_GBps']:12.3f}" if cells[1] else f"{'-':>12}"
         size = f"{nbytes >> 10} KiB" if nbytes < 1 << 20 else f"{nbytes >> 20} MiB"
