@@ -44,9 +44,9 @@ SHM_DIR = "/dev/shm"
 _MIN_RING_BYTES = 1 << 20
 _OK, _FAILED = 0, 1
 
-AllGather = Callable[[torch.Tensor, str], Handle[list[torch.Tensor]]]
+AllGather = Callable[[torch.Tensor, str], Handle[torch.Tensor]]
 """Starts an all-gather of one int64 row per rank over the engine (the str names the
-operation in errors); the handle gives the rows, in rank order."""
+operation in errors); the handle gives the rows stacked, ``[size, len(row)]``, in rank order."""
 
 
 def host_identity() -> list[int]:
@@ -194,7 +194,7 @@ class SharedMemoryAllToAll:
         own = buf[send_at[self.rank] : send_at[self.rank] + send[self.rank]]
 
         def finish() -> torch.Tensor:
-            rows = torch.stack(gathered.wait())
+            rows = gathered.wait()
             failed = (rows[:, 0] == _FAILED).nonzero().flatten().tolist()
             if failed:
                 raise CollectiveError(

@@ -244,13 +244,6 @@ def timeline(
     return Timeline(tuple(network), tuple(compute), max(now, back))
 
 
-def simulate(degree: int, comm_s: float, compute_s: float, blocking_s: float = 0.0) -> float:
-    """Seconds until the last of `degree` equal chunks is back, each taking `comm_s` network
-    time each way, `compute_s` compute and `blocking_s` of this thread per transfer (see
-    `timeline`)."""
-    return timeline([comm_s] * degree, [compute_s] * degree, blocking_s).end_s
-
-
 class CostModel:
     """Predictions from a Profile holding "all_to_all/world" (flat), "all_to_all/hier" or
     "all_to_all/intra" and "all_to_all/inter" (hierarchical), "expert_fwd/DxF" and

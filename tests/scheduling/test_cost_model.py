@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sparta.errors import ConfigError
-from sparta.scheduling.cost_model import CostModel, LayerShape, simulate, timeline
+from sparta.scheduling.cost_model import CostModel, LayerShape, timeline
 from sparta.scheduling.pipeline import PipelineDegrees
 from sparta.scheduling.profiler import LinearFit, Profile, ProfileConfig
 
@@ -49,6 +49,11 @@ def test_profile_round_trips_through_json(tmp_path: Path) -> None:
     assert q.fits == p.fits
     with pytest.raises(ConfigError, match="no fit for 'all_gather/world'"):
         q.fit("all_gather", "world")
+
+
+def simulate(degree: int, comm_s: float, compute_s: float) -> float:
+    """End time of `degree` equal chunks, each `comm_s` each way and `compute_s` of compute."""
+    return timeline([comm_s] * degree, [compute_s] * degree).end_s
 
 
 def test_simulation_bounds() -> None:
