@@ -3,19 +3,24 @@
     python benchmarks/moe_pipeline.py --rates 300mbit,1gbit
 
 For each rate: starts 2 emulated nodes x 2 ranks (sparta.scheduling.cluster), profiles the
-links and the expert GEMMs, lets the cost model choose (r_fwd, r_bwd, flat or hierarchical),
-then times forward+backward of a block: dense projections (their gradients averaged over
-all ranks) around the MoE exchange (dispatch, experts, combine; 8 experts, top-2, d_model
-512, d_ff 1024, 4096 tokens per rank, expert parallel over all 4).
+links, the expert GEMMs and the dense layers, lets the cost model choose (r_fwd, r_bwd, flat
+or hierarchical, or a number of micro-batches), then times forward+backward of a block:
+dense projections (their gradients averaged over all ranks) around the MoE exchange
+(routing by a fixed random gate, dispatch, experts, combine; 8 experts, top-2, d_model 512,
+d_ff 1024, 4096 tokens per rank, expert parallel over all 4).
 
-"auto" is what the co-scheduler settles on: the model's best plans (dense gradients cut by
-the cost model and sent in the backward's network gaps, or DDP's buckets) and flat r=1 run
-two untimed and two timed steps each; the fastest by agreed timings wins, r=1 unless
-another beats it by 3%, and those timings calibrate the model (cost_model.Calibration).
-Then, alternating: flat r=1 and hierarchical r=1 with DDP's default 25 MiB buckets (what
-DeepSpeed-MoE does), auto's degrees with DDP buckets ("auto_ddp") and with partitioned
-gradients ("auto_partition"); plus the lower bound max(communication, computation) from
-the measured parts (and the tighter "block_bound_s", see below), and the model's step
+"auto" is what the co-scheduler settles on: the model's best chunked plans (dense gradients
+cut by the cost model and sent in the backward's network gaps, or DDP's buckets), its best
+micro-batch count (sparta.scheduling.overlapped_block: the dense layers of one micro-batch
+compute while another's rows travel; DDP buckets, as the gradients are ready only at the
+end) and flat r=1 run two untimed and two timed steps each; the fastest by agreed timings
+wins, r=1 unless another beats it by 3%, and those timings calibrate the model
+(cost_model.Calibration). Then, alternating: flat r=1 and hierarchical r=1 with DDP's
+default 25 MiB buckets (what DeepSpeed-MoE does), the chunked plan (auto's, or the best
+chunked one the tuner timed) with DDP buckets ("pipelined_ddp") and with partitioned
+gradients ("pipelined_partition"), and the micro-batched plan ("microbatched"); plus the
+lower bound max(communication, computation) from the measured parts (and "block_bound_s",
+see below), and the model's step
 times before ("predicted_raw_s") and after calibration ("predicted_s") against the timed
 steps (slowest rank's median). Rank 0 prints one JSON line per rate. The router is left
 out: it is the same in all.
@@ -43,6 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sparta.scheduling.cluster import ClusterConfig, EmulatedCluster  # noqa: E402
+from sparta.scheduling.microbatch import Routed, overlapped_block  # noqa: E402
+from sparta.scheduling.pipeline import Compute  # noqa: E402
 
 EXPERTS, TOP_K, D_MODEL, D_FF, TOKENS = 8, 2, 512, 1024, 4096
 
@@ -58,13 +65,34 @@ class Block(torch.nn.Module):
         self.pre = torch.nn.Linear(d, d)
         self.post = torch.nn.Linear(d, d)
         self.out = torch.nn.Linear(d, d)
+        self.gate = torch.randn(d, EXPERTS)  # fixed: every configuration routes alike
         self.moe: Callable[[torch.Tensor], torch.Tensor] = lambda r: r
         self.perm = torch.zeros(0, dtype=torch.int64)
+        # micro-batched (overlapped_block): the micro-batch count, the experts, their weights
+        self.microbatches = 1
+        self.experts: Compute = lambda r, c: r
+        self.expert_weights: list[torch.Tensor] = []
+        self.exchange: object = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows' tokens in expert order [n * top_k], rows per expert [EXPERTS])."""
+        experts = (x @ self.gate).topk(TOP_K, dim=1).indices.flatten()
+        return torch.sort(experts, stable=True).indices // TOP_K, torch.bincount(experts, minlength=EXPERTS)
+
+    def before(self, x: torch.Tensor) -> Routed:
+        perm, counts = self.route(x)
+        return Routed(self.pre(x).index_select(0, perm), counts, (perm,))
+
+    def after(self, back: torch.Tensor, side: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        (perm,) = side
+        h = back.new_zeros(perm.numel() // TOP_K, back.shape[1]).index_add(0, perm, back)
+        return self.out(torch.nn.functional.gelu(self.post(h)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.moe(self.pre(x).index_select(0, self.perm))
-        h = torch.zeros_like(x).index_add(0, self.perm, y)
-        return self.out(torch.nn.functional.gelu(self.post(h)))
+        if self.microbatches > 1:
+            params = [*self.parameters(), *self.expert_weights]
+            return overlapped_block(x, self.microbatches, self.before, self.experts, self.after, self.exchange, params)  # type: ignore[arg-type]
+        return self.after(self.moe(self.pre(x).index_select(0, self.perm)), (self.perm,))
 
     def ready_order(self) -> list[torch.nn.Parameter]:
         """Dense parameters in the order backward produces their gradients."""
@@ -92,15 +120,13 @@ def worker(args: argparse.Namespace) -> None:
     # up to the whole exchange (16 MiB at r=1): chunked transfers span 1 to 16 MiB
     config = ProfileConfig(bytes=(mib, 4 * mib, 16 * mib), rows=(1024, 4096, 8192), repeats=3)
     g = torch.Generator().manual_seed(world.rank)
-    experts = torch.randint(0, EXPERTS, (TOKENS * TOP_K,), generator=g)
-    counts = torch.bincount(experts, minlength=EXPERTS)
     tokens = torch.randn(TOKENS, D_MODEL, generator=g)
     w1 = (torch.randn(local, D_MODEL, D_FF, generator=g) / D_MODEL**0.5).requires_grad_()
     w2 = (torch.randn(local, D_FF, D_MODEL, generator=g) / D_FF**0.5).requires_grad_()
     torch.manual_seed(0)  # dense weights equal on every rank, as data parallelism keeps them
     block = Block(D_MODEL)
     # each token's top_k rows, sorted by expert (what dispatch produces)
-    block.perm = torch.arange(TOKENS).repeat_interleave(TOP_K)[torch.sort(experts, stable=True).indices]
+    block.perm, counts = block.route(tokens)
     ddp = torch.nn.parallel.DistributedDataParallel(block)  # default 25 MiB buckets
 
     def experts_mlp(x: torch.Tensor, chunk_counts: torch.Tensor) -> torch.Tensor:
@@ -128,6 +154,10 @@ def worker(args: argparse.Namespace) -> None:
         | Profiler(world.comm, {"world": world.comm}, config).collectives(("all_reduce",))
         | profiler.forward_backward(f"{D_MODEL}x{D_FF}", lambda x: experts_mlp(x, balanced(x.shape[0])), D_MODEL)
         | profiler.forward_backward("dense", dense_only, D_MODEL)
+        | profiler.forward_backward("before", block.pre, D_MODEL, op="dense")
+        | profiler.forward_backward(
+            "after", lambda h: block.out(torch.nn.functional.gelu(block.post(h))), D_MODEL, op="dense"
+        )
     )
     shape = LayerShape(tokens=TOKENS, top_k=TOP_K, d_model=D_MODEL, d_ff=D_FF, ep_size=size)
     model = CostModel(profile)
@@ -152,6 +182,10 @@ def worker(args: argparse.Namespace) -> None:
     def parts(choice: Choice, partition: bool) -> tuple[float, float]:
         """The model's (overlapped, serial) step seconds: with its pipeline and the gradient
         pieces in their gaps, and with every transfer, compute and all-reduce in turn."""
+        if choice.microbatches > 1:  # the dense layers are in the pipeline's prediction
+            p = model.predict_microbatched(shape, choice.microbatches, choice.hierarchical, "before", "after")
+            exposed = bucketed_exposed_s(dense_bytes, ar)
+            return p.forward_s + p.backward_s + exposed, p.forward_serial_s + p.backward_serial_s + exposed
         p = model.predict_degrees(shape, choice.degrees, choice.hierarchical)
         if partition:
             pieces = partition_of(choice)[0]
@@ -171,6 +205,8 @@ def worker(args: argparse.Namespace) -> None:
         if sync is not None:
             exchange = sync.watch(exchange)
         block.moe = lambda r: pipelined_exchange(r, counts, experts_mlp, exchange, choice.degrees, [w1, w2])
+        block.microbatches, block.exchange = choice.microbatches, exchange
+        block.experts, block.expert_weights = experts_mlp, [w1, w2]
         block.zero_grad(set_to_none=True)
         world.comm.barrier()
         begin = time.perf_counter()
@@ -192,18 +228,29 @@ def worker(args: argparse.Namespace) -> None:
     # slower than later ones), then two timed; the agreed timings calibrate the model
     # before any timed step
     flat1 = (UNPIPELINED, False)
-    candidates = [*((c, True) for c in plan.ranked(3)), (plan.choice, False), flat1]
+    # the model's best micro-batch count (flat or hierarchical), gradients in DDP's buckets:
+    # overlapped_block hands them to autograd only once the whole block's backward is done
+    forms = [False, True]
+    micro = min(
+        ((Choice(PipelineDegrees(1, 1), h, m), False) for h in forms for m in range(2, 9)),
+        key=lambda c: parts(*c)[0],
+    )
+    candidates = [*((c, True) for c in plan.ranked(3)), (plan.choice, False), micro, flat1]
     tuner = OnlineTuner(world.comm, candidates, trials=2, baseline=flat1, margin=0.03, warmup=2)
     while tuner.chosen is None:
         tuner.observe(step(*tuner.current))
     auto = tuner.chosen
     calibration = Calibration.fit([(*parts(*c), t) for c, t in tuner.measured.items()])
     calibrated_plan = CostModel(profile, calibration).plan(shape, max_degree=8)
+    # the chunked pipeline to compare with: auto's if it is one, else the fastest the tuner timed
+    chunked = [c for c, _ in sorted(tuner.measured.items(), key=lambda kv: kv[1]) if c[0].microbatches == 1]
+    piped = auto[0] if auto[0].microbatches == 1 else chunked[0][0]
     configs = {
         "flat_r1": flat1,
         "hier_r1": (Choice(PipelineDegrees(1, 1), True), False),
-        "auto_ddp": (auto[0], False),
-        "auto_partition": (auto[0], True),
+        "pipelined_ddp": (piped, False),
+        "pipelined_partition": (piped, True),
+        "microbatched": micro,
     }
     times: dict[tuple[Choice, bool], list[float]] = {c: [] for c in dict.fromkeys(configs.values())}
     for _ in range(args.repeats):
@@ -215,10 +262,12 @@ def worker(args: argparse.Namespace) -> None:
     # replaced by the identity; chunked transfers cross the shaped link faster than one large
     # one, so unchunked timings would not bound it) plus the dense all-reduce, against the
     # experts' and dense layers' compute alone. Each part timed apart, median of three.
-    # The block's dense layers run whole before and after the exchange (only their
-    # all-reduce can overlap it), so no schedule of this block beats dense compute + max(exchange,
-    # experts' compute) either: the larger of the two bounds is "block_bound_s"
+    # Where the block's dense layers run whole before and after the exchange (all but
+    # micro-batched plans: only their all-reduce can overlap it), no schedule beats dense
+    # compute + max(exchange, experts' compute) either: the larger of the two bounds is
+    # "block_bound_s". A micro-batched auto is timed over as many equal chunks.
     exchange = hier if auto[0].hierarchical else world.comm
+    auto_degrees = auto[0].degrees if auto[0].microbatches == 1 else PipelineDegrees.of(auto[0].microbatches)
     xb = torch.randn(TOKENS * TOP_K, D_MODEL, requires_grad=True)
 
     def timed(run: Callable[[], object]) -> tuple[float, float]:
@@ -236,9 +285,7 @@ def worker(args: argparse.Namespace) -> None:
     for _ in range(3):
         for k, run in enumerate(
             (
-                lambda: (
-                    pipelined_exchange(xb, counts, lambda x, c: x * 1.0, exchange, auto[0].degrees).sum().backward()
-                ),
+                lambda: pipelined_exchange(xb, counts, lambda x, c: x * 1.0, exchange, auto_degrees).sum().backward(),
                 lambda: world.comm.all_reduce(torch.zeros(dense_bytes // 4)),
                 lambda: experts_mlp(xb.detach().requires_grad_(), balanced(TOKENS * TOP_K)).sum().backward(),
                 lambda: dense_only(tokens.detach().requires_grad_()).sum().backward(),
@@ -282,11 +329,17 @@ def worker(args: argparse.Namespace) -> None:
         cpu_bound = max(block_bound, dense_compute_s + experts_s + sharing * exchange_cpu_s)
         raw = {name: parts(*cfg)[0] for name, cfg in configs.items()}
         cal = {name: calibration(*parts(*cfg)) for name, cfg in configs.items()}
-        part = partition_of(auto[0])[0]
+        part = partition_of(piped)[0]
 
         def choice_json(c: Choice) -> dict[str, object]:
             d = c.degrees
-            return {"r_fwd": d.forward, "r_bwd": d.backward, "taper": d.taper, "hier": c.hierarchical}
+            return {
+                "r_fwd": d.forward,
+                "r_bwd": d.backward,
+                "taper": d.taper,
+                "hier": c.hierarchical,
+                "microbatches": c.microbatches,
+            }
 
         result = {
             "rate": args.rate,
@@ -319,7 +372,10 @@ def worker(args: argparse.Namespace) -> None:
             "cpu_bound_s": round(cpu_bound, 3),
             "auto_over_cpu_bound": round(med["auto"] / cpu_bound, 3),
             "speedup_vs_flat_r1": round(med["flat_r1"] / med["auto"], 3),
-            "partition_vs_ddp": round(med["auto_ddp"] / med["auto_partition"], 3),
+            "partition_vs_ddp": round(med["pipelined_ddp"] / med["pipelined_partition"], 3),
+            "microbatched_vs_pipelined": round(
+                min(med["pipelined_ddp"], med["pipelined_partition"]) / med["microbatched"], 3
+            ),
             "auto_over_bound": round(med["auto"] / lower, 3),
             "fits": {
                 k: {"alpha_ms": round(f.alpha * 1e3, 3), "beta": f.beta, "rel_error": round(f.rel_error, 3)}

@@ -7,6 +7,8 @@
                   by timed steps; choose r_fwd, r_bwd and the chunks' taper
     pipeline.py   pipelined_exchange, PipelineDegrees: chunk i+1 travels while chunk i computes;
                   PipelineDegrees(r_fwd, r_bwd, taper): end chunks 2**-taper of the middle ones
+    microbatch.py overlapped_block, Routed: a block (dense layers, exchange, experts) cut into
+                  micro-batches so that one's dense layers compute while another's rows travel
     partition.py  partition_gradients: dense all-reduce pieces sized to the backward's network gaps
     tuner.py      OnlineTuner, Choice: try the model's best plans and r=1 on real steps, keep the
                   fastest (r=1 unless clearly beaten)
@@ -22,6 +24,7 @@ Imports point down only: this package uses sparta.comm and never sparta.moe.
 
 from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape, Prediction, SchedulePlan, Timeline
 from sparta.scheduling.grad_sync import PartitionedAllReduce
+from sparta.scheduling.microbatch import Routed, overlapped_block
 from sparta.scheduling.partition import GradientPartition, partition_gradients
 from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
 from sparta.scheduling.profiler import LinearFit, Profile, ProfileConfig, Profiler
@@ -43,11 +46,13 @@ __all__ = [
     "Profile",
     "ProfileConfig",
     "Profiler",
+    "Routed",
     "SchedulePlan",
     "Timeline",
     "TracedExchange",
     "Tracer",
     "draw_timeline",
+    "overlapped_block",
     "partition_gradients",
     "pipelined_exchange",
     "write_chrome_trace",

@@ -205,23 +205,38 @@ def timeline(
     compute_s: Sequence[float],
     blocking_s: Sequence[float] | float = 0.0,
     latency_s: Sequence[float] | float = 0.0,
+    before_s: Sequence[float] | float = 0.0,
+    after_s: Sequence[float] | float = 0.0,
 ) -> Timeline:
     """Replay pipeline._pipeline for chunks of `comm_s[i]` network time each way,
     `compute_s[i]` compute, and `blocking_s[i]` spent on this thread to start each of their
     transfers (the hierarchical intra-node step). The network is one FIFO channel; of a
     transfer's time, `latency_s[i]` (a fit's alpha: setup, handshakes, the last byte's
     flight) delays its arrival without holding the channel, so a transfer issued behind it
-    starts moving data at once. A float for blocking or latency: the same for every chunk."""
+    starts moving data at once. `before_s[i]` / `after_s[i]`: this rank's compute that
+    makes chunk i's rows and that takes its returned rows (a micro-batch's dense layers,
+    microbatch.py; zero for a plain exchange). A float for any of the last four: the same
+    for every chunk."""
     degree = len(comm_s)
-    blocks, lats = ([float(v)] * degree if isinstance(v, (int, float)) else list(v) for v in (blocking_s, latency_s))
-    if degree < 1 or len(compute_s) != degree or len(blocks) != degree or len(lats) != degree:
+    blocks, lats, befores, afters = (
+        [float(v)] * degree if isinstance(v, (int, float)) else list(v)
+        for v in (blocking_s, latency_s, before_s, after_s)
+    )
+    if degree < 1 or any(len(v) != degree for v in (compute_s, blocks, lats, befores, afters)):
         raise InputError(
             f"timeline: {degree} transfer times, {len(compute_s)} compute times, {len(blocks)} blocking "
-            f"times, {len(lats)} latencies; give one of each per chunk (at least one chunk)"
+            f"times, {len(lats)} latencies, {len(befores)} before and {len(afters)} after times; "
+            "give one of each per chunk (at least one chunk)"
         )
     now, free = 0.0, 0.0  # compute thread clock; time the network channel frees up
     network: list[tuple[float, float]] = []
     compute: list[tuple[float, float]] = []
+
+    def run(seconds: float) -> None:
+        nonlocal now
+        if seconds > 0:
+            compute.append((now, now + seconds))
+            now += seconds
 
     def start(i: int) -> float:
         nonlocal now, free
@@ -232,16 +247,27 @@ def timeline(
         network.append((begin, free))
         return free + latency
 
+    def returned(i: int) -> None:
+        nonlocal now
+        now = max(now, back[i])
+        run(afters[i])
+
+    run(befores[0])
     outbound = [start(0)]
-    back = 0.0
+    back: list[float] = []
     for i in range(degree):
+        if i + 1 < degree:
+            run(befores[i + 1])
         now = max(now, outbound[i])
         if i + 1 < degree:
             outbound.append(start(i + 1))
         compute.append((now, now + compute_s[i]))
         now += compute_s[i]
-        back = start(i)
-    return Timeline(tuple(network), tuple(compute), max(now, back))
+        back.append(start(i))
+        if i >= 1:
+            returned(i - 1)
+    returned(degree - 1)
+    return Timeline(tuple(network), tuple(compute), now)
 
 
 class CostModel:
@@ -328,6 +354,40 @@ class CostModel:
             fwd.forward_serial_s,
             bwd.backward_serial_s,
             degrees.taper,
+        )
+
+    def predict_microbatched(
+        self, shape: LayerShape, microbatches: int, hierarchical: bool, before: str, after: str
+    ) -> Prediction:
+        """A block run by microbatch.overlapped_block: `microbatches` equal cuts of the
+        tokens, each exchanged whole, with the dense layers before the exchange and after it
+        on the pipeline's ends (from the "dense_fwd|dense_bwd/{before}" and ".../{after}"
+        fits over tokens, `Profiler.forward_backward(..., op="dense")`). Unlike `predict`,
+        forward_s and backward_s (and the serial figures) include those dense layers, and
+        the forward each micro-batch's counts exchange (its fit's fixed cost, on this thread)."""
+        if microbatches < 1:
+            raise ConfigError(f"CostModel: microbatches = {microbatches}; use >= 1")
+        comm, blocking, latency, fwd, bwd = self._chunks(shape, microbatches, hierarchical, 0)
+        tokens = shape.tokens / microbatches
+
+        def dense(kind: str, name: str) -> float:
+            return self.profile.fit(f"dense_{kind}", name)(tokens)
+
+        counts_s = sum(self._exchange(shape, 0.0, hierarchical)[:2])
+        pre_f, post_f, pre_b, post_b = (
+            dense("fwd", before),
+            dense("fwd", after),
+            dense("bwd", before),
+            dense("bwd", after),
+        )
+        transfers = 2 * (sum(comm) + sum(blocking))
+        return Prediction(
+            microbatches,
+            hierarchical,
+            timeline(comm, fwd, blocking, latency, pre_f + counts_s, post_f).end_s,
+            timeline(comm, bwd, blocking, latency, post_b, pre_b).end_s,
+            transfers + sum(fwd) + microbatches * (pre_f + post_f + counts_s),
+            transfers + sum(bwd) + microbatches * (pre_b + post_b),
         )
 
     def backward_timeline(self, shape: LayerShape, degrees: PipelineDegrees, hierarchical: bool) -> Timeline:

@@ -224,27 +224,33 @@ def _gather(x: Tensor, index: Tensor) -> Tensor:
 
 def _pipeline(
     exchange: Exchange,
-    source: Tensor,
-    send: Chunks,
-    recv: Chunks,
+    degree: int,
+    produce: Callable[[int], tuple[Tensor, list[int], list[int]]],
     work: Callable[[int, Tensor], Tensor],
+    consume: Callable[[int, Tensor], None],
     tracer: Tracer | None,
     label: str,
-) -> Tensor:
-    """The pipeline both passes run: chunk i of `source` to its ranks, `work(i, received)`
-    there, the result back into chunk i's rows. Issue order on every rank: out 0, out 1,
-    back 0, out 2, back 1, ... so chunk i+1 travels during work i and back i during work i+1.
-    `tracer` gets spans "{label} out|compute|back {i}" on tracks "send", "compute", "return".
-    An exchange that traces itself (trace.TracedExchange) records the transfers under those
-    names on its own tracks, and its tracer gets the compute spans. An exchange with an
-    `issued(name)` method hears of each transfer just after it is issued (the gradient
-    partitioner sends its pieces into the gaps that follow, see grad_sync.py)."""
-    degree = len(send.index)
+    trace_ends: bool = False,
+) -> None:
+    """The pipeline every pass runs. `produce(i)` gives chunk i's rows and their splits (rows
+    to each rank, rows from each rank); they go out, `work(i, received)` runs there, and the
+    result comes back into `consume(i, returned)`. Issue order on every rank: out 0, out 1,
+    back 0, out 2, back 1, ... so chunk i+1 travels during work i and back i during work
+    i+1. On this thread: produce i+1 runs while out i travels (before waiting for it), and
+    consume i-1 once back i is issued, so sender-side compute (a micro-batch's dense layers,
+    microbatch.py) overlaps the transfers too.
+    `tracer` gets spans "{label} out|compute|back {i}" on tracks "send", "compute", "return"
+    (and, with `trace_ends`, "{label} before|after {i}" on "compute" for produce and
+    consume). An exchange that traces itself (trace.TracedExchange) records the transfers
+    under those names on its own tracks, and its tracer gets the compute spans.
+    An exchange with an `issued(name)` method hears of each transfer just after it is issued
+    (the gradient partitioner sends its pieces into the gaps that follow, see grad_sync.py)."""
     clock = time.perf_counter
     own = getattr(exchange, "tracer", None)
     tracer = tracer if tracer is not None else own
     comm_spans = tracer is not None and own is None
     on_issue = getattr(exchange, "issued", None)
+    back_splits: list[tuple[list[int], list[int]]] = []
 
     def start(x: Tensor, splits: list[int], back: list[int], name: str) -> tuple[Handle[Tensor], float]:
         if tracer is not None:
@@ -257,31 +263,69 @@ def _pipeline(
             on_issue(name)
         return handle, clock()
 
-    outbound = [start(_gather(source, send.index[0]), send.splits[0], recv.splits[0], f"{label} out 0")]
+    def span(name: str, begin: float, i: int, rows: int) -> None:
+        if tracer is not None:
+            tracer.record(name, "compute", begin, clock(), chunk=i, rows=rows)
+
+    def made(i: int) -> tuple[Tensor, list[int], list[int]]:
+        begin = clock()
+        rows, splits, back = produce(i)
+        if trace_ends:
+            span(f"{label} before {i}", begin, i, int(rows.shape[0]))
+        back_splits.append((back, splits))
+        return rows, splits, back
+
+    def returned(i: int, handle: Handle[Tensor], issued: float) -> None:
+        back = handle.wait()
+        if comm_spans:
+            tracer.record(f"{label} back {i}", "return", issued, clock(), chunk=i, rows=int(back.shape[0]))
+        begin = clock()
+        consume(i, back)
+        if trace_ends:
+            span(f"{label} after {i}", begin, i, int(back.shape[0]))
+
+    outbound = [start(*made(0), f"{label} out 0")]
     inbound: list[tuple[Handle[Tensor], float]] = []
     for i in range(degree):
+        nxt = made(i + 1) if i + 1 < degree else None
         handle, issued = outbound[i]
         got = handle.wait()
         if comm_spans:
             tracer.record(f"{label} out {i}", "send", issued, clock(), chunk=i, rows=int(got.shape[0]))
-        if i + 1 < degree:
-            nxt = _gather(source, send.index[i + 1])
-            outbound.append(start(nxt, send.splits[i + 1], recv.splits[i + 1], f"{label} out {i + 1}"))
+        if nxt is not None:
+            outbound.append(start(*nxt, f"{label} out {i + 1}"))
         begin = clock()
         done = work(i, got)
-        if tracer is not None:
-            tracer.record(f"{label} compute {i}", "compute", begin, clock(), chunk=i, rows=int(got.shape[0]))
-        inbound.append(start(done, recv.splits[i], send.splits[i], f"{label} back {i}"))
-    result: Tensor | None = None
-    for i, (handle, issued) in enumerate(inbound):
-        back = handle.wait()
-        if comm_spans:
-            tracer.record(f"{label} back {i}", "return", issued, clock(), chunk=i, rows=int(back.shape[0]))
-        if result is None:
-            result = back.new_empty((source.shape[0], *back.shape[1:]))
-        result.index_copy_(0, send.index[i].to(back.device), back)
-    assert result is not None
-    return result
+        span(f"{label} compute {i}", begin, i, int(got.shape[0]))
+        inbound.append(start(done, *back_splits[i], f"{label} back {i}"))
+        if i >= 1:
+            returned(i - 1, *inbound[i - 1])
+    returned(degree - 1, *inbound[degree - 1])
+
+
+def _exchange_rows(
+    exchange: Exchange,
+    source: Tensor,
+    send: Chunks,
+    recv: Chunks,
+    work: Callable[[int, Tensor], Tensor],
+    tracer: Tracer | None,
+    label: str,
+) -> Tensor:
+    """`_pipeline` over chunks of one buffer: chunk i is `source`'s rows `send.index[i]`, and
+    what comes back lands in the same rows of the result."""
+    result: list[Tensor] = []
+
+    def produce(i: int) -> tuple[Tensor, list[int], list[int]]:
+        return _gather(source, send.index[i]), send.splits[i], recv.splits[i]
+
+    def consume(i: int, back: Tensor) -> None:
+        if not result:
+            result.append(back.new_empty((source.shape[0], *back.shape[1:])))
+        result[0].index_copy_(0, send.index[i].to(back.device), back)
+
+    _pipeline(exchange, len(send.index), produce, work, consume, tracer, label)
+    return result[0]
 
 
 class _Pipelined(torch.autograd.Function):
@@ -305,7 +349,7 @@ class _Pipelined(torch.autograd.Function):
             ctx.graphs.append((leaf, out))
             return out.detach()
 
-        y = _pipeline(plan.exchange, rows, plan.send_fwd, plan.recv_fwd, work, plan.tracer, "fwd")
+        y = _exchange_rows(plan.exchange, rows, plan.send_fwd, plan.recv_fwd, work, plan.tracer, "fwd")
         if recompute:
             # all received rows in one buffer, grouped by (source, slot), for the backward's chunks
             full = rows.new_empty((sum(r.shape[0] for r in received), *rows.shape[1:]))
@@ -338,7 +382,7 @@ class _Pipelined(torch.autograd.Function):
                     sums[k] = g if sums[k] is None else sums[k] + g
             return torch.zeros_like(leaf) if grads[0] is None else grads[0]
 
-        grad_rows = _pipeline(plan.exchange, grad, plan.send_bwd, plan.recv_bwd, work, plan.tracer, "bwd")
+        grad_rows = _exchange_rows(plan.exchange, grad, plan.send_bwd, plan.recv_bwd, work, plan.tracer, "bwd")
         ctx.graphs = []
         found = iter(sums)
         param_grads = []

@@ -32,10 +32,23 @@ from sparta.scheduling.pipeline import PipelineDegrees
 
 @dataclass(frozen=True)
 class Choice:
-    """A pipeline configuration: degrees and whether the all-to-all is hierarchical."""
+    """A pipeline configuration: degrees and whether the all-to-all is hierarchical; with
+    `microbatches` > 1 the whole block is cut into that many micro-batches whose dense layers
+    overlap each other's exchange (microbatch.overlapped_block), each exchanged whole
+    (degrees 1)."""
 
     degrees: PipelineDegrees
     hierarchical: bool
+    microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ConfigError(f"Choice.microbatches = {self.microbatches!r}; use an int >= 1 (1: no micro-batches)")
+        if self.microbatches > 1 and self.degrees != PipelineDegrees(1, 1):
+            raise ConfigError(
+                f"Choice: {self.microbatches} micro-batches with {self.degrees}; micro-batches are the "
+                "pipeline's chunks, so give PipelineDegrees(1, 1)"
+            )
 
 
 UNPIPELINED = Choice(PipelineDegrees(1, 1), hierarchical=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Callable
 
 import torch
 from runner import finish, raises, run_checks, start
@@ -18,8 +19,9 @@ from sparta.comm import HierarchicalAllToAll, World
 from sparta.errors import ConfigError, InputError
 from sparta.scheduling.cost_model import CostModel, LayerShape
 from sparta.scheduling.grad_sync import PartitionedAllReduce
+from sparta.scheduling.microbatch import Routed, overlapped_block
 from sparta.scheduling.partition import GradientPartition
-from sparta.scheduling.pipeline import Exchange, PipelineDegrees, pipelined_exchange
+from sparta.scheduling.pipeline import Compute, Exchange, PipelineDegrees, pipelined_exchange
 from sparta.scheduling.profiler import ProfileConfig, Profiler
 from sparta.scheduling.trace import Tracer, gather, write_chrome_trace
 from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
@@ -213,7 +215,112 @@ def check_partitioned_gradients_equal_all_reduce(world: World) -> None:
         PartitionedAllReduce(world.comm, dense, GradientPartition((8,), (-1,), 0.0))
 
 
+def moe_block(world: World, params: list[torch.Tensor]) -> tuple[Callable[..., Routed], Callable[..., torch.Tensor]]:
+    """A small MoE block as `overlapped_block` takes it: a dense layer and a top-2 router
+    before the exchange, the routing-weighted combine and a dense layer after it; the
+    routing weights are a differentiable side tensor."""
+    pre, router, post, post_b = params[:4]
+    slots = world.size * SLOTS
+
+    def before(x: torch.Tensor) -> Routed:
+        h = torch.tanh(x @ pre)
+        top = (h @ router).topk(2, dim=1)
+        order = torch.sort(top.indices.flatten(), stable=True).indices
+        counts = torch.bincount(top.indices.flatten(), minlength=slots)
+        return Routed(h.index_select(0, order // 2), counts, (torch.softmax(top.values, 1), order))
+
+    def after(back: torch.Tensor, side: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        weight, order = side
+        rows = back * weight.flatten()[order, None]
+        combined = rows.new_zeros(order.numel() // 2, rows.shape[1]).index_add(0, order // 2, rows)
+        return combined @ post + post_b
+
+    return before, after
+
+
+def check_overlapped_block_equals_whole_block(world: World) -> None:
+    """Micro-batched and pipelined (dense layers beside the transfers) against the whole
+    block with one plain exchange each way: outputs and every gradient, float64 within 1e-10
+    and float32 within 1e-6 absolute plus 1e-5 relative (a weight's gradient is summed over
+    micro-batches, in another order than one GEMM over all rows sums it); a rank with as
+    many tokens as micro-batches included."""
+    for dtype, tol, rtol in ((torch.float64, 1e-10, 1e-10), (torch.float32, 1e-6, 1e-5)):
+        g = torch.Generator().manual_seed(3)  # dense weights equal on every rank
+        dense = [
+            torch.randn(*shape, generator=g, dtype=dtype)
+            for shape in ((D_IN, D_IN), (D_IN, world.size * SLOTS), (D_OUT, 6), (6,))
+        ]
+        _, _, experts = problem(world, 0, dtype)
+        tokens = 3 if world.rank == 3 else 11
+        x = torch.randn(tokens, D_IN, generator=torch.Generator().manual_seed(world.rank), dtype=dtype)
+        want = [t.clone().requires_grad_() for t in (x, *dense, *experts)]
+        compute = slot_mlp(want[5], want[6], world.size)
+        before, after = moe_block(world, want[1:])
+        routed = before(want[0])
+        counts = routed.counts
+        y0 = after(reference_rows(world, routed.rows, counts, compute), routed.side)
+        loss_weight = torch.linspace(-1, 1, 6, dtype=dtype)
+        (y0 * loss_weight).square().sum().backward()
+        for ex in exchanges(world):
+            for microbatches in (1, 2, 3):
+                got = [t.clone().requires_grad_() for t in (x, *dense, *experts)]
+                before, after = moe_block(world, got[1:])
+                compute = slot_mlp(got[5], got[6], world.size)
+                y = overlapped_block(got[0], microbatches, before, compute, after, ex, got[1:])
+                (y * loss_weight).square().sum().backward()
+                what = (str(dtype), type(ex).__name__, microbatches)
+                torch.testing.assert_close(y, y0, rtol=rtol, atol=tol, msg=lambda m, what=what: f"{what}: {m}")
+                for k, (a, b) in enumerate(zip(got, want, strict=True)):
+                    torch.testing.assert_close(
+                        a.grad, b.grad, rtol=rtol, atol=tol, msg=lambda m, what=what, k=k: f"{what} grad {k}: {m}"
+                    )
+
+
+def reference_rows(world: World, rows: torch.Tensor, counts: torch.Tensor, compute: Compute) -> torch.Tensor:
+    """One differentiable all-to-all out, `compute`, one back."""
+    comm = world.comm
+    recv_counts = comm.all_to_all(counts, [SLOTS] * comm.size)
+    assert isinstance(recv_counts, torch.Tensor)
+    send = counts.view(comm.size, SLOTS).sum(1).tolist()
+    recv = recv_counts.view(comm.size, SLOTS).sum(1).tolist()
+    got = sparta.comm.all_to_all(rows, send, recv, comm)
+    return sparta.comm.all_to_all(compute(got, recv_counts.view(comm.size, SLOTS)), recv, send, comm)
+
+
+def check_overlapped_block_traced_untracked_and_checked(world: World) -> None:
+    """Spans for every stage of both passes; no autograd graph kept under no_grad; bad
+    micro-batch counts and bad routing raise on every rank before any exchange."""
+    g = torch.Generator().manual_seed(3)
+    dense = [torch.randn(*shape, generator=g) for shape in ((D_IN, D_IN), (D_IN, world.size * SLOTS), (D_OUT, 6), (6,))]
+    _, _, experts = problem(world, 0, torch.float32)
+    params = [t.clone().requires_grad_() for t in (*dense, *experts)]
+    before, after = moe_block(world, params)
+    compute = slot_mlp(params[4], params[5], world.size)
+    x = torch.randn(8, D_IN, generator=torch.Generator().manual_seed(world.rank))
+    tracer = Tracer()
+    overlapped_block(x, 2, before, compute, after, world.comm, params, tracer).sum().backward()
+    stages = ("before", "out", "compute", "back", "after")
+    want = sorted(f"{p} {k} {i}" for p in ("fwd", "bwd") for k in stages for i in range(2))
+    assert sorted(s.name for s in tracer.spans) == want, sorted(s.name for s in tracer.spans)
+    with torch.no_grad():
+        y = overlapped_block(x, 2, before, compute, after, world.comm, params)
+    assert not y.requires_grad and y.shape == (8, 6)
+    with raises(InputError, r"microbatches = 0; use an int >= 1"):
+        overlapped_block(x, 0, before, compute, after, world.comm, params)
+    with raises(InputError, r"too few rows along dim 0 for 9 micro-batches; use at most 8"):
+        overlapped_block(x, 9, before, compute, after, world.comm, params)
+
+    def short(rows: torch.Tensor) -> Routed:
+        routed = before(rows)
+        return Routed(routed.rows[1:], routed.counts, routed.side)
+
+    with raises(InputError, r"micro-batch 0's counts sum to 4 but its rows have 3"):
+        overlapped_block(x[:4], 2, short, compute, after, world.comm, params)
+
+
 CHECKS = [
+    check_overlapped_block_equals_whole_block,
+    check_overlapped_block_traced_untracked_and_checked,
     check_partitioned_gradients_equal_all_reduce,
     check_tuner_agrees_on_the_slowest_rank,
     check_chrome_trace,

@@ -147,3 +147,51 @@ def test_latency_delays_a_transfer_without_holding_the_link() -> None:
     # the channel's busy spans exclude latency: the gaps a gradient piece can use grow
     busy = sum(e - b for b, e in released.network)
     assert busy == pytest.approx(4 * 0.5)
+
+
+def test_dense_layers_on_the_pipeline_ends_overlap_the_transfers() -> None:
+    # two micro-batches, 1 s each way, 1 s of experts, 0.5 s before and after each: before 1
+    # runs while out 0 travels, after 0 while back 1 does; only before 0 and after 1 add
+    line2 = timeline([1.0] * 2, [1.0] * 2, before_s=0.5, after_s=0.5)
+    assert line2.end_s == pytest.approx(0.5 + 1.0 + 1.0 + 1.0 + 1.0 + 0.5)
+    assert sorted(line2.compute)[:2] == [(0.0, 0.5), (0.5, 1.0)]
+    # with nothing on the ends the replay is the plain pipeline's
+    assert timeline([1.0] * 3, [0.4] * 3, before_s=0.0).end_s == pytest.approx(simulate(3, 1.0, 0.4))
+    with pytest.raises(Exception, match="2 before and 3 after"):
+        timeline([1.0] * 3, [0.4] * 3, before_s=[0.1, 0.1], after_s=0.0)
+
+
+def test_microbatched_prediction_counts_the_dense_layers() -> None:
+    rows = (256.0, 1024.0, 4096.0)
+    fits = {
+        **profile(1e-8, 2e-8, 1e-6).fits,
+        "dense_fwd/pre": line(0.0, 1e-5, rows),
+        "dense_bwd/pre": line(0.0, 2e-5, rows),
+        "dense_fwd/post": line(0.0, 2e-5, rows),
+        "dense_bwd/post": line(0.0, 4e-5, rows),
+    }
+    model = CostModel(Profile(fits))
+    one = model.predict_microbatched(SHAPE, 1, False, "pre", "post")
+    plain = model.predict(SHAPE, 1, False)
+    dense_fwd, dense_bwd = 4096 * 3e-5, 4096 * 6e-5
+    counts = fits["all_to_all/world"].alpha
+    assert one.forward_s == pytest.approx(plain.forward_s + dense_fwd + counts)
+    assert one.backward_s == pytest.approx(plain.backward_s + dense_bwd)
+    # cut in four, most of the dense time hides behind the transfers (comm-bound here)
+    four = model.predict_microbatched(SHAPE, 4, False, "pre", "post")
+    assert four.forward_s < one.forward_s - dense_fwd / 2 and four.backward_s < one.backward_s - dense_bwd / 2
+    # serially, each extra micro-batch pays the fixed costs again: counts, out and back, experts
+    fixed = counts + 2 * fits["all_to_all/world"].alpha + fits["expert_fwd/512x1024"].alpha
+    assert four.forward_serial_s == pytest.approx(one.forward_serial_s + 3 * fixed)
+    with pytest.raises(ConfigError, match="microbatches = 0"):
+        model.predict_microbatched(SHAPE, 0, False, "pre", "post")
+
+
+def test_a_microbatched_choice_exchanges_each_microbatch_whole() -> None:
+    from sparta.scheduling.tuner import Choice
+
+    assert Choice(PipelineDegrees(1, 1), False, microbatches=4).microbatches == 4
+    with pytest.raises(ConfigError, match="microbatches = 0"):
+        Choice(PipelineDegrees(1, 1), False, microbatches=0)
+    with pytest.raises(ConfigError, match="give PipelineDegrees"):
+        Choice(PipelineDegrees(4, 4), False, microbatches=2)
