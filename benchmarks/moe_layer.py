@@ -239,6 +239,18 @@ def _input(cfg: BenchConfig, rank: int = 0, ranks: int = 1) -> Tensor:
     return torch.randn(cfg.tokens, cfg.d_model)[rank * share : (rank + 1) * share].clone().requires_grad_()
 
 
+def busiest_rank_load(cfg: BenchConfig, ranks: int) -> float:
+    """Rows the busiest expert-parallel rank computes over the mean, for this benchmark's
+    input and gate (dropless top-k): the floor that routing imbalance sets for any dropless
+    layer, Sparta's or DeepSpeed's, over a dense floor of T / ranks * top_k rows per rank."""
+    layer = _sparta_layer(cfg, Place(), None)
+    with torch.no_grad():
+        layer(_input(cfg))
+    assert layer.last_stats is not None
+    per_rank = torch.tensor(layer.last_stats.tokens_per_expert).view(ranks, -1).sum(1).double()
+    return float(per_rank.max() / per_rank.mean())
+
+
 def _emit(record: dict[str, object]) -> None:
     print(json.dumps(record), flush=True)
 
@@ -293,6 +305,7 @@ def time_candidates(
     wall, cpu = _timings(steps, x, repeats, comm)
     if rank != 0:
         return
+    load = {"busiest_rank_load": round(busiest_rank_load(cfg, place.ranks), 4)} if place.ranks > 1 else {}
     for name in steps:
         _emit(
             {
@@ -313,6 +326,7 @@ def time_candidates(
                 "threads": threads,
                 **asdict(cfg),
                 "tokens_per_rank": cfg.tokens // place.ranks,
+                **load,
             }
         )
 
