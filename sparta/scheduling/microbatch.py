@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from sparta.errors import InputError
-from sparta.scheduling.pipeline import Compute, Exchange, _pipeline
+from sparta.scheduling.pipeline import Compute, Exchange, _pipeline, check_counts, exchange_counts
 from sparta.scheduling.trace import Tracer
 
 
@@ -125,22 +125,10 @@ def overlapped_block(
 def _routed_splits(routed: Routed, exchange: Exchange, i: int) -> tuple[Tensor, list[int], list[int]]:
     """Check micro-batch i's routing, exchange its counts: (recv_counts [size, slots], rows to
     each rank, rows from each rank)."""
-    size, counts = exchange.size, routed.counts
-    if counts.dim() != 1 or counts.numel() == 0 or counts.numel() % size:
-        raise InputError(
-            f"overlapped_block: micro-batch {i}'s counts have shape {tuple(counts.shape)}; give "
-            f"[{size} * slots] rows per (destination rank, slot)"
-        )
-    if int(counts.sum()) != routed.rows.shape[0]:
-        raise InputError(
-            f"overlapped_block: micro-batch {i}'s counts sum to {int(counts.sum())} but its rows "
-            f"have {routed.rows.shape[0]}"
-        )
-    slots = counts.numel() // size
-    got = exchange.all_to_all(counts.to(torch.int64).cpu(), [slots] * size, [slots] * size, check=False)
-    assert isinstance(got, Tensor)
-    recv = got.view(size, slots)
-    return recv, counts.view(size, slots).sum(1).tolist(), recv.sum(1).tolist()
+    size = exchange.size
+    slots = check_counts(routed.rows, routed.counts, size, f"overlapped_block, micro-batch {i}")
+    recv = exchange_counts(routed.counts, exchange).view(size, slots)
+    return recv, routed.counts.view(size, slots).sum(1).tolist(), recv.sum(1).tolist()
 
 
 def _grad_or_zeros(grad: Tensor | None, like: Tensor) -> Tensor:

@@ -166,6 +166,30 @@ class _Plan:
     tracer: Tracer | None
 
 
+def check_counts(rows: Tensor, counts: Tensor, size: int, where: str) -> int:
+    """The slots per rank of `counts` ([size * slots] rows per (destination rank, slot));
+    raises InputError naming `where` unless they are that shape and sum to `rows`' rows."""
+    if counts.dim() != 1 or counts.numel() % size or counts.numel() == 0:
+        raise InputError(
+            f"{where}: counts has shape {tuple(counts.shape)}; give [size * slots] = "
+            f"[{size} * slots] rows per (destination rank, slot)"
+        )
+    if int(counts.sum()) != rows.shape[0]:
+        raise InputError(f"{where}: counts sum to {int(counts.sum())} but rows has {rows.shape[0]} rows")
+    return counts.numel() // size
+
+
+def exchange_counts(counts: Tensor, exchange: Exchange) -> Tensor:
+    """Each rank's `counts` [size * slots] to the ranks they name: [size * slots], entry
+    s * slots + j the rows source s sends this rank for slot j (one small all-to-all)."""
+    slots = counts.numel() // exchange.size
+    got = exchange.all_to_all(
+        counts.to(torch.int64).cpu(), [slots] * exchange.size, [slots] * exchange.size, check=False
+    )
+    assert isinstance(got, Tensor)
+    return got
+
+
 def pipelined_exchange(
     rows: Tensor,
     counts: Tensor,
@@ -192,18 +216,9 @@ def pipelined_exchange(
     Returns [N, d_out] in the order of `rows`; differentiable in `rows` and `params`.
     """
     size = exchange.size
-    if counts.dim() != 1 or counts.numel() % size or counts.numel() == 0:
-        raise InputError(
-            f"pipelined_exchange: counts has shape {tuple(counts.shape)}; give [size * slots] = "
-            f"[{size} * slots] rows per (destination rank, slot)"
-        )
-    if int(counts.sum()) != rows.shape[0]:
-        raise InputError(f"pipelined_exchange: counts sum to {int(counts.sum())} but rows has {rows.shape[0]} rows")
-    slots = counts.numel() // size
+    slots = check_counts(rows, counts, size, "pipelined_exchange")
     if recv_counts is None:
-        got = exchange.all_to_all(counts.cpu(), [slots] * size, [slots] * size, check=False)
-        assert isinstance(got, Tensor)
-        recv_counts = got
+        recv_counts = exchange_counts(counts, exchange)
     plan = _Plan(
         exchange,
         compute,

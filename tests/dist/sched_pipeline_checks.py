@@ -66,14 +66,7 @@ def problem(world: World, salt: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 
 def reference(world: World, rows: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    comm = world.comm
-    recv_counts = comm.all_to_all(counts, [SLOTS] * comm.size)
-    assert isinstance(recv_counts, torch.Tensor)
-    send = counts.view(comm.size, SLOTS).sum(1).tolist()
-    recv = recv_counts.view(comm.size, SLOTS).sum(1).tolist()
-    got = sparta.comm.all_to_all(rows, send, recv, comm)
-    out = slot_mlp(w, b, comm.size)(got, recv_counts.view(comm.size, SLOTS))
-    return sparta.comm.all_to_all(out, recv, send, comm)
+    return reference_rows(world, rows, counts, slot_mlp(w, b, world.size))
 
 
 def compare(world: World, dtype: torch.dtype, tol: float) -> None:
@@ -314,7 +307,7 @@ def check_overlapped_block_traced_untracked_and_checked(world: World) -> None:
         routed = before(rows)
         return Routed(routed.rows[1:], routed.counts, routed.side)
 
-    with raises(InputError, r"micro-batch 0's counts sum to 4 but its rows have 3"):
+    with raises(InputError, r"micro-batch 0: counts sum to 4 but rows has 3 rows"):
         overlapped_block(x[:4], 2, short, compute, after, world.comm, params)
 
 
