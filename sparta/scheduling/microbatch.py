@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from sparta.errors import InputError
-from sparta.scheduling.pipeline import Compute, Exchange, _pipeline, check_counts, exchange_counts
+from sparta.scheduling.pipeline import Compute, Exchange, ParamGrads, _pipeline, check_counts, exchange_counts
 from sparta.scheduling.trace import Tracer
 
 
@@ -177,15 +177,10 @@ class _Overlapped(torch.autograd.Function):
         plan: _Plan = ctx.plan
         micro: list[_Micro] = ctx.micro
         params = ctx.saved_tensors
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[2:], strict=True) if need]
-        sums: list[Tensor | None] = [None] * len(wanted)
+        sums = ParamGrads(params, ctx.needs_input_grad[2:])
+        wanted = sums.wanted
         grads_y = grad_y.split(ctx.rows)
         grad_x: list[Tensor] = []
-
-        def add(grads: Sequence[Tensor | None]) -> None:
-            for k, g in enumerate(grads):
-                if g is not None:
-                    sums[k] = g if sums[k] is None else sums[k] + g  # type: ignore[operator]
 
         def differentiate(outputs: list[Tensor], grads: list[Tensor], inputs: list[Tensor]) -> list[Tensor | None]:
             pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
@@ -201,7 +196,7 @@ class _Overlapped(torch.autograd.Function):
             side_in = [s for s in side if s.requires_grad]
             g = differentiate([y], [grads_y[i]], [leaf, *side_in, *wanted])
             m.side_grads = [_grad_or_zeros(s, t) for s, t in zip(g[1 : 1 + len(side_in)], side_in, strict=True)]
-            add(g[1 + len(side_in) :])
+            sums.add(g[1 + len(side_in) :])
             m.after = None
             return _grad_or_zeros(g[0], leaf), m.send, m.recv
 
@@ -209,7 +204,7 @@ class _Overlapped(torch.autograd.Function):
             assert micro[i].experts is not None
             leaf, out = micro[i].experts
             g = differentiate([out], [got], [leaf, *wanted])
-            add(g[1:])
+            sums.add(g[1:])
             micro[i].experts = None
             return _grad_or_zeros(g[0], leaf)
 
@@ -220,13 +215,8 @@ class _Overlapped(torch.autograd.Function):
             g = differentiate([m.routed.rows, *side], [grad_rows, *m.side_grads], [*first, *wanted])
             if first:
                 grad_x.append(_grad_or_zeros(g[0], m.leaf))
-            add(g[len(first) :])
+            sums.add(g[len(first) :])
 
         _pipeline(plan.exchange, plan.microbatches, produce, work, consume, plan.tracer, "bwd", trace_ends=True)
         ctx.micro = []
-        found = iter(sums)
-        param_grads = []
-        for p, need in zip(params, ctx.needs_input_grad[2:], strict=True):
-            g = next(found) if need else None
-            param_grads.append(torch.zeros_like(p) if need and g is None else g)
-        return (torch.cat(grad_x) if grad_x else None, None, *param_grads)
+        return (torch.cat(grad_x) if grad_x else None, None, *sums.result())

@@ -343,6 +343,32 @@ def _exchange_rows(
     return result[0]
 
 
+class ParamGrads:
+    """The gradients a pass's chunks give the parameters that need one (`needs`, from
+    ctx.needs_input_grad), summed: `wanted` are those parameters, `add` takes one chunk's
+    gradients for them (None where a chunk does not reach one), `result()` one entry per
+    parameter for an autograd Function's return (zeros where no chunk reached it)."""
+
+    def __init__(self, params: Sequence[Tensor], needs: Sequence[bool]) -> None:
+        self._params, self._needs = list(params), list(needs)
+        self.wanted = [p for p, need in zip(self._params, self._needs, strict=True) if need]
+        self._sums: list[Tensor | None] = [None] * len(self.wanted)
+
+    def add(self, grads: Sequence[Tensor | None]) -> None:
+        for k, g in enumerate(grads):
+            if g is not None:
+                total = self._sums[k]
+                self._sums[k] = g if total is None else total + g
+
+    def result(self) -> list[Tensor | None]:
+        found = iter(self._sums)
+        out: list[Tensor | None] = []
+        for p, need in zip(self._params, self._needs, strict=True):
+            g = next(found) if need else None
+            out.append(torch.zeros_like(p) if need and g is None else g)
+        return out
+
+
 class _Pipelined(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: Tensor, plan: _Plan, *params: Tensor) -> Tensor:
@@ -381,8 +407,7 @@ class _Pipelined(torch.autograd.Function):
         plan: _Plan = ctx.plan
         saved = ctx.saved_tensors
         full, params = (saved[0], saved[1:]) if ctx.recompute else (None, saved)
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[2:], strict=True) if need]
-        sums: list[Tensor | None] = [None] * len(wanted)
+        sums = ParamGrads(params, ctx.needs_input_grad[2:])
 
         def work(i: int, got: Tensor) -> Tensor:
             if full is None:
@@ -391,17 +416,10 @@ class _Pipelined(torch.autograd.Function):
                 leaf = _gather(full, plan.recv_bwd.index[i]).requires_grad_()
                 with torch.enable_grad():
                     out = plan.compute(leaf, plan.recv_bwd.counts[i].view(-1, plan.slots))
-            grads = torch.autograd.grad(out, [leaf, *wanted], got, allow_unused=True)
-            for k, g in enumerate(grads[1:]):
-                if g is not None:
-                    sums[k] = g if sums[k] is None else sums[k] + g
+            grads = torch.autograd.grad(out, [leaf, *sums.wanted], got, allow_unused=True)
+            sums.add(grads[1:])
             return torch.zeros_like(leaf) if grads[0] is None else grads[0]
 
         grad_rows = _exchange_rows(plan.exchange, grad, plan.send_bwd, plan.recv_bwd, work, plan.tracer, "bwd")
         ctx.graphs = []
-        found = iter(sums)
-        param_grads = []
-        for p, need in zip(params, ctx.needs_input_grad[2:], strict=True):
-            g = next(found) if need else None
-            param_grads.append(torch.zeros_like(p) if need and g is None else g)
-        return (grad_rows if ctx.needs_input_grad[0] else None, None, *param_grads)
+        return (grad_rows if ctx.needs_input_grad[0] else None, None, *sums.result())
