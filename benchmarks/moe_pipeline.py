@@ -10,15 +10,15 @@ dense projections (their gradients averaged over all ranks) around the MoE excha
 d_ff 1024, 4096 tokens per rank, expert parallel over all 4).
 
 "auto" is what the co-scheduler settles on: the model's best chunked plans (dense gradients
-cut by the cost model and sent in the backward's network gaps, or DDP's buckets), its best
-micro-batch count (sparta.scheduling.overlapped_block: the dense layers of one micro-batch
+cut by the cost model and sent in the backward's network gaps, or DDP's buckets), its two
+best micro-batch counts (sparta.scheduling.overlapped_block: the dense layers of one micro-batch
 compute while another's rows travel; DDP buckets, as the gradients are ready only at the
 end) and flat r=1 run two untimed and two timed steps each; the fastest by agreed timings
 wins, r=1 unless another beats it by 3%, and those timings calibrate the model
 (cost_model.Calibration). Then, alternating: flat r=1 and hierarchical r=1 with DDP's
 default 25 MiB buckets (what DeepSpeed-MoE does), the chunked plan (auto's, or the best
 chunked one the tuner timed) with DDP buckets ("pipelined_ddp") and with partitioned
-gradients ("pipelined_partition"), and the micro-batched plan ("microbatched"); plus the
+gradients ("pipelined_partition"), and the faster micro-batched plan ("microbatched"); plus the
 lower bound max(communication, computation) from the measured parts (and "block_bound_s",
 see below), and the model's step
 times before ("predicted_raw_s") and after calibration ("predicted_s") against the timed
@@ -228,14 +228,13 @@ def worker(args: argparse.Namespace) -> None:
     # slower than later ones), then two timed; the agreed timings calibrate the model
     # before any timed step
     flat1 = (UNPIPELINED, False)
-    # the model's best micro-batch count (flat or hierarchical), gradients in DDP's buckets:
-    # overlapped_block hands them to autograd only once the whole block's backward is done
-    forms = [False, True]
-    micro = min(
-        ((Choice(PipelineDegrees(1, 1), h, m), False) for h in forms for m in range(2, 9)),
+    # the model's two best micro-batch counts (flat or hierarchical), gradients in DDP's
+    # buckets: overlapped_block hands them to autograd only once the block's backward is done
+    micro_plans = sorted(
+        ((Choice(PipelineDegrees(1, 1), h, m), False) for h in (False, True) for m in range(2, 9)),
         key=lambda c: parts(*c)[0],
-    )
-    candidates = [*((c, True) for c in plan.ranked(3)), (plan.choice, False), micro, flat1]
+    )[:2]
+    candidates = [*((c, True) for c in plan.ranked(3)), (plan.choice, False), *micro_plans, flat1]
     tuner = OnlineTuner(world.comm, candidates, trials=2, baseline=flat1, margin=0.03, warmup=2)
     while tuner.chosen is None:
         tuner.observe(step(*tuner.current))
@@ -245,6 +244,7 @@ def worker(args: argparse.Namespace) -> None:
     # the chunked pipeline to compare with: auto's if it is one, else the fastest the tuner timed
     chunked = [c for c, _ in sorted(tuner.measured.items(), key=lambda kv: kv[1]) if c[0].microbatches == 1]
     piped = auto[0] if auto[0].microbatches == 1 else chunked[0][0]
+    micro = auto if auto[0].microbatches > 1 else min(micro_plans, key=lambda c: tuner.measured[c])
     configs = {
         "flat_r1": flat1,
         "hier_r1": (Choice(PipelineDegrees(1, 1), True), False),
@@ -362,6 +362,11 @@ def worker(args: argparse.Namespace) -> None:
             "predicted_s": {k: round(v, 3) for k, v in cal.items()},
             "prediction_error_raw": {k: round(raw[k] / med[k] - 1, 3) for k in configs},
             "prediction_error": {k: round(cal[k] / med[k] - 1, 3) for k in configs},
+            "microbatch_predicted_s": {
+                f"{m}{'h' if h else ''}": round(parts(Choice(PipelineDegrees(1, 1), h, m), False)[0], 3)
+                for h in (False, True)
+                for m in range(2, 9)
+            },
             "partition": {"dense_bytes": dense_bytes, "pieces": list(part.pieces), "gaps": list(part.gaps)},
             "lower_bound_s": round(lower, 3),
             "comm_s": {"exchange": round(exchange_s, 3), "all_reduce": round(all_reduce_s, 3)},
