@@ -85,7 +85,10 @@ class Block(torch.nn.Module):
 
     def after(self, back: torch.Tensor, side: tuple[torch.Tensor, ...]) -> torch.Tensor:
         (perm,) = side
-        h = back.new_zeros(perm.numel() // TOP_K, back.shape[1]).index_add(0, perm, back)
+        return self.tail(back.new_zeros(perm.numel() // TOP_K, back.shape[1]).index_add(0, perm, back))
+
+    def tail(self, h: torch.Tensor) -> torch.Tensor:
+        """The dense layers after the combine, over tokens."""
         return self.out(torch.nn.functional.gelu(self.post(h)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,7 +148,7 @@ def worker(args: argparse.Namespace) -> None:
         return flat.view(size, local)
 
     def dense_only(x: torch.Tensor) -> torch.Tensor:
-        return block.out(torch.nn.functional.gelu(block.post(block.pre(x))))
+        return block.tail(block.pre(x))
 
     # the experts and dense layers as this benchmark runs them, not stand-ins
     profiler = Profiler(world.comm, {"world": world.comm, "hier": hier, "intra": intra}, config)
@@ -155,9 +158,7 @@ def worker(args: argparse.Namespace) -> None:
         | profiler.forward_backward(f"{D_MODEL}x{D_FF}", lambda x: experts_mlp(x, balanced(x.shape[0])), D_MODEL)
         | profiler.forward_backward("dense", dense_only, D_MODEL)
         | profiler.forward_backward("before", block.pre, D_MODEL, op="dense")
-        | profiler.forward_backward(
-            "after", lambda h: block.out(torch.nn.functional.gelu(block.post(h))), D_MODEL, op="dense"
-        )
+        | profiler.forward_backward("after", block.tail, D_MODEL, op="dense")
     )
     shape = LayerShape(tokens=TOKENS, top_k=TOP_K, d_model=D_MODEL, d_ff=D_FF, ep_size=size)
     model = CostModel(profile)

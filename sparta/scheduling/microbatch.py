@@ -34,7 +34,15 @@ import torch
 from torch import Tensor
 
 from sparta.errors import InputError
-from sparta.scheduling.pipeline import Compute, Exchange, ParamGrads, _pipeline, check_counts, exchange_counts
+from sparta.scheduling.pipeline import (
+    Compute,
+    Exchange,
+    ParamGrads,
+    _pipeline,
+    check_counts,
+    exchange_counts,
+    grad_or_zeros,
+)
 from sparta.scheduling.trace import Tracer
 
 
@@ -131,10 +139,6 @@ def _routed_splits(routed: Routed, exchange: Exchange, i: int) -> tuple[Tensor, 
     return recv, routed.counts.view(size, slots).sum(1).tolist(), recv.sum(1).tolist()
 
 
-def _grad_or_zeros(grad: Tensor | None, like: Tensor) -> Tensor:
-    return torch.zeros_like(like) if grad is None else grad
-
-
 class _Overlapped(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, plan: _Plan, *params: Tensor) -> Tensor:
@@ -195,10 +199,10 @@ class _Overlapped(torch.autograd.Function):
             leaf, side, y = m.after
             side_in = [s for s in side if s.requires_grad]
             g = differentiate([y], [grads_y[i]], [leaf, *side_in, *wanted])
-            m.side_grads = [_grad_or_zeros(s, t) for s, t in zip(g[1 : 1 + len(side_in)], side_in, strict=True)]
+            m.side_grads = [grad_or_zeros(s, t) for s, t in zip(g[1 : 1 + len(side_in)], side_in, strict=True)]
             sums.add(g[1 + len(side_in) :])
             m.after = None
-            return _grad_or_zeros(g[0], leaf), m.send, m.recv
+            return grad_or_zeros(g[0], leaf), m.send, m.recv
 
         def work(i: int, got: Tensor) -> Tensor:
             assert micro[i].experts is not None
@@ -206,7 +210,7 @@ class _Overlapped(torch.autograd.Function):
             g = differentiate([out], [got], [leaf, *wanted])
             sums.add(g[1:])
             micro[i].experts = None
-            return _grad_or_zeros(g[0], leaf)
+            return grad_or_zeros(g[0], leaf)
 
         def consume(i: int, grad_rows: Tensor) -> None:
             m = micro[i]
@@ -214,7 +218,7 @@ class _Overlapped(torch.autograd.Function):
             first = [m.leaf] if ctx.needs_input_grad[0] else []
             g = differentiate([m.routed.rows, *side], [grad_rows, *m.side_grads], [*first, *wanted])
             if first:
-                grad_x.append(_grad_or_zeros(g[0], m.leaf))
+                grad_x.append(grad_or_zeros(g[0], m.leaf))
             sums.add(g[len(first) :])
 
         _pipeline(plan.exchange, plan.microbatches, produce, work, consume, plan.tracer, "bwd", trace_ends=True)

@@ -343,6 +343,11 @@ def _exchange_rows(
     return result[0]
 
 
+def grad_or_zeros(grad: Tensor | None, like: Tensor) -> Tensor:
+    """An input's gradient as autograd.grad gave it, or zeros where the input was unused."""
+    return torch.zeros_like(like) if grad is None else grad
+
+
 class ParamGrads:
     """The gradients a pass's chunks give the parameters that need one (`needs`, from
     ctx.needs_input_grad), summed: `wanted` are those parameters, `add` takes one chunk's
@@ -418,7 +423,7 @@ class _Pipelined(torch.autograd.Function):
                     out = plan.compute(leaf, plan.recv_bwd.counts[i].view(-1, plan.slots))
             grads = torch.autograd.grad(out, [leaf, *sums.wanted], got, allow_unused=True)
             sums.add(grads[1:])
-            return torch.zeros_like(leaf) if grads[0] is None else grads[0]
+            return grad_or_zeros(grads[0], leaf)
 
         grad_rows = _exchange_rows(plan.exchange, grad, plan.send_bwd, plan.recv_bwd, work, plan.tracer, "bwd")
         ctx.graphs = []
