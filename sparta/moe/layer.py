@@ -25,7 +25,7 @@ from sparta.moe.dispatch import (
     soft_dispatch,
 )
 from sparta.moe.experts import GroupedExperts
-from sparta.moe.parallel import T, expert_parallel_mlp, fail_together
+from sparta.moe.parallel import T, exchange_counts, expert_parallel_mlp, fail_together
 from sparta.moe.routers import RouterOutput, build_router
 from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape, SchedulePlan
 from sparta.scheduling.pipeline import Exchange
@@ -81,15 +81,16 @@ class MoELayer(nn.Module):
     ``ep_size > 1`` shards the experts over the ``ep_size`` ranks of ``comm`` (a
     ``sparta.comm.Communicator``): rank ``r`` holds global experts ``[r * E / ep_size,
     (r + 1) * E / ep_size)``. Each forward then issues, in this order on every rank, three
-    all-to-alls (counts, rows, outputs) and one all-reduce (the counts behind ``last_stats``
-    and the sigmoid router's load); each backward two all-to-alls. With ``ep_size == 1``
-    ``comm`` is ignored and no collective is issued.
+    all-to-alls (counts, rows, outputs); the counts exchange also sums, over ``comm``, the
+    counts behind ``last_stats`` and the sigmoid router's load. Each backward issues two
+    all-to-alls. With ``ep_size == 1`` ``comm`` is ignored and no collective is issued.
 
-    ``stats_comm`` widens that all-reduce to every rank that trains the layer (e.g. the
-    world, when expert-parallel groups are replicated for data parallelism, or when
-    ``ep_size == 1`` under data parallelism): ``last_stats`` then counts the global batch
-    and the sigmoid router's balancing bias stays identical on every replica. It must
-    contain ``comm``'s ranks; every rank of it runs the layer's forward.
+    ``stats_comm`` sums those counts over every rank that trains the layer instead, by one
+    all-reduce after the outputs' all-to-all (e.g. over the world, when expert-parallel
+    groups are replicated for data parallelism, or when ``ep_size == 1`` under data
+    parallelism): ``last_stats`` then counts the global batch and the sigmoid router's
+    balancing bias stays identical on every replica. It must contain ``comm``'s ranks;
+    every rank of it runs the layer's forward.
 
     ``pipeline_degree`` (an option) cuts those row exchanges into chunks that overlap the
     experts' compute (``"auto"``: profiled and planned at the first forward, the plan kept
@@ -178,6 +179,7 @@ class MoELayer(nn.Module):
         self.name = name
         self.aux_loss: Tensor = torch.zeros(())
         self.last_stats: MoEStats | None = None
+        self._counts_checked = False  # the counts exchange's layout, proven at the first forward
 
     @classmethod
     def from_config(
@@ -222,7 +224,9 @@ class MoELayer(nn.Module):
 
     def _guard(self, step: Callable[[], T]) -> T:
         """Local work before the first collective: an error on one rank raises on all."""
-        return fail_together(step, self.config.num_experts, self.comm, self.name, self.experts.w1.device)
+        num_experts, device = self.config.num_experts, self.experts.w1.device
+        stats_len, check = _stats_len(num_experts), not self._counts_checked
+        return fail_together(step, num_experts, stats_len, self.comm, self.name, device, check)
 
     def _forward_sparse(self, tokens: Tensor) -> Tensor:
         cfg = self.config
@@ -237,32 +241,36 @@ class MoELayer(nn.Module):
             self._record(plan)
             return self.experts.forward_tokens(tokens, plan)
         routed = dispatch(tokens, *pairs)
-        out = self._expert_parallel(routed)
-        self._record(routed)
-        return combine(out, routed, tokens.shape[0])
+        return combine(self._expert_parallel(routed), routed, tokens.shape[0])
 
     def _forward_soft(self, groups: Tensor) -> Tensor:
         route = self._guard(lambda: self.router(groups))
         slots = soft_dispatch(groups, route.dispatch_weights, self.config.num_experts)
         out = self._run_experts(slots)
-        self._record(slots)
         combine_weights = self._attach_aux_loss(route, route.combine_weights)
         return soft_combine(out, combine_weights, self.config.num_experts)
 
     def _run_experts(self, routed: Dispatched) -> Tensor:
         if self.comm is None:
+            self._record(routed)
             return self.experts(routed.rows, routed.counts, routed.counts_list)
         return self._expert_parallel(routed)
 
     def _expert_parallel(self, routed: Dispatched) -> Tensor:
         assert self.comm is not None
+        stats, check = _stats_vector(routed), not self._counts_checked
+        counts = exchange_counts(routed.counts, self.comm, self.name, routed.rows, stats=stats, check=check)
+        recv_counts, summed = counts
+        self._counts_checked = True
         if self.degrees is None:
-            self._plan_schedule(routed)
+            self._plan_schedule(routed, recv_counts)
         exchange = self.exchange if self.schedule_plan is None or self.schedule_plan.hierarchical else None
-        args = (self.experts, self.comm, self.name, self.degrees, exchange)
-        return expert_parallel_mlp(routed.rows, routed.counts, *args)
+        args = (self.experts, self.comm, self.degrees, exchange)
+        out = expert_parallel_mlp(routed.rows, routed.counts, recv_counts, *args)
+        self._record(routed, summed)
+        return out
 
-    def _plan_schedule(self, routed: Dispatched) -> None:
+    def _plan_schedule(self, routed: Dispatched, recv_counts: Tensor) -> None:
         """``pipeline_degree="auto"``: profile this layer's all-to-all (flat, and hierarchical
         when an ``exchange`` is given), one expert's GEMMs and the router; take the cost
         model's two best plans and flat r=1, run this forward's rows through each (forward
@@ -302,7 +310,7 @@ class MoELayer(nn.Module):
         candidates = [*plan.ranked(2), UNPIPELINED]
         tuner = OnlineTuner(self.comm, candidates, trials=2, baseline=UNPIPELINED, margin=0.03, warmup=1)
         while tuner.chosen is None:
-            tuner.observe(self._time_exchange(routed, tuner.current))
+            tuner.observe(self._time_exchange(routed, recv_counts, tuner.current))
         points = []
         for choice, seconds in tuner.measured.items():
             p = model.predict_degrees(shape, choice.degrees, choice.hierarchical)
@@ -319,7 +327,7 @@ class MoELayer(nn.Module):
         )
         self.degrees = self.schedule_plan.degrees
 
-    def _time_exchange(self, routed: Dispatched, choice: Choice) -> float:
+    def _time_exchange(self, routed: Dispatched, recv_counts: Tensor, choice: Choice) -> float:
         """Seconds of this layer's expert-parallel part, forward and backward, under `choice`
         (the experts' gradients are computed and dropped: parameters keep theirs)."""
         assert self.comm is not None
@@ -327,7 +335,8 @@ class MoELayer(nn.Module):
         leaf = routed.rows.detach().requires_grad_()
         begin = time.perf_counter()
         with torch.enable_grad():
-            out = expert_parallel_mlp(leaf, routed.counts, self.experts, self.comm, self.name, choice.degrees, exchange)
+            args = (self.experts, self.comm, choice.degrees, exchange)
+            out = expert_parallel_mlp(leaf, routed.counts, recv_counts, *args)
             torch.autograd.grad(out, leaf, torch.ones_like(out))
         return time.perf_counter() - begin
 
@@ -338,11 +347,17 @@ class MoELayer(nn.Module):
             return _AuxLossInBackward.apply(carrier, total)
         return carrier
 
-    def _record(self, routed: DispatchPlan) -> None:
+    def _record(self, routed: DispatchPlan, summed: Tensor | None = None) -> None:
+        """Set ``last_stats`` (and feed the router its load) from ``routed``'s counts summed
+        over ``stats_comm``: ``summed`` is their sum over ``comm`` from the counts exchange,
+        enough when ``stats_comm`` is ``comm``."""
         num_experts = self.config.num_experts
-        counts = torch.cat([routed.routed, routed.counts, routed.counts.new_tensor([routed.dropped])])
-        if self.stats_comm is not None:
-            counts = self.stats_comm.all_reduce(counts, op="sum")
+        if summed is not None and self.stats_comm is self.comm:
+            counts = summed
+        elif self.stats_comm is not None:
+            counts = self.stats_comm.all_reduce(_stats_vector(routed), op="sum")
+        else:
+            counts = _stats_vector(routed)
         if self.training:
             self.router.update_load(counts[:num_experts])
         values = counts.tolist()
@@ -358,6 +373,15 @@ class MoELayer(nn.Module):
             f"name={self.name!r}, router={cfg.router}, top_k={cfg.top_k}, "
             f"capacity_factor={cfg.capacity_factor}, ep_size={cfg.ep_size}"
         )
+
+
+def _stats_vector(plan: DispatchPlan) -> Tensor:
+    """``[routed (E), kept (E), dropped (1)]`` int64: the counts behind ``last_stats``."""
+    return torch.cat([plan.routed, plan.counts, plan.counts.new_tensor([plan.dropped])])
+
+
+def _stats_len(num_experts: int) -> int:
+    return 2 * num_experts + 1
 
 
 def _routed_weight(route: RouterOutput) -> Tensor:

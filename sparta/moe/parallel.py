@@ -41,48 +41,72 @@ def rank_splits(counts: Tensor, ep_size: int) -> list[int]:
 
 
 def exchange_counts(
-    counts: Tensor, comm: Communicator, layer: str, rows_like: Tensor | None = None, failed: bool = False
-) -> Tensor:
+    counts: Tensor,
+    comm: Communicator,
+    layer: str,
+    rows_like: Tensor | None = None,
+    failed: bool = False,
+    stats: Tensor | None = None,
+    check: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Send ``counts`` ``[E]`` (rows per global expert) to the ranks holding those experts;
     returns ``recv_counts`` ``[ep_size * L]``, entry ``s * L + j`` being the rows source rank
-    ``s`` sends to local expert ``j``.
+    ``s`` sends to local expert ``j``, and the sum over ranks of ``stats``.
 
     Each message also carries a flag and the dtype and width of the rows to come. A rank that
     rejected its input (``failed=True``) still takes part, so that every rank raises
     ``InputError`` here instead of waiting forever for it in the next collective; rows that
     differ in dtype or width between ranks raise here too. Every rank then knows the row
     exchanges agree, and they skip the communicator's own input check.
+
+    ``stats`` ``[S]`` int64 (the same ``S`` on every rank) rides along to every rank, so that
+    counts summed over the group (the layer's ``last_stats``) cost no collective of their own:
+    on a busy CPU each small collective costs milliseconds of wake-up latency.
+
+    ``check=False`` skips the communicator's check that every rank sends the same layout
+    (``E``, ``S``): a layer checks its first exchange and trusts the later ones, whose layout
+    its configuration fixes. Every rank must pass the same ``check``.
     """
     ep_size = comm.size
     local = counts.numel() // ep_size
     meta = [int(failed), 0, 0] if rows_like is None else [int(failed), dtype_code(rows_like.dtype), rows_like.shape[1]]
-    send = torch.cat([counts.view(ep_size, local), counts.new_tensor(meta).expand(ep_size, 3)], dim=1)
-    splits = [local + 3] * ep_size
-    recv = comm.all_to_all(send.reshape(-1), send_splits=splits, recv_splits=splits).view(ep_size, local + 3)
+    extra = counts.new_tensor(meta) if stats is None else torch.cat([counts.new_tensor(meta), stats])
+    width = local + extra.numel()
+    send = torch.cat([counts.view(ep_size, local), extra.expand(ep_size, -1)], dim=1)
+    splits = [width] * ep_size
+    recv = comm.all_to_all(send.reshape(-1), splits, splits, check=check).view(ep_size, width)
     failed_ranks = recv[:, local].nonzero().flatten().tolist()
     if failed_ranks:
         raise InputError(
             f"MoE layer {layer!r}: expert-parallel rank(s) {failed_ranks} of {comm.where} rejected "
             "their input (their own error says why); this rank stops with them instead of hanging"
         )
-    kinds = {(dtype_name(int(code)), int(width)) for code, width in recv[:, local + 1 :].tolist()}
+    kinds = {(dtype_name(int(code)), int(width)) for code, width in recv[:, local + 1 : local + 3].tolist()}
     if len(kinds) > 1:
         raise InputError(
             f"MoE layer {layer!r}: the ranks of {comm.where} send rows of different (dtype, width): "
             f"{sorted(kinds)}; run the layer in the same dtype on every rank"
         )
-    return recv[:, :local].reshape(-1)
+    summed = None if stats is None else recv[:, local + 3 :].sum(dim=0)
+    return recv[:, :local].reshape(-1), summed
 
 
 T = TypeVar("T")
 
 
 def fail_together(
-    step: Callable[[], T], num_experts: int, comm: Communicator | None, layer: str, device: torch.device
+    step: Callable[[], T],
+    num_experts: int,
+    stats_len: int,
+    comm: Communicator | None,
+    layer: str,
+    device: torch.device,
+    check: bool = True,
 ) -> T:
     """Run ``step``, a local stage before the layer's first collective (input checks,
     routing). If it raises a ``SpartaError`` on one rank, that rank still joins the counts
-    exchange, flagged, so that every rank of ``comm`` raises instead of hanging."""
+    exchange (with ``stats_len`` zero stats, the length the other ranks send, and their
+    ``check``), flagged, so that every rank of ``comm`` raises instead of hanging."""
     try:
         return step()
     except SpartaError:
@@ -90,33 +114,32 @@ def fail_together(
             # The flag we sent comes back as an InputError; this rank raises its own error.
             with suppress(InputError):
                 # Counts live on the input's device, and engines pick the transport by device.
-                zeros = torch.zeros(num_experts, dtype=torch.int64, device=device)
-                exchange_counts(zeros, comm, layer, failed=True)
+                zeros = torch.zeros(num_experts + stats_len, dtype=torch.int64, device=device)
+                exchange_counts(zeros[:num_experts], comm, layer, failed=True, stats=zeros[num_experts:], check=check)
         raise
 
 
 def expert_parallel_mlp(
     rows: Tensor,
     counts: Tensor,
+    recv_counts: Tensor,
     experts: GroupedExperts,
     comm: Communicator,
-    layer: str,
     degrees: PipelineDegrees | None = None,
     exchange: Exchange | None = None,
 ) -> Tensor:
     """Run ``rows`` ``[N, d]`` (grouped by global expert, ``counts`` ``[E]`` int64) through
-    the experts of every rank; returns ``[N, d]`` in the same order. Differentiable: the
-    backward sends the gradients back along the reverse all-to-all.
+    the experts of every rank; returns ``[N, d]`` in the same order. ``recv_counts`` is what
+    ``exchange_counts`` returned for these ``counts``. Differentiable: the backward sends the
+    gradients back along the reverse all-to-all.
 
     ``degrees`` cuts the row exchanges into chunks so that chunk ``i + 1`` travels while
     chunk ``i`` is computed (forward and backward separately, ``sparta.scheduling``);
     ``exchange`` moves the rows instead of ``comm`` (a ``HierarchicalAllToAll`` over the
-    same ranks). Collectives, identical in order on every rank: one all-to-all of counts
-    (int64, ``[E + 3 * ep_size]``, equal splits, see ``exchange_counts``) over ``comm``,
-    then the rows and outputs (one all-to-all each, or one per chunk).
+    same ranks). Collectives, identical in order on every rank: the rows and the outputs
+    (one all-to-all each, or one per chunk).
     """
     ep_size, local = comm.size, experts.num_experts
-    recv_counts = exchange_counts(counts, comm, layer, rows_like=rows)
 
     def compute(received: Tensor, chunk_counts: Tensor) -> Tensor:
         # Received rows come grouped by (source rank, local expert): the experts run each
