@@ -49,6 +49,11 @@ AllGather = Callable[[torch.Tensor, str], Handle[torch.Tensor]]
 operation in errors); the handle gives the rows stacked, ``[size, len(row)]``, in rank order."""
 
 
+def row_len(size: int) -> int:
+    """Length of the int64 row each rank contributes to an all-to-all's gather."""
+    return 3 + size
+
+
 def host_identity() -> list[int]:
     """What two ranks must share to exchange through /dev/shm: the boot (one machine), the
     network namespace and the /dev/shm file system. All zeros where there is no /dev/shm."""
@@ -173,7 +178,7 @@ class SharedMemoryAllToAll:
         ``sum(recv)`` received bytes, ordered by source rank."""
         seq, self._seq = self._seq, self._seq + 1
         send_at = [sum(send[:d]) for d in range(self.size)]
-        row = torch.full((3 + self.size,), -1, dtype=torch.int64)
+        row = torch.full((row_len(self.size),), -1, dtype=torch.int64)
         row[0], row[2] = _OK, self._done_upto
         outgoing = sum(send) - send[self.rank]
         failure = ""

@@ -9,7 +9,7 @@ import torch
 from runner import finish, raises, run_checks, start
 
 import sparta
-from sparta.comm import World
+from sparta.comm import Communicator, World
 from sparta.errors import InputError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.bool, torch.complex64, torch.int8]
@@ -217,26 +217,13 @@ def rows_between(src: int, dst: int, i: int, base: int) -> int:
     return 0 if (src + dst + i) % 5 == 0 else base * (1 + (src + 2 * dst + i) % 3) // 2
 
 
-def check_shared_memory_all_to_all(world: World) -> None:
-    """The torch engine's all-to-all of CPU rows goes through /dev/shm among ranks of one
-    host: same bytes as gloo's TCP, with many exchanges in flight, waited out of order, large
-    enough to outgrow the first ring twice; old rings go once drained, and every ring's file
-    once every rank has mapped it (nothing is left in /dev/shm, even without a shutdown); a rank
-    that cannot map shared memory makes every rank raise instead of hanging."""
-    import errno
+def _shared_memory_matches_gloo(shm: Communicator, tcp: Communicator) -> None:
+    """Exchanges through ``shm``'s /dev/shm match gloo's over ``tcp`` (the same ranks), with
+    many in flight, waited out of order, large enough to outgrow the first ring twice; old
+    rings go once drained, and every ring's file once every rank has mapped it."""
     import os
 
-    import sparta.comm.shm as shm_module
-    from sparta.comm import CommConfig
-    from sparta.errors import CollectiveError
-
-    r, n = world.rank, world.size
-    tcp = world.comm.split(list(range(n)), CommConfig(shared_memory="off"))
-    shm = world.comm.split(list(range(n)), CommConfig(shared_memory="on"))
-    auto = world.comm.split(list(range(n)))  # 4 ranks on this 2-CPU machine: gloo
-    auto.all_to_all(torch.zeros(n))
-    assert (auto.shared_memory is None) == (n > (os.cpu_count() or 1)), os.cpu_count()
-    assert tcp is not None and shm is not None
+    r, n = shm.rank, shm.size
     bases = [10, 60_000, 200, 150_000, 3, 120_000]  # rows of 12 bytes: up to 2.7 MiB per rank
     handles, expected = [], []
     for i, base in enumerate(bases):
@@ -257,6 +244,46 @@ def check_shared_memory_all_to_all(world: World) -> None:
     assert shm.shared_memory.files() == grown[-1:], (grown, shm.shared_memory.files())
     assert not any(os.path.exists(f) for f in grown), grown
     shm.shutdown()
+
+
+def check_shared_memory_all_to_all(world: World) -> None:
+    """The torch engine's all-to-all of CPU rows goes through /dev/shm among ranks of one
+    host, the same bytes as gloo's TCP (``_shared_memory_matches_gloo``), nothing left in
+    /dev/shm even without a shutdown: over all ranks (more than this machine's CPUs, so
+    synchronised by gloo) and over pairs (a core each, so synchronised through /dev/shm by
+    ``SharedRowGather``, with more exchanges than it has slots). A rank that cannot map
+    shared memory makes every rank raise instead of hanging."""
+    import errno
+    import glob
+    import os
+
+    import sparta.comm.shm as shm_module
+    from sparta.comm import CommConfig
+    from sparta.comm.shm_rows import SLOTS, ordered_stores
+    from sparta.errors import CollectiveError
+
+    r, n = world.rank, world.size
+    tcp = world.comm.split(list(range(n)), CommConfig(shared_memory="off"))
+    shm = world.comm.split(list(range(n)), CommConfig(shared_memory="on"))
+    auto = world.comm.split(list(range(n)))  # 4 ranks on this 2-CPU machine: gloo
+    auto.all_to_all(torch.zeros(n))
+    assert (auto.shared_memory is None) == (n > (os.cpu_count() or 1)), os.cpu_count()
+    assert tcp is not None and shm is not None
+    shm.all_to_all(torch.zeros(n))
+    assert (shm.row_gather is None) == (n > (os.cpu_count() or 1)), os.cpu_count()
+    _shared_memory_matches_gloo(shm, tcp)
+
+    pairs = [[p, p + 1] for p in range(0, n, 2)]
+    pair = world.comm.split_groups(pairs, CommConfig(shared_memory="on"))
+    pair_tcp = world.comm.split_groups(pairs, CommConfig(shared_memory="off"))
+    assert pair is not None and pair_tcp is not None
+    for i in range(SLOTS + 5):  # every slot of the row gather reused
+        got = pair.all_to_all(torch.arange(2.0) + 2 * pair.rank + i)
+        assert torch.equal(got, torch.tensor([0.0, 2.0]) + pair.rank + i), (i, got)
+    assert (pair.row_gather is not None) == ordered_stores()
+    world.comm.barrier()  # every group is set up
+    assert not glob.glob("/dev/shm/sparta-rows-*"), "control files outlive the set-up"
+    _shared_memory_matches_gloo(pair, pair_tcp)
 
     fragile = world.comm.split(list(range(n)), CommConfig(shared_memory="on"))
     assert fragile is not None

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from sparta.comm.communicator import CommConfig, Communicator, require_world_parent
 from sparta.comm.handle import Handle, engine_failure
 from sparta.comm.launch import LaunchInfo
-from sparta.comm.shm import SharedMemoryAllToAll, group_token, host_identity
+from sparta.comm.shm import SharedMemoryAllToAll, group_token, host_identity, row_len
+from sparta.comm.shm_rows import SharedRowGather, control_path, ordered_stores
 
 
 class TorchCommunicator(Communicator):
@@ -25,6 +26,7 @@ class TorchCommunicator(Communicator):
         self.pg = pg
         self._owns_world = owns_world
         self._shm: SharedMemoryAllToAll | None = None
+        self._rows: SharedRowGather | None = None
         self._shm_decided = False
 
     @classmethod
@@ -56,6 +58,9 @@ class TorchCommunicator(Communicator):
     def shutdown(self) -> None:
         if self._shm is not None:
             self._shm.close()
+        if self._rows is not None:
+            self._rows.close()
+            self._rows = None
         if self._owns_world and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_world = False
@@ -83,6 +88,12 @@ class TorchCommunicator(Communicator):
         or None: before the first CPU all-to-all, or where the ranks cannot share memory."""
         return self._shm
 
+    @property
+    def row_gather(self) -> SharedRowGather | None:
+        """What synchronises the shared-memory all-to-alls when it is not gloo: the
+        /dev/shm row gather (where every rank has a core of its own, on x86-64), or None."""
+        return self._rows
+
     def _shared_memory(self) -> SharedMemoryAllToAll | None:
         """This group's shared-memory all-to-all, set up at its first CPU all-to-all (a
         collective, so every rank decides together), or None where the ranks do not share
@@ -91,13 +102,50 @@ class TorchCommunicator(Communicator):
         if not self._shm_decided:
             self._shm_decided = True
             if self.config.shared_memory != "off" and self.size > 1:
-                mine = torch.tensor([*host_identity(), os.cpu_count() or 1, group_token()], dtype=torch.int64)
-                rows = self._gather_rows(mine, self._op("all_to_all (shared-memory setup)")).wait()
+                op = self._op("all_to_all (shared-memory setup)")
+                token = group_token()
+                control = self._make_control_file(token)
+                mine = [*host_identity(), os.cpu_count() or 1, token, int(control is not None)]
+                rows = self._gather_rows(torch.tensor(mine, dtype=torch.int64), op).wait()
                 hosts = {tuple(r[:4].tolist()) for r in rows}
-                fits = self.config.shared_memory == "on" or self.size <= int(rows[0][4])
-                if len(hosts) == 1 and int(rows[0][0]) != 0 and fits:
-                    self._shm = SharedMemoryAllToAll(self.rank, self.size, int(rows[0][5]), self._gather_rows)
+                has_cores = self.size <= int(rows[0][4])
+                if len(hosts) == 1 and int(rows[0][0]) != 0 and (has_cores or self.config.shared_memory == "on"):
+                    gather = self._gather_rows
+                    # Its waits spin: only where every rank has a core of its own.
+                    if has_cores and all(rows[:, 6].tolist()):
+                        self._rows = self._map_control_files([int(t) for t in rows[:, 5]], op)
+                        gather = self._rows.gather if self._rows is not None else gather
+                    self._shm = SharedMemoryAllToAll(self.rank, self.size, int(rows[0][5]), gather)
+                if control is not None:
+                    os.unlink(control)  # every rank that maps it has (see _map_control_files)
         return self._shm
+
+    def _make_control_file(self, token: int) -> str | None:
+        """This rank's file for `SharedRowGather` (made before the set-up collective, so that
+        peers can map it after), or None where that gather cannot serve."""
+        if not ordered_stores():
+            return None
+        path = control_path(token)
+        try:
+            SharedRowGather.create(path, row_len(self.size))
+        except OSError:
+            return None
+        return path
+
+    def _map_control_files(self, tokens: list[int], op: str) -> SharedRowGather | None:
+        """Map every rank's control file; the gather serves only if every rank could (one
+        more set-up collective, after which each owner may remove its file)."""
+        paths = [control_path(t) for t in tokens]
+        mapped: SharedRowGather | None
+        try:
+            mapped = SharedRowGather(self.rank, paths, row_len(self.size), self.config.timeout_s)
+        except OSError:
+            mapped = None
+        flags = self._gather_rows(torch.tensor([int(mapped is not None)], dtype=torch.int64), op).wait()
+        if mapped is not None and not all(flags.flatten().tolist()):
+            mapped.close()
+            mapped = None
+        return mapped
 
     def _all_to_all_bytes(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
         if buf.device.type == "cpu" and (shm := self._shared_memory()) is not None:
