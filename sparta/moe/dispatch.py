@@ -104,6 +104,16 @@ def dispatch(
 _COMBINE_CHUNK_BYTES = 4 << 20
 
 
+def weighted_index_add(out: Tensor, token_idx: Tensor, rows: Tensor, weight: Tensor) -> Tensor:
+    """``out[token_idx[i]] += weight[i] * rows[i]`` in place (``rows`` ``[N, d]``, ``token_idx``
+    and ``weight`` ``[N]``), weighing a few MiB of rows at a time; returns ``out``."""
+    step = max(1, _COMBINE_CHUNK_BYTES // max(1, rows.shape[1] * rows.element_size()))
+    for start in range(0, rows.shape[0], step):
+        end = start + step
+        out.index_add_(0, token_idx[start:end], rows[start:end] * weight[start:end, None])
+    return out
+
+
 class _WeightedCombine(torch.autograd.Function):
     """``out[token_idx[i]] += weight[i] * rows[i]``.
 
@@ -116,12 +126,7 @@ class _WeightedCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: Tensor, token_idx: Tensor, weight: Tensor, num_tokens: int) -> Tensor:
         ctx.save_for_backward(rows, token_idx, weight)
-        out = rows.new_zeros(num_tokens, rows.shape[1])
-        step = max(1, _COMBINE_CHUNK_BYTES // max(1, rows.shape[1] * rows.element_size()))
-        for start in range(0, rows.shape[0], step):
-            end = start + step
-            out.index_add_(0, token_idx[start:end], rows[start:end] * weight[start:end, None])
-        return out
+        return weighted_index_add(rows.new_zeros(num_tokens, rows.shape[1]), token_idx, rows, weight)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None, None]:

@@ -6,7 +6,7 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,8 +17,6 @@ from sparta.moe.config import MoEConfig
 from sparta.moe.dispatch import (
     Dispatched,
     DispatchPlan,
-    combine,
-    dispatch,
     expert_capacity,
     plan_dispatch,
     soft_combine,
@@ -235,13 +233,11 @@ class MoELayer(nn.Module):
         if cfg.capacity_factor is not None and cfg.router != "expert_choice":
             capacity = expert_capacity(tokens.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor)
         weight = self._attach_aux_loss(route, route.weight)
-        pairs = (route.token_idx, route.expert_idx, weight, cfg.num_experts, capacity)
+        plan = plan_dispatch(route.token_idx, route.expert_idx, weight, cfg.num_experts, capacity)
         if self.comm is None:
-            plan = plan_dispatch(*pairs)
             self._record(plan)
             return self.experts.forward_tokens(tokens, plan)
-        routed = dispatch(tokens, *pairs)
-        return combine(self._expert_parallel(routed), routed, tokens.shape[0])
+        return self._expert_parallel(plan, tokens)
 
     def _forward_soft(self, groups: Tensor) -> Tensor:
         route = self._guard(lambda: self.router(groups))
@@ -254,23 +250,24 @@ class MoELayer(nn.Module):
         if self.comm is None:
             self._record(routed)
             return self.experts(routed.rows, routed.counts, routed.counts_list)
-        return self._expert_parallel(routed)
+        return self._expert_parallel(routed, routed.rows)
 
-    def _expert_parallel(self, routed: Dispatched) -> Tensor:
+    def _expert_parallel(self, plan: DispatchPlan, x: Tensor) -> Tensor:
+        """``plan``'s pairs through every rank's experts: ``x`` the tokens ``[T, d]`` (a sparse
+        router's plan; returns them combined, ``[T, d]``) or the rows ``[N, d]`` grouped by
+        expert (Soft MoE's slots; returns ``[N, d]``). See ``expert_parallel_mlp``."""
         assert self.comm is not None
-        stats, check = _stats_vector(routed), not self._counts_checked
-        counts = exchange_counts(routed.counts, self.comm, self.name, routed.rows, stats=stats, check=check)
-        recv_counts, summed = counts
+        stats, check = _stats_vector(plan), not self._counts_checked
+        recv_counts, summed = exchange_counts(plan.counts, self.comm, self.name, x, stats=stats, check=check)
         self._counts_checked = True
         if self.degrees is None:
-            self._plan_schedule(routed, recv_counts)
+            self._plan_schedule(plan, x, recv_counts)
         exchange = self.exchange if self.schedule_plan is None or self.schedule_plan.hierarchical else None
-        args = (self.experts, self.comm, self.degrees, exchange)
-        out = expert_parallel_mlp(routed.rows, routed.counts, recv_counts, *args)
-        self._record(routed, summed)
+        out = expert_parallel_mlp(x, plan, recv_counts, self.experts, self.comm, self.degrees, exchange)
+        self._record(plan, summed)
         return out
 
-    def _plan_schedule(self, routed: Dispatched, recv_counts: Tensor) -> None:
+    def _plan_schedule(self, plan: DispatchPlan, x: Tensor, recv_counts: Tensor) -> None:
         """``pipeline_degree="auto"``: profile this layer's all-to-all (flat, and hierarchical
         when an ``exchange`` is given), one expert's GEMMs and the router; take the cost
         model's two best plans and flat r=1, run this forward's rows through each (forward
@@ -280,7 +277,7 @@ class MoELayer(nn.Module):
         ``comm``; the timings are agreed (slowest rank), and so is the token count planned
         for (the largest), so every rank picks the same plan."""
         assert self.comm is not None
-        cfg, rows = self.config, routed.rows
+        cfg, num_rows = self.config, sum(plan.counts_list)
         groups: dict[str, Any] = {"world": self.comm}
         if self.exchange is not None:
             groups["hier"] = self.exchange
@@ -288,14 +285,14 @@ class MoELayer(nn.Module):
             if intra is not None:
                 groups["intra"] = intra  # the share of "hier" that blocks this thread
         profiler = Profiler(self.comm, groups)
-        profile = profiler.collectives(("all_to_all",)) | profiler.expert_mlp(cfg.d_model, cfg.d_ff, rows.dtype)
+        profile = profiler.collectives(("all_to_all",)) | profiler.expert_mlp(cfg.d_model, cfg.d_ff, x.dtype)
         router = None
         if cfg.router != "soft":  # Soft MoE routes whole sequences, not [tokens, d_model]
             probe = copy.deepcopy(self.router)  # leaves the layer's router state and RNG as they were
             with torch.random.fork_rng(devices=[]):
-                profile |= profiler.router(cfg.router, lambda x: _routed_weight(probe(x)), cfg.d_model, rows.dtype)
+                profile |= profiler.router(cfg.router, lambda t: _routed_weight(probe(t)), cfg.d_model, x.dtype)
             router = cfg.router
-        local_rows = torch.tensor([rows.shape[0]], dtype=torch.int64)
+        local_rows = torch.tensor([num_rows], dtype=torch.int64)
         most_rows = max(int(r) for r in self.comm.all_gather(local_rows))
         shape = LayerShape(
             tokens=max(1, math.ceil(most_rows / cfg.top_k)),
@@ -303,14 +300,14 @@ class MoELayer(nn.Module):
             d_model=cfg.d_model,
             d_ff=cfg.d_ff,
             ep_size=cfg.ep_size,
-            element_bytes=rows.element_size(),
+            element_bytes=x.element_size(),
         )
         model = CostModel(profile)
-        plan = model.plan(shape, hierarchical=None if self.exchange is not None else False, router=router)
-        candidates = [*plan.ranked(2), UNPIPELINED]
+        best = model.plan(shape, hierarchical=None if self.exchange is not None else False, router=router)
+        candidates = [*best.ranked(2), UNPIPELINED]
         tuner = OnlineTuner(self.comm, candidates, trials=2, baseline=UNPIPELINED, margin=0.03, warmup=1)
         while tuner.chosen is None:
-            tuner.observe(self._time_exchange(routed, recv_counts, tuner.current))
+            tuner.observe(self._time_exchange(plan, x, recv_counts, tuner.current))
         points = []
         for choice, seconds in tuner.measured.items():
             p = model.predict_degrees(shape, choice.degrees, choice.hierarchical)
@@ -321,22 +318,23 @@ class MoELayer(nn.Module):
             tuner.chosen.degrees,
             tuner.chosen.hierarchical,
             *calibrated.corrected(chosen),
-            plan.candidates,
+            best.candidates,
             calibrated.calibration,
-            plan.router_s,
+            best.router_s,
         )
         self.degrees = self.schedule_plan.degrees
 
-    def _time_exchange(self, routed: Dispatched, recv_counts: Tensor, choice: Choice) -> float:
+    def _time_exchange(self, plan: DispatchPlan, x: Tensor, recv_counts: Tensor, choice: Choice) -> float:
         """Seconds of this layer's expert-parallel part, forward and backward, under `choice`
         (the experts' gradients are computed and dropped: parameters keep theirs)."""
         assert self.comm is not None
         exchange = self.exchange if choice.hierarchical else None
-        leaf = routed.rows.detach().requires_grad_()
+        leaf = x.detach().requires_grad_()
+        detached = replace(plan, weight=None if plan.weight is None else plan.weight.detach())
         begin = time.perf_counter()
         with torch.enable_grad():
             args = (self.experts, self.comm, choice.degrees, exchange)
-            out = expert_parallel_mlp(leaf, routed.counts, recv_counts, *args)
+            out = expert_parallel_mlp(leaf, detached, recv_counts, *args)
             torch.autograd.grad(out, leaf, torch.ones_like(out))
         return time.perf_counter() - begin
 

@@ -20,6 +20,7 @@ from torch.autograd.function import once_differentiable
 from sparta.comm import all_to_all
 from sparta.comm.dtypes import dtype_code, dtype_name
 from sparta.errors import InputError, SpartaError
+from sparta.moe.dispatch import DispatchPlan, combine, weighted_index_add
 from sparta.moe.expert_loop import (
     LoopGrads,
     LoopWeights,
@@ -120,18 +121,21 @@ def fail_together(
 
 
 def expert_parallel_mlp(
-    rows: Tensor,
-    counts: Tensor,
+    x: Tensor,
+    plan: DispatchPlan,
     recv_counts: Tensor,
     experts: GroupedExperts,
     comm: Communicator,
     degrees: PipelineDegrees | None = None,
     exchange: Exchange | None = None,
 ) -> Tensor:
-    """Run ``rows`` ``[N, d]`` (grouped by global expert, ``counts`` ``[E]`` int64) through
-    the experts of every rank; returns ``[N, d]`` in the same order. ``recv_counts`` is what
-    ``exchange_counts`` returned for these ``counts``. Differentiable: the backward sends the
-    gradients back along the reverse all-to-all.
+    """Run the pairs of ``plan`` (grouped by global expert, ``plan.counts`` ``[E]`` int64)
+    through the experts of every rank. Token form (``plan.token_idx`` set): ``x`` is the
+    tokens ``[T, d]`` and the result ``[T, d]`` each token's experts' outputs, weighted by
+    ``plan.weight`` and summed (dispatch, experts and combine). Rows form (``token_idx``
+    None, Soft MoE's slots): ``x`` is the rows ``[N, d]`` and the result ``[N, d]`` in the
+    same order. ``recv_counts`` is what ``exchange_counts`` returned for these counts.
+    Differentiable: the backward sends the gradients back along the reverse all-to-all.
 
     ``degrees`` cuts the row exchanges into chunks so that chunk ``i + 1`` travels while
     chunk ``i`` is computed (forward and backward separately, ``sparta.scheduling``);
@@ -140,37 +144,59 @@ def expert_parallel_mlp(
     (one all-to-all each, or one per chunk).
     """
     ep_size, local = comm.size, experts.num_experts
+    pipelined = degrees is not None and (degrees.forward > 1 or degrees.backward > 1)
+    if not pipelined and not experts.uses_grouped_mm(x):
+        # exchange_counts proved the splits, dtypes and widths consistent: no second check.
+        blocks = recv_counts.view(ep_size, local).tolist()
+        send, recv = rank_splits(plan.counts, ep_size), rank_splits(recv_counts, ep_size)
+        route = _Route(exchange or comm, comm.rank, send, recv, blocks)
+        weight = None if plan.weight is None else plan.weight.to(x.dtype)
+        w = experts.loop_weights()
+        return _LocalFirst.apply(x, plan.token_idx, weight, route, w.activation, *w.tensors())
+    rows = x if plan.token_idx is None else x.index_select(0, plan.token_idx)
 
     def compute(received: Tensor, chunk_counts: Tensor) -> Tensor:
         # Received rows come grouped by (source rank, local expert): the experts run each
         # source's block where it lies, with no copy into expert order and back.
         return experts.forward_blocks(received, chunk_counts.reshape(ep_size, local))
 
-    if degrees is not None and (degrees.forward > 1 or degrees.backward > 1):
+    if pipelined:
+        assert degrees is not None
         params = [p for _, p in experts.named_weights()]
-        return pipelined_exchange(rows, counts, compute, exchange or comm, degrees, params, recv_counts)
-    send_splits = rank_splits(counts, ep_size)
-    recv_splits = rank_splits(recv_counts, ep_size)
-    # exchange_counts proved the splits, dtypes and widths consistent: no second check.
-    if not experts.uses_grouped_mm(rows):
-        blocks = recv_counts.view(ep_size, local).tolist()
-        route = _Route(exchange or comm, comm.rank, send_splits, recv_splits, blocks)
-        w = experts.loop_weights()
-        return _LocalFirst.apply(rows, route, w.activation, *w.tensors())
-    received = all_to_all(rows, send_splits, recv_splits, exchange or comm, check=False)
-    out = compute(received, recv_counts)
-    return all_to_all(out, recv_splits, send_splits, exchange or comm, check=False)
+        out = pipelined_exchange(rows, plan.counts, compute, exchange or comm, degrees, params, recv_counts)
+    else:
+        send_splits = rank_splits(plan.counts, ep_size)
+        recv_splits = rank_splits(recv_counts, ep_size)
+        received = all_to_all(rows, send_splits, recv_splits, exchange or comm, check=False)
+        out = all_to_all(compute(received, recv_counts), recv_splits, send_splits, exchange or comm, check=False)
+    return out if plan.token_idx is None else combine(out, plan, x.shape[0])
 
 
 class _Route:
-    """Where an expert-parallel step's rows go: this rank's own block and the others'."""
+    """Where an expert-parallel step's rows go. Only the rows bound for other ranks travel:
+    this rank's split is 0 both ways, and its own rows (``own``, in dispatch order) are
+    computed where they lie."""
 
     def __init__(self, exchange: Exchange, me: int, send: list[int], recv: list[int], blocks: list[list[int]]) -> None:
-        self.exchange, self.send, self.recv = exchange, send, recv
-        self.own_sent = slice(sum(send[:me]), sum(send[: me + 1]))
-        self.own_received = slice(sum(recv[:me]), sum(recv[: me + 1]))
-        self.own_segments = consecutive_segments(blocks[me])
-        self.other_segments = block_segments(blocks, skip=me)
+        self.exchange = exchange
+        self.own = slice(sum(send[:me]), sum(send[: me + 1]))
+        self.send = [0 if r == me else n for r, n in enumerate(send)]
+        self.recv = [0 if r == me else n for r, n in enumerate(recv)]
+        self.own_segments = consecutive_segments(blocks[me], self.own.start)
+        self.other_segments = block_segments([b for r, b in enumerate(blocks) if r != me])
+
+    def others(self, t: Tensor) -> Tensor:
+        """``t``'s entries (dim 0, in dispatch order) outside this rank's own: a view where
+        the own block is at either end, as it always is on two ranks."""
+        if self.own.start == 0 or self.own.stop == t.shape[0]:
+            return t[self.own.stop :] if self.own.start == 0 else t[: self.own.start]
+        return torch.cat([t[: self.own.start], t[self.own.stop :]])
+
+    def place_others(self, into: Tensor, src: Tensor) -> None:
+        """Copy ``src`` (``others``' rows) into the rows of ``into`` outside this rank's own."""
+        head = self.own.start
+        into[:head].copy_(src[:head])
+        into[self.own.stop :].copy_(src[head:])
 
 
 def _compute_span(exchange: Exchange, name: str) -> AbstractContextManager[None]:
@@ -182,46 +208,85 @@ def _compute_span(exchange: Exchange, name: str) -> AbstractContextManager[None]
 
 
 class _LocalFirst(torch.autograd.Function):
-    """All-to-all, experts, all-to-all back, with this rank's own rows computed while the
-    other ranks' rows travel, and their gradients while the other ranks' gradients travel:
-    the rows a rank sends itself need no network, so they need not wait for it. Same
-    collectives, in the same order, as the plain exchange; the own block still goes through
-    the all-to-all (a local copy), because the engines take one contiguous buffer.
+    """All-to-all, experts, all-to-all back, with this rank's own pairs computed while the
+    other ranks' rows travel, and their gradients while the other ranks' gradients travel.
+    A rank's own pairs never enter the exchange (its split is 0): in token form they run as
+    the one-process layer runs them, gathered from the tokens and combined into the output
+    one expert at a time, so that only the pairs bound for other ranks are gathered into a
+    send buffer and combined from the returned rows. ``apply(x, token_idx, weight, route,
+    activation, *weights)``: token form ``x`` ``[T, d]``, ``token_idx`` / ``weight`` ``[N]``
+    -> ``[T, d]``; rows form (``token_idx``, ``weight`` None) ``x`` ``[N, d]`` -> ``[N, d]``.
     """
 
     @staticmethod
-    def forward(ctx: Any, rows: Tensor, route: _Route, activation: str, *params: Tensor | None) -> Tensor:
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        token_idx: Tensor | None,
+        weight: Tensor | None,
+        route: _Route,
+        activation: str,
+        *params: Tensor | None,
+    ) -> Tensor:
         weights = LoopWeights(activation, *params)
-        in_flight = route.exchange.all_to_all(rows, route.send, route.recv, async_op=True, check=False)
-        out = rows.new_empty(sum(route.recv), weights.w2.shape[2])
-        own = rows[route.own_sent]
+        x = x.contiguous()
+        d_out = weights.w2.shape[2]
+        if token_idx is None:
+            send, out = route.others(x), x.new_empty(x.shape[0], d_out)
+        else:
+            send, out = x.index_select(0, route.others(token_idx)), x.new_zeros(x.shape[0], d_out)
+        in_flight = route.exchange.all_to_all(send, route.send, route.recv, async_op=True, check=False)
+        del send
         with _compute_span(route.exchange, "fwd compute own"):
-            own_pre = loop_forward(own, route.own_segments, weights, out[route.own_received])
+            own_pre = loop_forward(x, route.own_segments, weights, out, token_idx, weight)
         received = in_flight.wait()
         with _compute_span(route.exchange, "fwd compute others"):
-            other_pre = loop_forward(received, route.other_segments, weights, out)
+            done = received.new_empty(received.shape[0], d_out)
+            other_pre = loop_forward(received, route.other_segments, weights, done)
+        back = route.exchange.all_to_all(done, route.recv, route.send, check=False)
+        del done
+        if token_idx is None:
+            route.place_others(out, back)
+        else:
+            assert weight is not None
+            weighted_index_add(out, route.others(token_idx), back, route.others(weight))
         # Intermediates, not inputs or outputs: kept on ctx so that backward can drop them.
         ctx.pre, ctx.route, ctx.activation = (own_pre, other_pre), route, activation
-        ctx.save_for_backward(rows, received, *params)
-        return route.exchange.all_to_all(out, route.recv, route.send, check=False)
+        # The returned rows give the routing weights' gradients (token form only).
+        ctx.save_for_backward(x, token_idx, weight, received, back if token_idx is not None else None, *params)
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        rows, received, *params = ctx.saved_tensors
+        x, token_idx, weight, received, back, *params = ctx.saved_tensors
         route: _Route = ctx.route
         weights = LoopWeights(ctx.activation, *params)
         (own_pre, other_pre), ctx.pre = ctx.pre, None
         grad = grad.contiguous()
-        in_flight = route.exchange.all_to_all(grad, route.send, route.recv, async_op=True, check=False)
+        grad_weight = None
+        if token_idx is None:
+            send, grad_x = route.others(grad), torch.empty_like(x)
+        else:
+            assert weight is not None
+            send, grad_x = grad.index_select(0, route.others(token_idx)), torch.zeros_like(x)
+            if ctx.needs_input_grad[2]:
+                grad_weight = torch.empty_like(weight)
+                route.place_others(grad_weight, torch.linalg.vecdot(send, back))
+            send.mul_(route.others(weight).unsqueeze(1))
+        in_flight = route.exchange.all_to_all(send, route.send, route.recv, async_op=True, check=False)
+        del send
         grads = LoopGrads(weights)
-        grad_received = received.new_empty(received.shape)
-        own, own_grad = rows[route.own_sent], grad[route.own_sent]
         with _compute_span(route.exchange, "bwd compute own"):
-            own_out = grad_received[route.own_received]
-            loop_backward(own, route.own_segments, weights, own_pre, own_grad, grads, own_out)
+            loop_backward(x, route.own_segments, weights, own_pre, grad, grads, grad_x, token_idx, weight, grad_weight)
         got = in_flight.wait()
         with _compute_span(route.exchange, "bwd compute others"):
+            grad_received = received.new_empty(received.shape)
             loop_backward(received, route.other_segments, weights, other_pre, got, grads, grad_received)
-        grad_rows = route.exchange.all_to_all(grad_received, route.recv, route.send, check=False)
-        return grad_rows, None, None, *grads.finish()
+        del got
+        grad_back = route.exchange.all_to_all(grad_received, route.recv, route.send, check=False)
+        if token_idx is None:
+            route.place_others(grad_x, grad_back)
+        else:
+            grad_x.index_add_(0, route.others(token_idx), grad_back)
+        return grad_x, None, grad_weight, None, None, *grads.finish()
