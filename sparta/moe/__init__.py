@@ -16,8 +16,8 @@ shape. Inside, for ``T`` tokens, ``E`` experts and ``k`` experts per token:
 - ``combine`` adds the weighted outputs back into token order ``[T, d_model]``.
 
 With ``ep_size > 1`` the rows travel to the rank holding their expert and back by
-all-to-all between dispatch and combine (``sparta.moe.parallel``); a rank computes the rows
-it sends itself while the others' rows travel.
+all-to-all between dispatch and combine (``sparta.moe.parallel``); a rank's own pairs never
+travel: it computes them, fused with their gather and combine, while the others' rows travel.
 
 Around the layer: ``moeify(model, ...)`` swaps an existing model's MLPs for MoE layers
 (upcycling their weights and biases); ``expert_parallel_groups`` / ``sync_gradients`` combine expert

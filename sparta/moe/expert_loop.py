@@ -48,15 +48,13 @@ def consecutive_segments(counts_list: list[int], offset: int = 0) -> list[Segmen
     return [(e, end - count, end) for e, (count, end) in enumerate(zip(counts_list, ends, strict=True))]
 
 
-def block_segments(blocks: list[list[int]], skip: int | None = None) -> list[Segment]:
+def block_segments(blocks: list[list[int]]) -> list[Segment]:
     """Segments of rows in consecutive blocks, each grouped by expert: block ``b`` holds
-    ``blocks[b][e]`` rows of expert ``e``, after every earlier block's rows. Block ``skip``
-    is left out (its rows keep their place)."""
+    ``blocks[b][e]`` rows of expert ``e``, after every earlier block's rows."""
     segments: list[Segment] = []
     offset = 0
-    for b, counts in enumerate(blocks):
-        if b != skip:
-            segments += consecutive_segments(counts, offset)
+    for counts in blocks:
+        segments += consecutive_segments(counts, offset)
         offset += sum(counts)
     return segments
 

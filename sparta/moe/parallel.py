@@ -145,11 +145,11 @@ def expert_parallel_mlp(
     """
     ep_size, local = comm.size, experts.num_experts
     pipelined = degrees is not None and (degrees.forward > 1 or degrees.backward > 1)
+    # exchange_counts proved the splits, dtypes and widths consistent: no second check.
+    send_splits, recv_splits = rank_splits(plan.counts, ep_size), rank_splits(recv_counts, ep_size)
     if not pipelined and not experts.uses_grouped_mm(x):
-        # exchange_counts proved the splits, dtypes and widths consistent: no second check.
         blocks = recv_counts.view(ep_size, local).tolist()
-        send, recv = rank_splits(plan.counts, ep_size), rank_splits(recv_counts, ep_size)
-        route = _Route(exchange or comm, comm.rank, send, recv, blocks)
+        route = _Route(exchange or comm, comm.rank, send_splits, recv_splits, blocks)
         weight = None if plan.weight is None else plan.weight.to(x.dtype)
         w = experts.loop_weights()
         return _LocalFirst.apply(x, plan.token_idx, weight, route, w.activation, *w.tensors())
@@ -165,8 +165,6 @@ def expert_parallel_mlp(
         params = [p for _, p in experts.named_weights()]
         out = pipelined_exchange(rows, plan.counts, compute, exchange or comm, degrees, params, recv_counts)
     else:
-        send_splits = rank_splits(plan.counts, ep_size)
-        recv_splits = rank_splits(recv_counts, ep_size)
         received = all_to_all(rows, send_splits, recv_splits, exchange or comm, check=False)
         out = all_to_all(compute(received, recv_counts), recv_splits, send_splits, exchange or comm, check=False)
     return out if plan.token_idx is None else combine(out, plan, x.shape[0])
@@ -188,8 +186,10 @@ class _Route:
     def others(self, t: Tensor) -> Tensor:
         """``t``'s entries (dim 0, in dispatch order) outside this rank's own: a view where
         the own block is at either end, as it always is on two ranks."""
-        if self.own.start == 0 or self.own.stop == t.shape[0]:
-            return t[self.own.stop :] if self.own.start == 0 else t[: self.own.start]
+        if self.own.start == 0:
+            return t[self.own.stop :]
+        if self.own.stop == t.shape[0]:
+            return t[: self.own.start]
         return torch.cat([t[: self.own.start], t[self.own.stop :]])
 
     def place_others(self, into: Tensor, src: Tensor) -> None:
