@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -92,6 +92,15 @@ class Communicator(abc.ABC):
     def _all_to_all_bytes(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
         """Flat uint8 `buf` cut into `send` byte counts per rank; returns the received bytes."""
 
+    def _all_to_all_filled(
+        self, fill: Callable[[torch.Tensor], None], device: torch.device, send: list[int], recv: list[int], op: str
+    ) -> Handle[torch.Tensor]:
+        """`_all_to_all_bytes` of the `sum(send)` bytes `fill` writes into the flat uint8
+        buffer it is handed; engines with a buffer of their own override it."""
+        buf = torch.empty(sum(send), dtype=torch.uint8, device=device)
+        fill(buf)
+        return self._all_to_all_bytes(buf, send, recv, op)
+
     @abc.abstractmethod
     def _all_gather_bytes(self, buf: torch.Tensor, counts: list[int], op: str) -> Handle[torch.Tensor]:
         """Every rank's flat uint8 buffer (rank r has counts[r] bytes), concatenated."""
@@ -160,10 +169,38 @@ class Communicator(abc.ABC):
         out, _, _ = self._start_all_to_all(x, send_splits, recv_splits, check)
         return out if async_op else out.wait()
 
+    def all_to_all_fill(
+        self,
+        fill: Callable[[torch.Tensor], None],
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        async_op: bool = False,
+        check: bool | None = None,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor | Handle[torch.Tensor]:
+        """`all_to_all` of the rows that `fill` writes into the empty `[n, *rest]` tensor
+        (`shape`, `dtype`, `device`) it is handed, on this thread, before the exchange
+        starts. Where the engine moves the rows through shared memory (the torch engine's
+        CPU all-to-all on one host) that tensor lies there, so the rows are written once
+        instead of written and then copied in; elsewhere it is an ordinary tensor. `fill`
+        must write every row, keep no reference to the tensor and start no collective."""
+        like = torch.empty(tuple(shape), dtype=dtype, device="meta")
+        out, _, _ = self._start_all_to_all(like, send_splits, recv_splits, check, fill, torch.device(device))
+        return out if async_op else out.wait()
+
     def _start_all_to_all(
-        self, x: torch.Tensor, send_splits: Sequence[int] | None, recv_splits: Sequence[int] | None, check: bool | None
+        self,
+        x: torch.Tensor,
+        send_splits: Sequence[int] | None,
+        recv_splits: Sequence[int] | None,
+        check: bool | None,
+        fill: Callable[[torch.Tensor], None] | None = None,
+        device: torch.device | None = None,
     ) -> tuple[Handle[torch.Tensor], list[int], list[int]]:
-        """Validate, settle the splits, and launch; returns (handle, send, recv splits)."""
+        """Validate, settle the splits, and launch; returns (handle, send, recv splits).
+        With `fill`, `x` is a meta tensor of the shape and dtype `fill` writes on `device`."""
         name = self._op("all_to_all")
         x = self._require_tensor(x, name)
         rows = x.shape[0] if x.dim() > 0 else 0
@@ -185,7 +222,15 @@ class Communicator(abc.ABC):
             recv = [int(s) for s in recv_splits]
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
         rest = tuple(x.shape[1:])
-        handle = self._all_to_all_bytes(as_bytes(x), [s * row_bytes for s in send], [s * row_bytes for s in recv], name)
+        send_bytes, recv_bytes = [s * row_bytes for s in send], [s * row_bytes for s in recv]
+        if fill is None:
+            handle = self._all_to_all_bytes(as_bytes(x), send_bytes, recv_bytes, name)
+        else:
+            assert device is not None
+            shape = tuple(x.shape)
+            handle = self._all_to_all_filled(
+                lambda b: fill(from_bytes(b, x.dtype, shape)), device, send_bytes, recv_bytes, name
+            )
         return handle.then(lambda b: from_bytes(b, x.dtype, (sum(recv), *rest))), send, recv
 
     def _exchange_splits(

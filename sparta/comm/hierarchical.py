@@ -20,7 +20,7 @@ rows ordered by source rank, within a source in the order that source sent them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -93,6 +93,23 @@ class HierarchicalAllToAll:
         """
         out, _, _ = self._start_all_to_all(x, send_splits, recv_splits, check)
         return out if async_op else out.wait()
+
+    def all_to_all_fill(
+        self,
+        fill: Callable[[torch.Tensor], None],
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        async_op: bool = False,
+        check: bool | None = None,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor | Handle[torch.Tensor]:
+        """`Communicator.all_to_all_fill`'s contract; the rows are written into an ordinary
+        tensor (both steps move them through buffers of their own)."""
+        x = torch.empty(tuple(shape), dtype=dtype, device=device)
+        fill(x)
+        return self.all_to_all(x, send_splits, recv_splits, async_op, check)
 
     def _start_all_to_all(
         self, x: torch.Tensor, send_splits: Sequence[int] | None, recv_splits: Sequence[int] | None, check: bool | None

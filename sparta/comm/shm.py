@@ -42,7 +42,11 @@ from sparta.errors import CollectiveError
 
 SHM_DIR = "/dev/shm"
 _MIN_RING_BYTES = 1 << 20
+_ALIGN = 64
 _OK, _FAILED = 0, 1
+
+Fill = Callable[[torch.Tensor], None]
+"""Writes an all-to-all's outgoing bytes into the flat uint8 buffer it is handed."""
 
 AllGather = Callable[[torch.Tensor, str], Handle[torch.Tensor]]
 """Starts an all-gather of one int64 row per rank over the engine (the str names the
@@ -146,7 +150,8 @@ class SharedMemoryAllToAll:
         mine = [r for r in self._live if r.ring is self._ring]
         if not mine:
             return 0 if n <= self._ring.size else None
-        first, last = mine[0].start, mine[-1].end
+        # Regions start on cache lines, so that a region viewed as any dtype is aligned.
+        first, last = mine[0].start, -(-mine[-1].end // _ALIGN) * _ALIGN
         if mine[-1].start >= first:  # not wrapped: free space after the last and before the first
             if self._ring.size - last >= n:
                 return last
@@ -173,15 +178,20 @@ class SharedMemoryAllToAll:
         return self._ring, start
 
     # ------------------------------------------------------------------ the collective
-    def all_to_all(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
+    def all_to_all(self, buf: torch.Tensor | Fill, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
         """Flat uint8 CPU ``buf`` cut into ``send`` byte counts per rank; the handle gives the
-        ``sum(recv)`` received bytes, ordered by source rank."""
+        ``sum(recv)`` received bytes, ordered by source rank. ``buf`` may instead be a
+        ``Fill``, called once (before this returns) with the ``sum(send)`` bytes to write:
+        they lie in this rank's ring, so the rows are not copied in."""
         seq, self._seq = self._seq, self._seq + 1
         send_at = [sum(send[:d]) for d in range(self.size)]
         row = torch.full((row_len(self.size),), -1, dtype=torch.int64)
         row[0], row[2] = _OK, self._done_upto
-        outgoing = sum(send) - send[self.rank]
+        fill = None if isinstance(buf, torch.Tensor) else buf
+        # A filled buffer is one region, this rank's own bytes included.
+        outgoing = sum(send) if fill is not None else sum(send) - send[self.rank]
         failure = ""
+        ring: _Ring | None = None
         if outgoing:
             try:
                 ring, at = self._allocate(outgoing)
@@ -190,11 +200,20 @@ class SharedMemoryAllToAll:
                 failure = f"{exc} (rank {self.rank} needed {outgoing} bytes under {SHM_DIR})"
             else:
                 row[1] = self._gen
+        if fill is not None:
+            # Filled even when the ring failed: the caller's fill may do work it relies on.
+            buf = ring.bytes[at : at + outgoing] if ring is not None else torch.empty(sum(send), dtype=torch.uint8)
+            fill(buf)
+            if ring is not None:
                 for d in range(self.size):
                     if d != self.rank and send[d]:
-                        ring.bytes[at : at + send[d]].copy_(buf[send_at[d] : send_at[d] + send[d]])
-                        row[3 + d] = at
-                        at += send[d]
+                        row[3 + d] = at + send_at[d]
+        elif ring is not None:
+            for d in range(self.size):
+                if d != self.rank and send[d]:
+                    ring.bytes[at : at + send[d]].copy_(buf[send_at[d] : send_at[d] + send[d]])
+                    row[3 + d] = at
+                    at += send[d]
         gathered = self._all_gather(row, op)
         own = buf[send_at[self.rank] : send_at[self.rank] + send[self.rank]]
 

@@ -17,13 +17,14 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from sparta.comm import all_to_all
+from sparta.comm import Handle, all_to_all
 from sparta.comm.dtypes import dtype_code, dtype_name
 from sparta.errors import InputError, SpartaError
 from sparta.moe.dispatch import DispatchPlan, combine, weighted_index_add
 from sparta.moe.expert_loop import (
     LoopGrads,
     LoopWeights,
+    PreActivations,
     block_segments,
     consecutive_segments,
     loop_backward,
@@ -192,6 +193,23 @@ class _Route:
             return t[: self.own.start]
         return torch.cat([t[: self.own.start], t[self.own.stop :]])
 
+    def send_filled(self, fill: Callable[[Tensor], None], width: int, like: Tensor) -> Handle[Tensor]:
+        """Start the exchange of the ``[sum(send), width]`` rows (``like``'s dtype and device)
+        that ``fill`` writes, straight into the exchange's buffer where it has one."""
+        return self._filled(fill, width, like, self.send, self.recv)
+
+    def return_filled(self, fill: Callable[[Tensor], None], width: int, like: Tensor) -> Handle[Tensor]:
+        """The reverse exchange: the ``[sum(recv), width]`` rows ``fill`` writes go back."""
+        return self._filled(fill, width, like, self.recv, self.send)
+
+    def _filled(
+        self, fill: Callable[[Tensor], None], width: int, like: Tensor, send: list[int], recv: list[int]
+    ) -> Handle[Tensor]:
+        shape = (sum(send), width)
+        return self.exchange.all_to_all_fill(
+            fill, shape, like.dtype, send, recv, async_op=True, check=False, device=like.device
+        )
+
     def place_others(self, into: Tensor, src: Tensor) -> None:
         """Copy ``src`` (``others``' rows) into the rows of ``into`` outside this rank's own."""
         head = self.own.start
@@ -231,27 +249,32 @@ class _LocalFirst(torch.autograd.Function):
         weights = LoopWeights(activation, *params)
         x = x.contiguous()
         d_out = weights.w2.shape[2]
-        if token_idx is None:
-            send, out = route.others(x), x.new_empty(x.shape[0], d_out)
-        else:
-            send, out = x.index_select(0, route.others(token_idx)), x.new_zeros(x.shape[0], d_out)
-        in_flight = route.exchange.all_to_all(send, route.send, route.recv, async_op=True, check=False)
-        del send
+
+        def send_rows(buf: Tensor) -> None:
+            if token_idx is None:
+                buf.copy_(route.others(x))
+            else:
+                torch.index_select(x, 0, route.others(token_idx), out=buf)
+
+        out = x.new_empty(x.shape[0], d_out) if token_idx is None else x.new_zeros(x.shape[0], d_out)
+        in_flight = route.send_filled(send_rows, x.shape[1], x)
         with _compute_span(route.exchange, "fwd compute own"):
             own_pre = loop_forward(x, route.own_segments, weights, out, token_idx, weight)
         received = in_flight.wait()
-        with _compute_span(route.exchange, "fwd compute others"):
-            done = received.new_empty(received.shape[0], d_out)
-            other_pre = loop_forward(received, route.other_segments, weights, done)
-        back = route.exchange.all_to_all(done, route.recv, route.send, check=False)
-        del done
+        other_pre: list[tuple[PreActivations, PreActivations | None]] = []
+
+        def compute_others(done: Tensor) -> None:
+            with _compute_span(route.exchange, "fwd compute others"):
+                other_pre.append(loop_forward(received, route.other_segments, weights, done))
+
+        back = route.return_filled(compute_others, d_out, x).wait()
         if token_idx is None:
             route.place_others(out, back)
         else:
             assert weight is not None
             weighted_index_add(out, route.others(token_idx), back, route.others(weight))
         # Intermediates, not inputs or outputs: kept on ctx so that backward can drop them.
-        ctx.pre, ctx.route, ctx.activation = (own_pre, other_pre), route, activation
+        ctx.pre, ctx.route, ctx.activation = (own_pre, other_pre[0]), route, activation
         # The returned rows give the routing weights' gradients (token form only).
         ctx.save_for_backward(x, token_idx, weight, received, back if token_idx is not None else None, *params)
         return out
@@ -265,26 +288,30 @@ class _LocalFirst(torch.autograd.Function):
         (own_pre, other_pre), ctx.pre = ctx.pre, None
         grad = grad.contiguous()
         grad_weight = None
-        if token_idx is None:
-            send, grad_x = route.others(grad), torch.empty_like(x)
-        else:
-            assert weight is not None
-            send, grad_x = grad.index_select(0, route.others(token_idx)), torch.zeros_like(x)
-            if ctx.needs_input_grad[2]:
-                grad_weight = torch.empty_like(weight)
-                route.place_others(grad_weight, torch.linalg.vecdot(send, back))
-            send.mul_(route.others(weight).unsqueeze(1))
-        in_flight = route.exchange.all_to_all(send, route.send, route.recv, async_op=True, check=False)
-        del send
+        if token_idx is not None and ctx.needs_input_grad[2]:
+            grad_weight = torch.empty_like(weight)
+
+        def send_grads(buf: Tensor) -> None:
+            if token_idx is None:
+                buf.copy_(route.others(grad))
+                return
+            torch.index_select(grad, 0, route.others(token_idx), out=buf)
+            if grad_weight is not None:
+                route.place_others(grad_weight, torch.linalg.vecdot(buf, back))
+            buf.mul_(route.others(weight).unsqueeze(1))
+
+        in_flight = route.send_filled(send_grads, grad.shape[1], grad)
+        grad_x = torch.empty_like(x) if token_idx is None else torch.zeros_like(x)
         grads = LoopGrads(weights)
         with _compute_span(route.exchange, "bwd compute own"):
             loop_backward(x, route.own_segments, weights, own_pre, grad, grads, grad_x, token_idx, weight, grad_weight)
         got = in_flight.wait()
-        with _compute_span(route.exchange, "bwd compute others"):
-            grad_received = received.new_empty(received.shape)
-            loop_backward(received, route.other_segments, weights, other_pre, got, grads, grad_received)
-        del got
-        grad_back = route.exchange.all_to_all(grad_received, route.recv, route.send, check=False)
+
+        def compute_others(grad_received: Tensor) -> None:
+            with _compute_span(route.exchange, "bwd compute others"):
+                loop_backward(received, route.other_segments, weights, other_pre, got, grads, grad_received)
+
+        grad_back = route.return_filled(compute_others, received.shape[1], received).wait()
         if token_idx is None:
             route.place_others(grad_x, grad_back)
         else:

@@ -56,6 +56,18 @@ class Exchange(Protocol):
         check: bool | None = None,
     ) -> Tensor | Handle[Tensor]: ...
 
+    def all_to_all_fill(
+        self,
+        fill: Callable[[Tensor], None],
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        async_op: bool = False,
+        check: bool | None = None,
+        device: torch.device | str = "cpu",
+    ) -> Tensor | Handle[Tensor]: ...
+
 
 @dataclass(frozen=True)
 class PipelineDegrees:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -84,10 +84,10 @@ class TracedExchange:
     def __repr__(self) -> str:
         return f"TracedExchange({self.inner!r}, track={self.track!r})"
 
-    def _traced(self, handle: Handle[torch.Tensor]) -> Handle[torch.Tensor]:
+    def _traced(self, handle: Handle[torch.Tensor], begin: float | None = None) -> Handle[torch.Tensor]:
         if self.track is None:
             return handle
-        name, begin = self.tracer.context or "all_to_all", time.perf_counter()
+        name, begin = self.tracer.context or "all_to_all", begin or time.perf_counter()
 
         def done(y: torch.Tensor) -> torch.Tensor:
             rows = int(y.shape[0]) if y.dim() else 0
@@ -106,6 +106,29 @@ class TracedExchange:
     ) -> torch.Tensor | Handle[torch.Tensor]:
         out = self.inner.all_to_all(x, send_splits, recv_splits, async_op=True, check=check)
         handle = self._traced(out)
+        return handle if async_op else handle.wait()
+
+    def all_to_all_fill(
+        self,
+        fill: Callable[[torch.Tensor], None],
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        async_op: bool = False,
+        check: bool | None = None,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor | Handle[torch.Tensor]:
+        filled = [0.0]
+
+        def timed_fill(buf: torch.Tensor) -> None:
+            fill(buf)
+            filled[0] = time.perf_counter()  # the transfer's span starts once its rows are written
+
+        out = self.inner.all_to_all_fill(
+            timed_fill, shape, dtype, send_splits, recv_splits, async_op=True, check=check, device=device
+        )
+        handle = self._traced(out, filled[0])
         return handle if async_op else handle.wait()
 
     def _start_all_to_all(

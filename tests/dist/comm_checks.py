@@ -5,6 +5,8 @@ Run on 4 ranks by tests/test_comm_dist.py under torchrun, mpirun and horovodrun.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from runner import finish, raises, run_checks, start
 
@@ -48,6 +50,43 @@ def check_all_to_all_uneven(world: World) -> None:
             handle = world.comm.all_to_all(x, send, recv, async_op=True)
             assert torch.equal(handle.wait(), expect)
             assert torch.equal(world.comm.all_to_all(x, send, recv, check=False), expect)
+
+
+def _filled(
+    comm: Communicator, x: torch.Tensor, send: list[int], recv: list[int], seen: list[torch.Tensor] | None = None, **kw: Any
+) -> Any:
+    """``comm.all_to_all_fill`` of the rows of ``x``, written by the fill (the buffer it was
+    handed is appended to ``seen``)."""
+    seen = [] if seen is None else seen
+    before = len(seen)
+
+    def fill(buf: torch.Tensor) -> None:
+        assert buf.shape == x.shape and buf.dtype == x.dtype, (buf.shape, x.shape, buf.dtype)
+        buf.copy_(x)
+        seen.append(buf)
+
+    out = comm.all_to_all_fill(fill, x.shape, x.dtype, send, recv, **kw)
+    assert len(seen) == before + 1, "fill runs once, before the call returns"
+    return out
+
+
+def check_all_to_all_fill(world: World) -> None:
+    """``all_to_all_fill`` gives what ``all_to_all`` of the same rows gives, for every dtype
+    (odd byte counts in between, so that its buffers start anywhere), waited in or out of
+    order, with and without the split check; every rank raises on bad splits."""
+    for salt in range(3):
+        handles = []
+        for dtype in DTYPES:
+            x, send, expect, recv = payload(world, salt, dtype)
+            assert torch.equal(_filled(world.comm, x, send, recv), expect), (salt, dtype)
+            handles.append((_filled(world.comm, x, send, recv, async_op=True, check=False), expect))
+            odd = torch.ones(2 * world.size + 1 - world.rank % 2, dtype=torch.int8)
+            world.comm.all_to_all(odd, [2] * (world.size - 1) + [3 - world.rank % 2])
+        for handle, expect in reversed(handles):
+            assert torch.equal(handle.wait(), expect)
+    bad = [1] * world.size
+    with raises(InputError, "send_splits"):
+        _filled(world.comm, torch.zeros(world.size + 1, 2), bad, bad)
 
 
 def check_all_to_all_empty(world: World) -> None:
@@ -230,7 +269,15 @@ def _shared_memory_matches_gloo(shm: Communicator, tcp: Communicator) -> None:
         send = [rows_between(r, d, i, base) for d in range(n)]
         recv = [rows_between(s, r, i, base) for s in range(n)]
         x = torch.cat([block(r, d, send[d], torch.float32) for d in range(n)])
-        handles.append(shm.all_to_all(x, send, recv, async_op=True, check=False))
+        if i % 2:  # written straight into this rank's ring
+            buffers: list[torch.Tensor] = []
+            handles.append(_filled(shm, x, send, recv, buffers, async_op=True, check=False))
+            assert shm.shared_memory is not None
+            rings = [(ring.bytes.data_ptr(), ring.size) for ring in shm.shared_memory._owned.values()]
+            at = buffers[0].data_ptr()
+            assert x.numel() == 0 or any(lo <= at < lo + size for lo, size in rings), "not in a ring"
+        else:
+            handles.append(shm.all_to_all(x, send, recv, async_op=True, check=False))
         expected.append(torch.cat([block(s, r, recv[s], torch.float32) for s in range(n)]))
         if i == len(bases) - 1:
             assert torch.equal(tcp.all_to_all(x, send, recv), expected[-1])
@@ -339,6 +386,7 @@ def check_bad_input_raises_everywhere(world: World) -> None:
 
 CHECKS = [
     check_all_to_all_uneven,
+    check_all_to_all_fill,
     check_all_to_all_empty,
     check_all_to_all_equal_default,
     check_all_reduce,

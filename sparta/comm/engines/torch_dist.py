@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -153,6 +154,13 @@ class TorchCommunicator(Communicator):
         out = torch.empty(sum(recv), dtype=torch.uint8, device=buf.device)
         work = dist.all_to_all_single(out, buf, recv, send, group=self.pg, async_op=True)
         return self._handle(work, out, op)
+
+    def _all_to_all_filled(
+        self, fill: Callable[[torch.Tensor], None], device: torch.device, send: list[int], recv: list[int], op: str
+    ) -> Handle[torch.Tensor]:
+        if device.type == "cpu" and (shm := self._shared_memory()) is not None:
+            return shm.all_to_all(fill, send, recv, op)
+        return super()._all_to_all_filled(fill, device, send, recv, op)
 
     def _all_gather_bytes(self, buf: torch.Tensor, counts: list[int], op: str) -> Handle[torch.Tensor]:
         # gloo gathers equal sizes only: pad to the largest and cut after.
