@@ -93,10 +93,17 @@ class Communicator(abc.ABC):
         """Flat uint8 `buf` cut into `send` byte counts per rank; returns the received bytes."""
 
     def _all_to_all_filled(
-        self, fill: Callable[[torch.Tensor], None], device: torch.device, send: list[int], recv: list[int], op: str
+        self,
+        fill: Callable[[torch.Tensor], None],
+        device: torch.device,
+        send: list[int],
+        recv: list[int],
+        op: str,
+        borrow: bool,
     ) -> Handle[torch.Tensor]:
         """`_all_to_all_bytes` of the `sum(send)` bytes `fill` writes into the flat uint8
-        buffer it is handed; engines with a buffer of their own override it."""
+        buffer it is handed (`borrow`: see `all_to_all_fill`); engines with a buffer of
+        their own override it."""
         buf = torch.empty(sum(send), dtype=torch.uint8, device=device)
         fill(buf)
         return self._all_to_all_bytes(buf, send, recv, op)
@@ -179,15 +186,21 @@ class Communicator(abc.ABC):
         async_op: bool = False,
         check: bool | None = None,
         device: torch.device | str = "cpu",
+        borrow: bool = False,
     ) -> torch.Tensor | Handle[torch.Tensor]:
         """`all_to_all` of the rows that `fill` writes into the empty `[n, *rest]` tensor
         (`shape`, `dtype`, `device`) it is handed, on this thread, before the exchange
         starts. Where the engine moves the rows through shared memory (the torch engine's
         CPU all-to-all on one host) that tensor lies there, so the rows are written once
         instead of written and then copied in; elsewhere it is an ordinary tensor. `fill`
-        must write every row, keep no reference to the tensor and start no collective."""
+        must write every row, keep no reference to the tensor and start no collective.
+
+        `borrow=True` may return, instead of a tensor of its own, a view of the engine's
+        buffer (shared memory, where all the rows come from one rank), saving the copy out.
+        It is valid only until this rank's next all-to-all on this communicator has run
+        its fill: read it, or read it in that fill, and drop it; never keep or write it."""
         like = torch.empty(tuple(shape), dtype=dtype, device="meta")
-        out, _, _ = self._start_all_to_all(like, send_splits, recv_splits, check, fill, torch.device(device))
+        out, _, _ = self._start_all_to_all(like, send_splits, recv_splits, check, fill, torch.device(device), borrow)
         return out if async_op else out.wait()
 
     def _start_all_to_all(
@@ -198,6 +211,7 @@ class Communicator(abc.ABC):
         check: bool | None,
         fill: Callable[[torch.Tensor], None] | None = None,
         device: torch.device | None = None,
+        borrow: bool = False,
     ) -> tuple[Handle[torch.Tensor], list[int], list[int]]:
         """Validate, settle the splits, and launch; returns (handle, send, recv splits).
         With `fill`, `x` is a meta tensor of the shape and dtype `fill` writes on `device`."""
@@ -229,7 +243,7 @@ class Communicator(abc.ABC):
             assert device is not None
             shape = tuple(x.shape)
             handle = self._all_to_all_filled(
-                lambda b: fill(from_bytes(b, x.dtype, shape)), device, send_bytes, recv_bytes, name
+                lambda b: fill(from_bytes(b, x.dtype, shape)), device, send_bytes, recv_bytes, name, borrow
             )
         return handle.then(lambda b: from_bytes(b, x.dtype, (sum(recv), *rest))), send, recv
 

@@ -104,9 +104,11 @@ class HierarchicalAllToAll:
         async_op: bool = False,
         check: bool | None = None,
         device: torch.device | str = "cpu",
+        borrow: bool = False,
     ) -> torch.Tensor | Handle[torch.Tensor]:
         """`Communicator.all_to_all_fill`'s contract; the rows are written into an ordinary
-        tensor (both steps move them through buffers of their own)."""
+        tensor (both steps move them through buffers of their own) and the result is the
+        caller's own (`borrow` has nothing to lend)."""
         x = torch.empty(tuple(shape), dtype=dtype, device=device)
         fill(x)
         return self.all_to_all(x, send_splits, recv_splits, async_op, check)

@@ -178,11 +178,16 @@ class SharedMemoryAllToAll:
         return self._ring, start
 
     # ------------------------------------------------------------------ the collective
-    def all_to_all(self, buf: torch.Tensor | Fill, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
+    def all_to_all(
+        self, buf: torch.Tensor | Fill, send: list[int], recv: list[int], op: str, borrow: bool = False
+    ) -> Handle[torch.Tensor]:
         """Flat uint8 CPU ``buf`` cut into ``send`` byte counts per rank; the handle gives the
         ``sum(recv)`` received bytes, ordered by source rank. ``buf`` may instead be a
         ``Fill``, called once (before this returns) with the ``sum(send)`` bytes to write:
-        they lie in this rank's ring, so the rows are not copied in."""
+        they lie in this rank's ring, so the rows are not copied in. ``borrow``: where the
+        bytes come from one rank, the handle gives them where they lie, a view valid until
+        this rank's next all-to-all has run its fill (the ring's owner reuses the region
+        only once this rank has reported the exchange done, in that all-to-all's row)."""
         seq, self._seq = self._seq, self._seq + 1
         send_at = [sum(send[:d]) for d in range(self.size)]
         row = torch.full((row_len(self.size),), -1, dtype=torch.int64)
@@ -226,16 +231,23 @@ class SharedMemoryAllToAll:
                     f"{': ' + failure if failure else ''}; "
                     f"enlarge {SHM_DIR} (docker run --shm-size) or pass CommConfig(shared_memory='off')"
                 )
-            out = torch.empty(sum(recv), dtype=torch.uint8)
-            at = 0
-            for src in range(self.size):
-                n = recv[src]
-                if n and src == self.rank:
-                    out[at : at + n].copy_(own)
-                elif n:
-                    gen, start = int(rows[src, 1]), int(rows[src, 3 + self.rank])
-                    out[at : at + n].copy_(self._peer(src, gen).bytes[start : start + n])
-                at += n
+
+            def piece(src: int) -> torch.Tensor:
+                if src == self.rank:
+                    return own
+                start = int(rows[src, 3 + self.rank])
+                return self._peer(src, int(rows[src, 1])).bytes[start : start + recv[src]]
+
+            sources = [src for src in range(self.size) if recv[src]]
+            if borrow and len(sources) == 1:
+                out = piece(sources[0])
+            else:
+                out = torch.empty(sum(recv), dtype=torch.uint8)
+                at = 0
+                for src in range(self.size):
+                    if recv[src]:
+                        out[at : at + recv[src]].copy_(piece(src))
+                    at += recv[src]
             gens = rows[:, 1].tolist()
             for src, gen in enumerate(gens):
                 if src != self.rank and gen >= 0:

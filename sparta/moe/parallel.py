@@ -193,21 +193,26 @@ class _Route:
             return t[: self.own.start]
         return torch.cat([t[: self.own.start], t[self.own.stop :]])
 
-    def send_filled(self, fill: Callable[[Tensor], None], width: int, like: Tensor) -> Handle[Tensor]:
+    def send_filled(
+        self, fill: Callable[[Tensor], None], width: int, like: Tensor, borrow: bool = False
+    ) -> Handle[Tensor]:
         """Start the exchange of the ``[sum(send), width]`` rows (``like``'s dtype and device)
-        that ``fill`` writes, straight into the exchange's buffer where it has one."""
-        return self._filled(fill, width, like, self.send, self.recv)
+        that ``fill`` writes, straight into the exchange's buffer where it has one
+        (``borrow``: see ``Communicator.all_to_all_fill``)."""
+        return self._filled(fill, width, like, self.send, self.recv, borrow)
 
-    def return_filled(self, fill: Callable[[Tensor], None], width: int, like: Tensor) -> Handle[Tensor]:
+    def return_filled(
+        self, fill: Callable[[Tensor], None], width: int, like: Tensor, borrow: bool = False
+    ) -> Handle[Tensor]:
         """The reverse exchange: the ``[sum(recv), width]`` rows ``fill`` writes go back."""
-        return self._filled(fill, width, like, self.recv, self.send)
+        return self._filled(fill, width, like, self.recv, self.send, borrow)
 
     def _filled(
-        self, fill: Callable[[Tensor], None], width: int, like: Tensor, send: list[int], recv: list[int]
+        self, fill: Callable[[Tensor], None], width: int, like: Tensor, send: list[int], recv: list[int], borrow: bool
     ) -> Handle[Tensor]:
         shape = (sum(send), width)
         return self.exchange.all_to_all_fill(
-            fill, shape, like.dtype, send, recv, async_op=True, check=False, device=like.device
+            fill, shape, like.dtype, send, recv, async_op=True, check=False, device=like.device, borrow=borrow
         )
 
     def place_others(self, into: Tensor, src: Tensor) -> None:
@@ -300,7 +305,8 @@ class _LocalFirst(torch.autograd.Function):
                 route.place_others(grad_weight, torch.linalg.vecdot(buf, back))
             buf.mul_(route.others(weight).unsqueeze(1))
 
-        in_flight = route.send_filled(send_grads, grad.shape[1], grad)
+        # Borrowed: read only by the next exchange's fill.
+        in_flight = route.send_filled(send_grads, grad.shape[1], grad, borrow=True)
         grad_x = torch.empty_like(x) if token_idx is None else torch.zeros_like(x)
         grads = LoopGrads(weights)
         with _compute_span(route.exchange, "bwd compute own"):
@@ -311,7 +317,7 @@ class _LocalFirst(torch.autograd.Function):
             with _compute_span(route.exchange, "bwd compute others"):
                 loop_backward(received, route.other_segments, weights, other_pre, got, grads, grad_received)
 
-        grad_back = route.return_filled(compute_others, received.shape[1], received).wait()
+        grad_back = route.return_filled(compute_others, received.shape[1], received, borrow=True).wait()
         if token_idx is None:
             route.place_others(grad_x, grad_back)
         else:

@@ -66,6 +66,7 @@ class Exchange(Protocol):
         async_op: bool = False,
         check: bool | None = None,
         device: torch.device | str = "cpu",
+        borrow: bool = False,
     ) -> Tensor | Handle[Tensor]: ...
 
 

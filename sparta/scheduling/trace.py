@@ -118,6 +118,7 @@ class TracedExchange:
         async_op: bool = False,
         check: bool | None = None,
         device: torch.device | str = "cpu",
+        borrow: bool = False,
     ) -> torch.Tensor | Handle[torch.Tensor]:
         filled = [0.0]
 
@@ -126,7 +127,7 @@ class TracedExchange:
             filled[0] = time.perf_counter()  # the transfer's span starts once its rows are written
 
         out = self.inner.all_to_all_fill(
-            timed_fill, shape, dtype, send_splits, recv_splits, async_op=True, check=check, device=device
+            timed_fill, shape, dtype, send_splits, recv_splits, async_op=True, check=check, device=device, borrow=borrow
         )
         handle = self._traced(out, filled[0])
         return handle if async_op else handle.wait()

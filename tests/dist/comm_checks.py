@@ -79,6 +79,7 @@ def check_all_to_all_fill(world: World) -> None:
         for dtype in DTYPES:
             x, send, expect, recv = payload(world, salt, dtype)
             assert torch.equal(_filled(world.comm, x, send, recv), expect), (salt, dtype)
+            assert torch.equal(_filled(world.comm, x, send, recv, borrow=True), expect), (salt, dtype)
             handles.append((_filled(world.comm, x, send, recv, async_op=True, check=False), expect))
             odd = torch.ones(2 * world.size + 1 - world.rank % 2, dtype=torch.int8)
             world.comm.all_to_all(odd, [2] * (world.size - 1) + [3 - world.rank % 2])
@@ -328,6 +329,14 @@ def check_shared_memory_all_to_all(world: World) -> None:
         got = pair.all_to_all(torch.arange(2.0) + 2 * pair.rank + i)
         assert torch.equal(got, torch.tensor([0.0, 2.0]) + pair.rank + i), (i, got)
     assert (pair.row_gather is not None) == ordered_stores()
+    assert pair.shared_memory is not None
+    for i in range(3):  # rows from the peer only: borrowed where they lie in its ring
+        peer, rows = 1 - pair.rank, torch.arange(6.0).view(3, 2) + 10 * pair.rank + i
+        send = [3 * (d == peer) for d in range(2)]
+        got = _filled(pair, rows, send, send, borrow=True)
+        assert torch.equal(got, torch.arange(6.0).view(3, 2) + 10 * peer + i), (i, got)
+        rings = [(ring.bytes.data_ptr(), ring.size) for ring in pair.shared_memory._peers.values()]
+        assert any(lo <= got.data_ptr() < lo + size for lo, size in rings), "borrowed rows were copied"
     world.comm.barrier()  # every group is set up
     assert not glob.glob("/dev/shm/sparta-rows-*"), "control files outlive the set-up"
     _shared_memory_matches_gloo(pair, pair_tcp)

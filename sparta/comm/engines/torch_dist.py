@@ -156,11 +156,17 @@ class TorchCommunicator(Communicator):
         return self._handle(work, out, op)
 
     def _all_to_all_filled(
-        self, fill: Callable[[torch.Tensor], None], device: torch.device, send: list[int], recv: list[int], op: str
+        self,
+        fill: Callable[[torch.Tensor], None],
+        device: torch.device,
+        send: list[int],
+        recv: list[int],
+        op: str,
+        borrow: bool,
     ) -> Handle[torch.Tensor]:
         if device.type == "cpu" and (shm := self._shared_memory()) is not None:
-            return shm.all_to_all(fill, send, recv, op)
-        return super()._all_to_all_filled(fill, device, send, recv, op)
+            return shm.all_to_all(fill, send, recv, op, borrow)
+        return super()._all_to_all_filled(fill, device, send, recv, op, borrow)
 
     def _all_gather_bytes(self, buf: torch.Tensor, counts: list[int], op: str) -> Handle[torch.Tensor]:
         # gloo gathers equal sizes only: pad to the largest and cut after.
