@@ -10,9 +10,11 @@ into its ring, then all-gathers, over the engine, one small row per rank: where 
 destination's piece lies, and how many of the group's all-to-alls the rank has finished.
 That all-gather is the only synchronisation: once it completes, every piece is in place and
 each rank copies its own out of the others' rings (one copy in, one copy out, on the calling
-thread). A region of a ring is reused once every rank has reported finishing the all-to-all
-that wrote it; a ring too full for the next one is replaced by a larger one, and the old one
-unmapped once drained. Every rank maps a new ring as soon as the all-to-all that announces it
+thread). Either copy can go: a caller may write its rows straight into its ring (a ``Fill``),
+and may borrow rows that all come from one peer where they lie in that peer's ring. A region
+of a ring is reused once every rank has reported finishing the all-to-all that wrote it; a
+ring too full for the next one is replaced by a larger one, and the old one unmapped once
+drained. Every rank maps a new ring as soon as the all-to-all that announces it
 completes, and its file is removed once every rank has finished that all-to-all: a name
 lives in /dev/shm for about one exchange, so even a rank killed outright leaves little.
 `World.shutdown` (and `World.exit`, which skips the interpreter's finalizers) closes every
