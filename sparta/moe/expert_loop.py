@@ -11,8 +11,9 @@ row tensor is ever built.
 
 Why by hand: each run's rows, hidden activations and gradients are produced and consumed
 while still cache-resident, outputs go straight into preallocated buffers (no cat / split /
-stack copies), only the pre-activations are saved (the activation output is recomputed in
-backward), and backward frees them block by block while the weight gradients fill up. In
+stack copies), each run's temporaries reuse the previous run's buffers (warm, and no fresh
+pages to fault in), only the pre-activations are saved (the activation output is recomputed
+in backward), and backward frees them block by block while the weight gradients fill up. In
 benchmarks/moe_layer.py on one CPU thread this is faster than autograd over per-expert
 ``torch.mm`` and than ``torch._grouped_mm`` (which streams the whole ``[N, d_ff]`` hidden
 tensor through memory between GEMMs), and on par with one dense GEMM over all rows.
@@ -171,6 +172,40 @@ class LoopGrads:
         return grads
 
 
+class _Scratch:
+    """Buffers one loop call reuses from segment to segment, each sized for the largest
+    segment: a segment's temporaries are written into the ones its predecessor used, which
+    are warm in cache and resident, instead of into fresh allocations whose pages the OS
+    must first hand over (a fault per 4 KiB page, each about a microsecond on a virtual
+    machine). ``rows(name, n, width)`` is an ``[n, width]`` view of buffer ``name``, which
+    holds ``most`` rows (default: the largest segment's)."""
+
+    def __init__(self, segments: list[Segment], like: Tensor) -> None:
+        self._most = max((end - start for _, start, end in segments), default=0)
+        self._like = like
+        self._buffers: dict[str, Tensor] = {}
+
+    def rows(self, name: str, n: int, width: int, most: int | None = None) -> Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n * width:
+            buf = self._buffers[name] = self._like.new_empty(max(n, most or self._most) * width)
+        return buf[: n * width].view(n, width)
+
+
+def _activate_into(activation: str, h1: Tensor, h3: Tensor | None, out: Tensor) -> Tensor:
+    """``activate(activation, h1, h3)`` written into ``out``."""
+    if activation == "swiglu":
+        assert h3 is not None
+        return torch.ops.aten.silu.out(h1, out=out).mul_(h3)
+    if activation == "gelu":
+        return torch.ops.aten.gelu.out(h1, out=out)
+    return torch.ops.aten.relu.out(h1, out=out)
+
+
+def _gather(x: Tensor, idx: Tensor, out: Tensor) -> Tensor:
+    return torch.index_select(x, 0, idx, out=out)
+
+
 def loop_forward(
     x: Tensor,
     segments: list[Segment],
@@ -183,27 +218,26 @@ def loop_forward(
     rows of ``out``; token form: added into ``out`` ``[T, d]``, which must start at zero).
     Returns the pre-activations ``loop_backward`` needs."""
     w1, w3, w2, b1, b3, b2 = weights.tensors()
-    pre1 = PreActivations(segments, w1.shape[2], x)
-    pre3 = PreActivations(segments, w1.shape[2], x) if w3 is not None else None
+    d_ff, d_out = w1.shape[2], w2.shape[2]
+    pre1 = PreActivations(segments, d_ff, x)
+    pre3 = PreActivations(segments, d_ff, x) if w3 is not None else None
+    scratch = _Scratch(segments, x)
     for i, (e, start, end) in enumerate(segments):
-        xe = x[start:end] if token_idx is None else x.index_select(0, token_idx[start:end])
+        n = end - start
+        xe = x[start:end] if token_idx is None else _gather(x, token_idx[start:end], scratch.rows("x", n, x.shape[1]))
         h1 = _linear(xe, w1[e], b1[e] if b1 is not None else None, out=pre1.segment(i))
         h3 = None
         if pre3 is not None:
             assert w3 is not None
             h3 = _linear(xe, w3[e], b3[e] if b3 is not None else None, out=pre3.segment(i))
-        act = activate(weights.activation, h1, h3)
+        act = _activate_into(weights.activation, h1, h3, scratch.rows("act", n, d_ff))
         bias2 = b2[e] if b2 is not None else None
         if token_idx is None:
             _linear(act, w2[e], bias2, out=out[start:end])
         else:
             assert weight is not None
-            ye = _linear(act, w2[e], bias2).mul_(weight[start:end, None])
+            ye = _linear(act, w2[e], bias2, out=scratch.rows("y", n, d_out)).mul_(weight[start:end, None])
             out.index_add_(0, token_idx[start:end], ye)
-            del ye
-        # This segment's temporaries go before the next one allocates its own, so the peak
-        # holds one segment's worth, not two.
-        del xe, h1, h3, act
     return pre1, pre3
 
 
@@ -224,57 +258,71 @@ def loop_backward(
     must start at zero) unless it is None; the routing weights' gradients into
     ``grad_weight`` unless it is None."""
     w1, w3, w2, b2 = weights.w1, weights.w3, weights.w2, weights.b2
+    d_ff, d_in, d_out = w1.shape[2], w1.shape[1], w2.shape[2]
     pre1, pre3 = pre
     swiglu = weights.activation == "swiglu"
+    scratch = _Scratch(segments, x)
     for i, (e, start, end) in enumerate(segments):
+        n = end - start
         h1 = pre1.take(i)
         h3 = pre3.take(i) if pre3 is not None else None
-        act = activate(weights.activation, h1, h3)
+        # "act" holds the activation until the w2 gradient, then the h1 gradient.
+        act = _activate_into(weights.activation, h1, h3, scratch.rows("act", n, d_ff))
+        grad_act = scratch.rows("grad_act", n, d_ff)
         if token_idx is None:
             xe, grad = x[start:end], grad_out[start:end]
-            grad_act = grad @ w2[e].t()
+            torch.mm(grad, w2[e].t(), out=grad_act)
         else:
             assert weight is not None
             idx, w = token_idx[start:end], weight[start:end, None]
-            xe, grad = x.index_select(0, idx), grad_out.index_select(0, idx)
-            grad_act = grad @ w2[e].t()
+            xe = _gather(x, idx, scratch.rows("x", n, d_in))
+            # "grad" holds the output gradient until the w2 gradient, then the input's.
+            grad = _gather(grad_out, idx, scratch.rows("grad", n, d_out))
+            torch.mm(grad, w2[e].t(), out=grad_act)
             if grad_weight is not None:
                 # d/dw <grad, w * (act @ w2 + b2)> = <grad @ w2.T, act> + <grad, b2>: no
                 # [N, d] output is kept.
-                torch.linalg.vecdot(grad_act, act, out=grad_weight[start:end])
+                _rowwise_dot(grad_act, act, grad_weight[start:end], scratch)
                 if b2 is not None:
                     grad_weight[start:end].addmv_(grad, b2[e])
             grad.mul_(w)
             grad_act.mul_(w)
         grads.add(grads.w2, act.t(), grad, e)
         grads.add_bias(grads.b2, grad, e)
-        del act, grad
+        grad_h1 = act
         grad_h3 = None
         if swiglu:
             assert w3 is not None and h3 is not None and grads.w3 is not None
-            grad_h3 = grad_act * nn.functional.silu(h1)
-            grad_h1 = torch.ops.aten.silu_backward(grad_act.mul_(h3), h1)
+            grad_h3 = torch.ops.aten.silu.out(h1, out=scratch.rows("grad_h3", n, d_ff)).mul_(grad_act)
+            torch.ops.aten.silu_backward.grad_input(grad_act.mul_(h3), h1, grad_input=grad_h1)
             grads.add(grads.w3, xe.t(), grad_h3, e)
             grads.add_bias(grads.b3, grad_h3, e)
         elif weights.activation == "gelu":
-            grad_h1 = torch.ops.aten.gelu_backward(grad_act, h1)
+            torch.ops.aten.gelu_backward.grad_input(grad_act, h1, grad_input=grad_h1)
         else:
-            grad_h1 = torch.ops.aten.threshold_backward(grad_act, h1, 0)
-        del grad_act
+            torch.ops.aten.threshold_backward.grad_input(grad_act, h1, 0, grad_input=grad_h1)
         grads.add(grads.w1, xe.t(), grad_h1, e)
         grads.add_bias(grads.b1, grad_h1, e)
         if grad_x is not None:
-            if token_idx is None:
-                grad_xe = torch.mm(grad_h1, w1[e].t(), out=grad_x[start:end])
-            else:
-                grad_xe = grad_h1 @ w1[e].t()
+            into = grad_x[start:end] if token_idx is None else scratch.rows("grad", n, d_in)
+            grad_xe = torch.mm(grad_h1, w1[e].t(), out=into)
             if grad_h3 is not None:
                 assert w3 is not None
                 grad_xe.addmm_(grad_h3, w3[e].t())
             if token_idx is not None:
                 grad_x.index_add_(0, token_idx[start:end], grad_xe)
-            del grad_xe
-        del xe, grad_h1, grad_h3, h1, h3
+
+
+# Rows a row-wise dot product multiplies at a time: their [rows, d_ff] products stay in cache.
+_DOT_ROWS = 128
+
+
+def _rowwise_dot(a: Tensor, b: Tensor, out: Tensor, scratch: _Scratch) -> None:
+    """``out[i] = <a[i], b[i]>`` (``a``, ``b`` ``[n, k]``), through a small product buffer."""
+    for start in range(0, a.shape[0], _DOT_ROWS):
+        end = min(start + _DOT_ROWS, a.shape[0])
+        product = torch.mul(a[start:end], b[start:end], out=scratch.rows("dot", end - start, a.shape[1], _DOT_ROWS))
+        torch.sum(product, 1, out=out[start:end])
 
 
 class ExpertLoop(torch.autograd.Function):
