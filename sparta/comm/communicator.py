@@ -43,7 +43,7 @@ class CommConfig:
         (sparta.comm.shm) instead of gloo's loopback TCP; "off" through gloo; "auto" (the
         default) through /dev/shm unless the group has more ranks than the host has CPUs.
         Measured on 2 CPUs (benchmarks/moe_layer.py, sparta_dropless vs sparta_tcp): an
-        expert-parallel MoE layer on 2 ranks is 3-7% faster through /dev/shm, on 4 ranks 5%
+        expert-parallel MoE layer on 2 ranks is 3-8% faster through /dev/shm, on 4 ranks 5%
         slower, as its copies then wait for a core where gloo's were done in the kernel
         in the background. MPI has its own shared-memory path; CUDA tensors always go
         through the engine (nccl).
