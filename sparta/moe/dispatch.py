@@ -98,19 +98,37 @@ def dispatch(
     return Dispatched(**vars(plan), rows=x.index_select(0, plan.token_idx))
 
 
-# Rows weighted at a time by the combine: a few MiB, so that the weighted copy stays in cache
-# and comes from the heap, where an [N, d] one would be mmapped (and page-faulted) afresh
-# every step once it passes glibc's 32 MiB threshold.
-_COMBINE_CHUNK_BYTES = 4 << 20
+# Rows the combine weighs, and the row-wise dot multiplies, at a time: their temporary stays
+# in cache and comes from the heap's recycled memory, where an [N, d] one would take fresh
+# pages (a fault per 4 KiB, each about a microsecond on a virtual machine) every step.
+_CHUNK_BYTES = 512 << 10
+
+
+def _chunk_rows(rows: Tensor) -> int:
+    return max(1, _CHUNK_BYTES // max(1, rows.shape[1] * rows.element_size()))
+
+
+def rowwise_dot(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """``out[i] = <a[i], b[i]>`` for ``a``, ``b`` ``[N, k]`` (``torch.linalg.vecdot``, real
+    tensors), multiplying a few hundred KiB of rows at a time into one small buffer."""
+    out = a.new_empty(a.shape[0]) if out is None else out
+    step = _chunk_rows(a)
+    product = a.new_empty(min(step, a.shape[0]), a.shape[1])
+    for start in range(0, a.shape[0], step):
+        end = min(start + step, a.shape[0])
+        torch.sum(torch.mul(a[start:end], b[start:end], out=product[: end - start]), 1, out=out[start:end])
+    return out
 
 
 def weighted_index_add(out: Tensor, token_idx: Tensor, rows: Tensor, weight: Tensor) -> Tensor:
     """``out[token_idx[i]] += weight[i] * rows[i]`` in place (``rows`` ``[N, d]``, ``token_idx``
-    and ``weight`` ``[N]``), weighing a few MiB of rows at a time; returns ``out``."""
-    step = max(1, _COMBINE_CHUNK_BYTES // max(1, rows.shape[1] * rows.element_size()))
+    and ``weight`` ``[N]``), weighing a few hundred KiB of rows at a time; returns ``out``."""
+    step = _chunk_rows(rows)
+    weighed = rows.new_empty(min(step, rows.shape[0]), rows.shape[1])
     for start in range(0, rows.shape[0], step):
-        end = start + step
-        out.index_add_(0, token_idx[start:end], rows[start:end] * weight[start:end, None])
+        end = min(start + step, rows.shape[0])
+        chunk = torch.mul(rows[start:end], weight[start:end, None], out=weighed[: end - start])
+        out.index_add_(0, token_idx[start:end], chunk)
     return out
 
 
@@ -132,7 +150,7 @@ class _WeightedCombine(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None, None]:
         rows, token_idx, weight = ctx.saved_tensors
         grad_rows = grad.index_select(0, token_idx)
-        grad_weight = torch.linalg.vecdot(grad_rows, rows) if ctx.needs_input_grad[2] else None
+        grad_weight = rowwise_dot(grad_rows, rows) if ctx.needs_input_grad[2] else None
         return grad_rows.mul_(weight.unsqueeze(1)), None, grad_weight, None
 
 

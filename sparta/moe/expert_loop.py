@@ -32,6 +32,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from sparta.moe.dispatch import rowwise_dot
+
 Segment = tuple[int, int, int]
 """``(local expert, first row, end row)``: a run of rows one expert processes."""
 
@@ -177,18 +179,17 @@ class _Scratch:
     segment: a segment's temporaries are written into the ones its predecessor used, which
     are warm in cache and resident, instead of into fresh allocations whose pages the OS
     must first hand over (a fault per 4 KiB page, each about a microsecond on a virtual
-    machine). ``rows(name, n, width)`` is an ``[n, width]`` view of buffer ``name``, which
-    holds ``most`` rows (default: the largest segment's)."""
+    machine). ``rows(name, n, width)`` is an ``[n, width]`` view of buffer ``name``."""
 
     def __init__(self, segments: list[Segment], like: Tensor) -> None:
         self._most = max((end - start for _, start, end in segments), default=0)
         self._like = like
         self._buffers: dict[str, Tensor] = {}
 
-    def rows(self, name: str, n: int, width: int, most: int | None = None) -> Tensor:
+    def rows(self, name: str, n: int, width: int) -> Tensor:
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < n * width:
-            buf = self._buffers[name] = self._like.new_empty(max(n, most or self._most) * width)
+            buf = self._buffers[name] = self._like.new_empty(max(n, self._most) * width)
         return buf[: n * width].view(n, width)
 
 
@@ -282,7 +283,7 @@ def loop_backward(
             if grad_weight is not None:
                 # d/dw <grad, w * (act @ w2 + b2)> = <grad @ w2.T, act> + <grad, b2>: no
                 # [N, d] output is kept.
-                _rowwise_dot(grad_act, act, grad_weight[start:end], scratch)
+                rowwise_dot(grad_act, act, grad_weight[start:end])
                 if b2 is not None:
                     grad_weight[start:end].addmv_(grad, b2[e])
             grad.mul_(w)
@@ -311,18 +312,6 @@ def loop_backward(
                 grad_xe.addmm_(grad_h3, w3[e].t())
             if token_idx is not None:
                 grad_x.index_add_(0, token_idx[start:end], grad_xe)
-
-
-# Rows a row-wise dot product multiplies at a time: their [rows, d_ff] products stay in cache.
-_DOT_ROWS = 128
-
-
-def _rowwise_dot(a: Tensor, b: Tensor, out: Tensor, scratch: _Scratch) -> None:
-    """``out[i] = <a[i], b[i]>`` (``a``, ``b`` ``[n, k]``), through a small product buffer."""
-    for start in range(0, a.shape[0], _DOT_ROWS):
-        end = min(start + _DOT_ROWS, a.shape[0])
-        product = torch.mul(a[start:end], b[start:end], out=scratch.rows("dot", end - start, a.shape[1], _DOT_ROWS))
-        torch.sum(product, 1, out=out[start:end])
 
 
 class ExpertLoop(torch.autograd.Function):

@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from sparta.comm import Handle, all_to_all
 from sparta.comm.dtypes import dtype_code, dtype_name
 from sparta.errors import InputError, SpartaError
-from sparta.moe.dispatch import DispatchPlan, combine, weighted_index_add
+from sparta.moe.dispatch import DispatchPlan, combine, rowwise_dot, weighted_index_add
 from sparta.moe.expert_loop import (
     LoopGrads,
     LoopWeights,
@@ -302,7 +302,7 @@ class _LocalFirst(torch.autograd.Function):
                 return
             torch.index_select(grad, 0, route.others(token_idx), out=buf)
             if grad_weight is not None:
-                route.place_others(grad_weight, torch.linalg.vecdot(buf, back))
+                route.place_others(grad_weight, rowwise_dot(buf, back))
             buf.mul_(route.others(weight).unsqueeze(1))
 
         # Borrowed: read only by the next exchange's fill.
