@@ -7,6 +7,8 @@ forms, sub-communicators, input checks that raise on every rank, and timeouts.
     world = sparta.init()                 # reads torchrun / mpirun / horovodrun
     y = world.comm.all_to_all(x, send_splits=[...])     # x: [n, *rest], split on dim 0
     y = sparta.comm.all_to_all(x, send, recv, world.comm)  # differentiable
+    y = world.comm.all_to_all_fill(lambda buf: torch.index_select(x, 0, idx, out=buf),
+                                   (len(idx), d), x.dtype, send, recv)  # rows written in place
     hier = sparta.comm.HierarchicalAllToAll.from_world(world)  # intra-node, then inter-node
     y = hier.all_to_all(x, send_splits)   # same result; sparta.comm.all_to_all(..., hier) too
 """
