@@ -10,6 +10,7 @@ they are also grouped by destination rank: the per-expert counts are the all-to-
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,31 +105,30 @@ def dispatch(
 _CHUNK_BYTES = 512 << 10
 
 
-def _chunk_rows(rows: Tensor) -> int:
-    return max(1, _CHUNK_BYTES // max(1, rows.shape[1] * rows.element_size()))
+def _chunks(rows: Tensor) -> Iterator[tuple[int, int, Tensor]]:
+    """``(start, end, buffer)`` over the rows of ``rows`` ``[N, width]``, a few hundred KiB
+    at a time; ``buffer`` is an ``[end - start, width]`` view of one buffer every chunk reuses."""
+    step = max(1, _CHUNK_BYTES // max(1, rows.shape[1] * rows.element_size()))
+    buffer = rows.new_empty(min(step, rows.shape[0]), rows.shape[1])
+    for start in range(0, rows.shape[0], step):
+        end = min(start + step, rows.shape[0])
+        yield start, end, buffer[: end - start]
 
 
 def rowwise_dot(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     """``out[i] = <a[i], b[i]>`` for ``a``, ``b`` ``[N, k]`` (``torch.linalg.vecdot``, real
     tensors), multiplying a few hundred KiB of rows at a time into one small buffer."""
     out = a.new_empty(a.shape[0]) if out is None else out
-    step = _chunk_rows(a)
-    product = a.new_empty(min(step, a.shape[0]), a.shape[1])
-    for start in range(0, a.shape[0], step):
-        end = min(start + step, a.shape[0])
-        torch.sum(torch.mul(a[start:end], b[start:end], out=product[: end - start]), 1, out=out[start:end])
+    for start, end, product in _chunks(a):
+        torch.sum(torch.mul(a[start:end], b[start:end], out=product), 1, out=out[start:end])
     return out
 
 
 def weighted_index_add(out: Tensor, token_idx: Tensor, rows: Tensor, weight: Tensor) -> Tensor:
     """``out[token_idx[i]] += weight[i] * rows[i]`` in place (``rows`` ``[N, d]``, ``token_idx``
     and ``weight`` ``[N]``), weighing a few hundred KiB of rows at a time; returns ``out``."""
-    step = _chunk_rows(rows)
-    weighed = rows.new_empty(min(step, rows.shape[0]), rows.shape[1])
-    for start in range(0, rows.shape[0], step):
-        end = min(start + step, rows.shape[0])
-        chunk = torch.mul(rows[start:end], weight[start:end, None], out=weighed[: end - start])
-        out.index_add_(0, token_idx[start:end], chunk)
+    for start, end, weighed in _chunks(rows):
+        out.index_add_(0, token_idx[start:end], torch.mul(rows[start:end], weight[start:end, None], out=weighed))
     return out
 
 
