@@ -25,6 +25,7 @@ over one run of the loop, and ``sparta.moe.parallel`` composes two runs around a
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,26 +130,77 @@ class PreActivations:
         return rows
 
 
+def accumulation_targets(params: Sequence[Tensor | None], needed: Sequence[bool]) -> tuple[Tensor | None, ...]:
+    """Per parameter, its ``.grad`` when backward may add the gradient straight into it
+    (else None): a leaf whose ``.grad`` already holds a plain dense tensor of its own
+    shape, dtype and device, no other parameter's, with no tensor hooks, whose gradient this
+    backward accumulates (not ``torch.autograd.grad`` or ``backward(inputs=...)`` leaving it
+    out, not ``create_graph``: call it before ``once_differentiable`` turns grad mode off).
+    That skips a gradient-sized allocation and AccumulateGrad's add, which for E experts'
+    weights is E times a dense MLP's: gradient accumulation over micro-batches, or
+    ``zero_grad(set_to_none=False)``. AccumulateGrad itself adds in place in exactly these
+    cases, so ``.grad`` keeps its identity; it then receives None, and its post-accumulate
+    hooks (DDP's, ``register_post_accumulate_grad_hook``) see the summed ``.grad`` as usual."""
+    if torch.is_grad_enabled():
+        return (None,) * len(params)
+    targets = [_target(p) if p is not None and need else None for p, need in zip(params, needed, strict=True)]
+    shared = {id(t) for i, t in enumerate(targets) if t is not None and any(t is u for u in targets[:i])}
+    return tuple(None if id(t) in shared else t for t in targets)
+
+
+def _target(param: Tensor) -> Tensor | None:
+    grad = param.grad
+    if (
+        grad is None
+        or type(grad) is not Tensor
+        or not param.is_leaf
+        or param._backward_hooks
+        or grad.layout != torch.strided
+        or grad.requires_grad
+        or grad.shape != param.shape
+        or grad.dtype != param.dtype
+        or grad.device != param.device
+        or not grad.is_contiguous()
+    ):
+        return None
+    try:
+        runs = torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
+    except RuntimeError:  # not under the eager engine (compiled autograd): the plain path
+        return None
+    return grad if runs else None
+
+
 class LoopGrads:
     """The weight (and bias) gradients of one backward, summed over every run that
-    reaches them."""
+    reaches them: into fresh tensors, or added straight into the ``.grad`` that
+    ``accumulation_targets`` found for a weight (``into``, in ``LoopWeights.tensors()``
+    order)."""
 
-    def __init__(self, weights: LoopWeights) -> None:
-        def like(t: Tensor | None) -> Tensor | None:
-            return torch.empty_like(t) if t is not None else None
+    def __init__(self, weights: LoopWeights, into: Sequence[Tensor | None] | None = None) -> None:
+        into = into or (None,) * 6
+        self._into = {id(t) for t in into if t is not None}
 
-        self.w1, self.w3, self.w2 = torch.empty_like(weights.w1), like(weights.w3), torch.empty_like(weights.w2)
-        self.b1, self.b3, self.b2 = like(weights.b1), like(weights.b3), like(weights.b2)
+        def grad(w: Tensor | None, target: Tensor | None) -> Tensor | None:
+            if w is None:
+                return None
+            return target if target is not None else torch.empty_like(w)
+
+        self.w1, self.w3, self.w2, self.b1, self.b3, self.b2 = (
+            grad(w, t) for w, t in zip(weights.tensors(), into, strict=True)
+        )
         self._written: set[tuple[int, int]] = set()
 
     def _first(self, into: Tensor, e: int) -> bool:
+        if id(into) in self._into:
+            return False
         key = (id(into), e)
         first = key not in self._written
         self._written.add(key)
         return first
 
     def add(self, into: Tensor, a: Tensor, b: Tensor, e: int) -> None:
-        """``into[e] += a @ b``; an expert's first contribution writes instead of adding."""
+        """``into[e] += a @ b``; an expert's first contribution to a fresh tensor writes
+        instead of adding."""
         if self._first(into, e):
             torch.mm(a, b, out=into[e])
         else:
@@ -164,14 +216,17 @@ class LoopGrads:
             into[e] += rows.sum(0)
 
     def finish(self) -> tuple[Tensor | None, ...]:
-        """``(grad_w1, grad_w3, grad_w2, grad_b1, grad_b3, grad_b2)`` (None where there is no
-        such weight); experts no row reached get zeros."""
+        """``(grad_w1, grad_w3, grad_w2, grad_b1, grad_b3, grad_b2)`` for autograd: None
+        where there is no such weight or its gradient went into its ``.grad``; in a fresh
+        tensor, experts no row reached get zeros."""
         grads = (self.w1, self.w3, self.w2, self.b1, self.b3, self.b2)
         for grad in grads:
-            for e in range(grad.shape[0] if grad is not None else 0):
+            if grad is None or id(grad) in self._into:
+                continue
+            for e in range(grad.shape[0]):
                 if (id(grad), e) not in self._written:
                     grad[e].zero_()
-        return grads
+        return tuple(None if g is None or id(g) in self._into else g for g in grads)
 
 
 class _Scratch:
@@ -342,15 +397,21 @@ class ExpertLoop(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        ctx.into = accumulation_targets(ctx.saved_tensors[3:], ctx.needs_input_grad[5:])
+        return ExpertLoop._backward(ctx, grad_out)
+
+    @staticmethod
+    @once_differentiable
+    def _backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         x, token_idx, weight, *params = ctx.saved_tensors
         weights = LoopWeights(ctx.activation, *params)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.empty_like(x) if token_idx is None else torch.zeros_like(x)
         grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[2] else None
-        grads = LoopGrads(weights)
+        into, ctx.into = ctx.into, None  # no .grad kept alive by a retained graph
+        grads = LoopGrads(weights, into)
         pre, ctx.pre = ctx.pre, None
         loop_backward(x, ctx.segments, weights, pre, grad_out, grads, grad_x, token_idx, weight, grad_weight)
         return grad_x, None, grad_weight, None, None, *grads.finish()

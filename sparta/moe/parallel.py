@@ -25,6 +25,7 @@ from sparta.moe.expert_loop import (
     LoopGrads,
     LoopWeights,
     PreActivations,
+    accumulation_targets,
     block_segments,
     consecutive_segments,
     loop_backward,
@@ -285,8 +286,13 @@ class _LocalFirst(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        ctx.into = accumulation_targets(ctx.saved_tensors[5:], ctx.needs_input_grad[5:])
+        return _LocalFirst._backward(ctx, grad)
+
+    @staticmethod
+    @once_differentiable
+    def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, token_idx, weight, received, back, *params = ctx.saved_tensors
         route: _Route = ctx.route
         weights = LoopWeights(ctx.activation, *params)
@@ -308,7 +314,8 @@ class _LocalFirst(torch.autograd.Function):
         # Borrowed: read only by the next exchange's fill.
         in_flight = route.send_filled(send_grads, grad.shape[1], grad, borrow=True)
         grad_x = torch.empty_like(x) if token_idx is None else torch.zeros_like(x)
-        grads = LoopGrads(weights)
+        into, ctx.into = ctx.into, None  # no .grad kept alive by a retained graph
+        grads = LoopGrads(weights, into)
         with _compute_span(route.exchange, "bwd compute own"):
             loop_backward(x, route.own_segments, weights, own_pre, grad, grads, grad_x, token_idx, weight, grad_weight)
         got = in_flight.wait()

@@ -14,6 +14,7 @@ from torch import nn
 
 from sparta.comm import Communicator, HierarchicalAllToAll, World
 from sparta.errors import InputError
+from sparta.moe import parallel
 from sparta.moe import MoELayer, expert_parallel_groups, full_state_dict, sync_gradients
 
 EXPERTS, D_MODEL, D_FF, SEQ = 8, 8, 16, 9
@@ -40,19 +41,50 @@ def inputs(world_size: int, batches: list[int]) -> tuple[list[torch.Tensor], lis
     return xs, ups
 
 
+class _Counted:
+    def __init__(self) -> None:
+        self.real = parallel.accumulation_targets
+        self.counts: list[int] = []
+
+    def __call__(self, params: list[torch.Tensor | None], needed: list[bool]) -> tuple[torch.Tensor | None, ...]:
+        targets = self.real(params, needed)
+        self.counts.append(sum(t is not None for t in targets))
+        return targets
+
+
+def _counting_accumulation_targets() -> _Counted:
+    """Count, until restored, the weights each expert-parallel backward adds into ``.grad``."""
+    counted = _Counted()
+    parallel.accumulation_targets = counted
+    return counted
+
+
 def compare_with_one_process(
-    world: World, ep: Communicator, case: dict, batches: list[int], **sharded: object
+    world: World, ep: Communicator, case: dict, batches: list[int], accumulate: bool = False, **sharded: object
 ) -> None:
     """The layer sharded over ``ep`` (with the extra ``sharded`` options) against one process,
-    for this rank's tokens."""
+    for this rank's tokens. ``accumulate``: the sharded layer's parameters already hold a
+    ``.grad`` (a later micro-batch), which backward adds into."""
     torch.manual_seed(0)
     whole = MoELayer(D_MODEL, D_FF, EXPERTS, **case).train()
     torch.manual_seed(0)
     shard = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=ep.size, comm=ep, **case, **sharded).train()
     xs, ups = inputs(world.size, batches)
     x = xs[world.rank].clone().requires_grad_()
+    seeds = {p: torch.randn_like(p) if accumulate else None for p in shard.parameters()}
+    for p, seed in seeds.items():
+        p.grad = None if seed is None else seed.clone()
     y = shard(x)
-    (y * ups[world.rank]).sum().backward()
+    added = _counting_accumulation_targets()
+    try:
+        (y * ups[world.rank]).sum().backward()
+    finally:
+        parallel.accumulation_targets = added.real
+    if accumulate:  # every expert weight went straight into its .grad
+        assert added.counts == [len(list(shard.experts.parameters()))], (case, added.counts)
+    for p, seed in seeds.items():
+        if seed is not None and p.grad is not None:
+            p.grad -= seed
 
     bias0 = whole.router.expert_bias.clone() if case["router"] == "sigmoid" else None
     expert_grads = {name: torch.zeros_like(p) for name, p in whole.experts.named_parameters()}
@@ -85,8 +117,8 @@ def compare_with_one_process(
 
 def check_every_router_sharded_over_all_ranks(world: World) -> None:
     batches = [2] * world.size
-    for case in CASES:
-        compare_with_one_process(world, world.comm, case, batches)
+    for i, case in enumerate(CASES):
+        compare_with_one_process(world, world.comm, case, batches, accumulate=i % 2 == 1)
 
 
 def check_every_router_with_expert_data_parallel_groups(world: World) -> None:
@@ -140,8 +172,8 @@ def check_pipelined_and_hierarchical_exchanges(world: World) -> None:
 def check_empty_ranks_and_idle_experts(world: World) -> None:
     # The last rank has no tokens; a gate that sends every token to expert 0 leaves the
     # other experts idle: no hang, zero gradients for them.
-    for case in CASES[:1] + CASES[-2:]:
-        compare_with_one_process(world, world.comm, case, [2] * (world.size - 1) + [0])
+    for i, case in enumerate(CASES[:1] + CASES[-2:]):
+        compare_with_one_process(world, world.comm, case, [2] * (world.size - 1) + [0], accumulate=i == 1)
     torch.manual_seed(0)
     layer = MoELayer(D_MODEL, D_FF, EXPERTS, router="switch", top_k=1, ep_size=world.size, comm=world.comm)
     with torch.no_grad():
