@@ -41,9 +41,10 @@ def deepspeed_ready() -> str | None:
 
 def deepspeed_step(
     reference: MoELayer, x: Tensor, ranks: int, drop_tokens: bool, aux_loss_coef: float
-) -> Callable[[], None] | str:
+) -> tuple[Callable[[], None], list[nn.Parameter]] | str:
     """A forward+backward step of ``deepspeed.moe.layer.MoE`` holding ``reference``'s gate and
-    experts (GELU MLPs without biases, capacity factor 1.25), or why it cannot run."""
+    experts (GELU MLPs without biases, capacity factor 1.25) and the layer's parameters, or
+    why it cannot run."""
     why = deepspeed_ready()
     if why is not None:
         return why
@@ -79,4 +80,4 @@ def deepspeed_step(
         # Its aux loss is returned for the user to add to the loss; Sparta adds its own in backward.
         torch.autograd.backward([y, l_aux], [grad, aux_grad])
 
-    return step
+    return step, list(layer.parameters())

@@ -19,6 +19,12 @@ one thread the CPU time is the step's own work and moves much less than wall tim
 other processes share the cores (their cache pressure still shows); the wall time is what a
 user waits for on an idle machine.
 
+Gradients: each step drops its input's gradient first. Parameter gradients carry over from
+step to step, as over the micro-batches of gradient accumulation, so backward adds into
+them (autograd for the floor, in place for Sparta's expert weights); ``--zero-grad`` drops
+them too before each step, as ``optimizer.zero_grad()`` does, and backward allocates them
+afresh.
+
 Expert parallelism (``--ranks 2,4``): the script launches itself under torchrun on that
 many ranks (gloo, one thread each; ``--bind core`` pins rank i to core i mod cores, as
 ``mpirun --bind-to core`` would), or under mpirun with ``--engine mpi`` (Sparta then
@@ -49,7 +55,7 @@ by default; that is turned off (``top2_2nd_expert_sampling=False``) so that it r
 exactly as Sparta's top-k router does on the shared gate weights.
 
   python benchmarks/moe_layer.py [--threads 1] [--repeats 7] [--config small|large|all] [--memory]
-                                 [--ranks 1,2,4] [--candidates dense,sparta_dropless,...]
+                                 [--ranks 1,2,4] [--candidates dense,sparta_dropless,...] [--zero-grad]
 """
 
 from __future__ import annotations
@@ -62,8 +68,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -86,6 +92,7 @@ class BenchConfig:
     d_ff: int
     num_experts: int
     top_k: int = 2
+    zero_grad: bool = False  # drop parameter gradients before each step (--zero-grad)
 
 
 CONFIGS = {
@@ -130,6 +137,21 @@ class Place:
         return 1 if self.comm is None else self.comm.size
 
 
+def _timed(run: Callable[[], None], cfg: BenchConfig, leaf: Tensor, params: Iterable[Tensor]) -> Step:
+    """``run`` as a timed step that first drops the gradient of its input ``leaf`` (each
+    step's is its own) and, with ``cfg.zero_grad``, its parameters' gradients, as
+    ``optimizer.zero_grad()`` does: backward then writes them afresh instead of adding
+    into the previous step's, as it does in gradient accumulation."""
+    dropped = [leaf, *params] if cfg.zero_grad else [leaf]
+
+    def step() -> None:
+        for t in dropped:
+            t.grad = None
+        run()
+
+    return step
+
+
 def _sparta_layer(
     cfg: BenchConfig, place: Place, capacity_factor: float | None, gemm: str = "auto", pipeline: int | str = 1
 ) -> MoELayer:
@@ -155,10 +177,7 @@ def _sparta(
 ) -> Step:
     layer = _sparta_layer(cfg, place, capacity_factor, gemm, pipeline)
     grad = torch.randn_like(x)
-
-    def step() -> None:
-        layer(x).backward(grad)
-
+    step = _timed(lambda: layer(x).backward(grad), cfg, x, layer.parameters())
     if pipeline == "auto":
         step()  # the first forward profiles and plans; time the steps after it
     return step
@@ -170,11 +189,8 @@ def _dense(cfg: BenchConfig, x: Tensor) -> Step:
     w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
     rows = x.detach().repeat(cfg.top_k, 1).requires_grad_()
     grad = torch.randn_like(rows)
-
-    def step() -> None:
-        w2(nn.functional.gelu(w1(rows))).backward(grad)
-
-    return step
+    params = [w1.weight, w2.weight]
+    return _timed(lambda: w2(nn.functional.gelu(w1(rows))).backward(grad), cfg, rows, params)
 
 
 def _naive(cfg: BenchConfig, x: Tensor) -> Step:
@@ -182,7 +198,7 @@ def _naive(cfg: BenchConfig, x: Tensor) -> Step:
     gate, experts = layer.router.gate.weight, layer.experts
     grad = torch.randn_like(x)
 
-    def step() -> None:
+    def run() -> None:
         # Per-expert weight tensors, as an nn.ModuleList of experts would have.
         w1, w2 = experts.w1.unbind(0), experts.w2.unbind(0)
         probs = torch.softmax(x @ gate.t(), dim=-1)
@@ -197,13 +213,17 @@ def _naive(cfg: BenchConfig, x: Tensor) -> Step:
             y = y.index_put((rows,), w * h, accumulate=True)
         y.backward(grad)
 
-    return step
+    return _timed(run, cfg, x, layer.parameters())
 
 
 def _deepspeed(cfg: BenchConfig, x: Tensor, place: Place, drop_tokens: bool) -> Step | str:
     # Sparta's weights (same seed), copied in, so both route the same tokens to the same experts.
     reference = _sparta_layer(cfg, place, None)
-    return deepspeed_step(reference, x, place.ranks, drop_tokens, AUX_LOSS_COEF)
+    built = deepspeed_step(reference, x, place.ranks, drop_tokens, AUX_LOSS_COEF)
+    if isinstance(built, str):
+        return built
+    run, params = built
+    return _timed(run, cfg, x, params)
 
 
 def build(name: str, cfg: BenchConfig, x: Tensor, place: Place | None = None) -> Step | str:
@@ -256,7 +276,7 @@ def _emit(record: dict[str, object]) -> None:
 
 
 def _timings(
-    steps: dict[str, Step], x: Tensor, repeats: int, comm: Communicator | None
+    steps: dict[str, Step], repeats: int, comm: Communicator | None
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """(wall, cpu) seconds per candidate per repeat; across ranks the wall time is the
     slowest rank's and the CPU time the mean."""
@@ -265,7 +285,6 @@ def _timings(
     cpu = torch.zeros_like(wall)
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            x.grad = None
             if comm is not None:
                 dist.barrier()  # ranks start together: a step is not charged for a late peer
             start_wall, start_cpu = time.perf_counter(), time.process_time()
@@ -302,7 +321,7 @@ def time_candidates(
             continue
         step()  # warm-up: first-touch allocations and lazy init stay out of the timings
         steps[name] = step
-    wall, cpu = _timings(steps, x, repeats, comm)
+    wall, cpu = _timings(steps, repeats, comm)
     if rank != 0:
         return
     load = {"busiest_rank_load": round(busiest_rank_load(cfg, place.ranks), 4)} if place.ranks > 1 else {}
@@ -406,6 +425,7 @@ def launch_ranks(ranks: int, args: argparse.Namespace, configs: list[BenchConfig
             args.bind,
             "--candidates",
             ",".join(c for c in candidates if c in EP_CANDIDATES),
+            *(["--zero-grad"] if args.zero_grad else []),
         ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -463,11 +483,15 @@ def main() -> None:
     parser.add_argument(
         "--bind", choices=["core", "none"], default="none", help="core: pin each rank to one core (--ranks > 1)"
     )
+    parser.add_argument(
+        "--zero-grad", action="store_true", help="drop parameter gradients before each step (optimizer.zero_grad())"
+    )
     parser.add_argument("--_port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_ep_worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     configs = list(CONFIGS.values()) if args.config == "all" else [CONFIGS[args.config]]
+    configs = [replace(cfg, zero_grad=args.zero_grad) for cfg in configs]
     unknown = [c for c in args.candidates.split(",") if c not in CANDIDATES]
     if unknown:
         parser.error(f"unknown candidates {unknown}; known: {', '.join(CANDIDATES)}")
