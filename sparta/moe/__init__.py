@@ -18,6 +18,8 @@ shape. Inside, for ``T`` tokens, ``E`` experts and ``k`` experts per token:
 With ``ep_size > 1`` the rows travel to the rank holding their expert and back by
 all-to-all between dispatch and combine (``sparta.moe.parallel``); a rank's own pairs never
 travel: it computes them, fused with their gather and combine, while the others' rows travel.
+On the expert loop, an expert weight that already holds a ``.grad`` (gradient accumulation)
+gets its gradient added straight into it (``expert_loop.accumulation_targets`` says when).
 
 Around the layer: ``moeify(model, ...)`` swaps an existing model's MLPs for MoE layers
 (upcycling their weights and biases); ``expert_parallel_groups`` / ``sync_gradients`` combine expert
