@@ -8,6 +8,9 @@ and the group's expert gradients are the sum of those runs'.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from runner import finish, raises, run_checks, start
 from torch import nn
@@ -41,22 +44,22 @@ def inputs(world_size: int, batches: list[int]) -> tuple[list[torch.Tensor], lis
     return xs, ups
 
 
-class _Counted:
-    def __init__(self) -> None:
-        self.real = parallel.accumulation_targets
-        self.counts: list[int] = []
+@contextmanager
+def _counting_accumulation_targets() -> Iterator[list[int]]:
+    """Count, inside the block, the weights each expert-parallel backward adds into ``.grad``."""
+    real = parallel.accumulation_targets
+    counts: list[int] = []
 
-    def __call__(self, params: list[torch.Tensor | None], needed: list[bool]) -> tuple[torch.Tensor | None, ...]:
-        targets = self.real(params, needed)
-        self.counts.append(sum(t is not None for t in targets))
+    def counted(params: list[torch.Tensor | None], needed: list[bool]) -> tuple[torch.Tensor | None, ...]:
+        targets = real(params, needed)
+        counts.append(sum(t is not None for t in targets))
         return targets
 
-
-def _counting_accumulation_targets() -> _Counted:
-    """Count, until restored, the weights each expert-parallel backward adds into ``.grad``."""
-    counted = _Counted()
     parallel.accumulation_targets = counted
-    return counted
+    try:
+        yield counts
+    finally:
+        parallel.accumulation_targets = real
 
 
 def compare_with_one_process(
@@ -75,13 +78,10 @@ def compare_with_one_process(
     for p, seed in seeds.items():
         p.grad = None if seed is None else seed.clone()
     y = shard(x)
-    added = _counting_accumulation_targets()
-    try:
+    with _counting_accumulation_targets() as added:
         (y * ups[world.rank]).sum().backward()
-    finally:
-        parallel.accumulation_targets = added.real
     if accumulate:  # every expert weight went straight into its .grad
-        assert added.counts == [len(list(shard.experts.parameters()))], (case, added.counts)
+        assert added == [len(list(shard.experts.parameters()))], (case, added)
     for p, seed in seeds.items():
         if seed is not None and p.grad is not None:
             p.grad -= seed
