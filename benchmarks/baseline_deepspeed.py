@@ -72,6 +72,8 @@ def deepspeed_step(
         for local, mlp in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
             mlp[0].weight.copy_(reference.experts.w1[local].t())
             mlp[2].weight.copy_(reference.experts.w2[local].t())
+    # Experts in the input's dtype; DeepSpeed's gate casts itself back to float32, as Sparta routes.
+    layer.to(dtype=x.dtype)
     grad = torch.randn_like(x)
     aux_grad = torch.tensor(aux_loss_coef)
 

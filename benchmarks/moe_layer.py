@@ -47,6 +47,13 @@ process-level memory as the OS sees it (allocator caching included), not a tenso
 ``step_ratio_to_dense`` compares the step's own memory; ``peak_ratio_to_dense`` also counts
 the interpreter and libraries (DeepSpeed's import alone adds some hundred MiB).
 
+Device and dtype (``--device cuda``, ``--dtype bfloat16``): inputs and every candidate's
+weights go there, made on CPU first (the same values on every device), and each CUDA step
+ends with a synchronize, so its wall time is the device's; its CPU time is then only the
+host's share. Sparta routes in float32 whatever the dtype, as its routers do. On CUDA one
+process runs (one GPU), DeepSpeed skips, and ``--memory`` reports the caching allocator's
+peak of allocated bytes (``peak_cuda_mib``, ``step_cuda_mib``) instead of the resident set.
+
 DeepSpeed runs on CPU: its MoE needs deepspeed.comm initialised, so this script (not the
 library) starts a torch.distributed world over gloo -- a world of one with an in-process
 store on one process, torchrun's world otherwise -- and hands it to
@@ -56,6 +63,7 @@ exactly as Sparta's top-k router does on the shared gate weights.
 
   python benchmarks/moe_layer.py [--threads 1] [--repeats 7] [--config small|large|all] [--memory]
                                  [--ranks 1,2,4] [--candidates dense,sparta_dropless,...] [--zero-grad]
+                                 [--device cpu|cuda] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -70,7 +78,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -83,6 +91,11 @@ from sparta.moe import MoELayer
 if TYPE_CHECKING:
     from sparta.comm import Communicator
 
+T = TypeVar("T", Tensor, nn.Module)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -93,6 +106,19 @@ class BenchConfig:
     num_experts: int
     top_k: int = 2
     zero_grad: bool = False  # drop parameter gradients before each step (--zero-grad)
+    device: str = "cpu"  # where inputs, weights and steps live (--device)
+    dtype: str = "float32"  # inputs' and weights' dtype (--dtype); routing stays float32 in Sparta
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: known {sorted(DTYPES)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: cpu or cuda")
+
+    def place(self, module_or_tensor: T) -> T:
+        """``module_or_tensor`` on this config's device in its dtype. Made on CPU first, so
+        that every device starts from the same values."""
+        return module_or_tensor.to(device=self.device, dtype=DTYPES[self.dtype])
 
 
 CONFIGS = {
@@ -141,13 +167,16 @@ def _timed(run: Callable[[], None], cfg: BenchConfig, leaf: Tensor, params: Iter
     """``run`` as a timed step that first drops the gradient of its input ``leaf`` (each
     step's is its own) and, with ``cfg.zero_grad``, its parameters' gradients, as
     ``optimizer.zero_grad()`` does: backward then writes them afresh instead of adding
-    into the previous step's, as it does in gradient accumulation."""
+    into the previous step's, as it does in gradient accumulation. On CUDA the step ends
+    when its kernels have, so that a wall clock around it times the device's work."""
     dropped = [leaf, *params] if cfg.zero_grad else [leaf]
 
     def step() -> None:
         for t in dropped:
             t.grad = None
         run()
+        if leaf.is_cuda:
+            torch.cuda.synchronize(leaf.device)
 
     return step
 
@@ -158,7 +187,7 @@ def _sparta_layer(
     # Same seed on every rank and for every candidate: the experts of global id e get the
     # same weights whatever the expert-parallel size, and the router is the same gate.
     torch.manual_seed(0)
-    return MoELayer(
+    layer = MoELayer(
         cfg.d_model,
         cfg.d_ff,
         cfg.num_experts,
@@ -170,6 +199,7 @@ def _sparta_layer(
         expert_gemm=gemm,
         pipeline_degree=pipeline,
     )
+    return cfg.place(layer)
 
 
 def _sparta(
@@ -185,8 +215,8 @@ def _sparta(
 
 def _dense(cfg: BenchConfig, x: Tensor) -> Step:
     torch.manual_seed(0)
-    w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-    w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+    w1 = cfg.place(nn.Linear(cfg.d_model, cfg.d_ff, bias=False))
+    w2 = cfg.place(nn.Linear(cfg.d_ff, cfg.d_model, bias=False))
     rows = x.detach().repeat(cfg.top_k, 1).requires_grad_()
     grad = torch.randn_like(rows)
     params = [w1.weight, w2.weight]
@@ -217,6 +247,8 @@ def _naive(cfg: BenchConfig, x: Tensor) -> Step:
 
 
 def _deepspeed(cfg: BenchConfig, x: Tensor, place: Place, drop_tokens: bool) -> Step | str:
+    if cfg.device != "cpu":
+        return "the DeepSpeed baseline runs on CPU over gloo only"
     # Sparta's weights (same seed), copied in, so both route the same tokens to the same experts.
     reference = _sparta_layer(cfg, place, None)
     built = deepspeed_step(reference, x, place.ranks, drop_tokens, AUX_LOSS_COEF)
@@ -256,7 +288,7 @@ def _input(cfg: BenchConfig, rank: int = 0, ranks: int = 1) -> Tensor:
     """This rank's slice of the one-process input (all of it on one process)."""
     torch.manual_seed(1)
     share = cfg.tokens // ranks
-    return torch.randn(cfg.tokens, cfg.d_model)[rank * share : (rank + 1) * share].clone().requires_grad_()
+    return cfg.place(torch.randn(cfg.tokens, cfg.d_model)[rank * share : (rank + 1) * share].clone()).requires_grad_()
 
 
 def busiest_rank_load(cfg: BenchConfig, ranks: int) -> float:
@@ -362,13 +394,21 @@ def _status_mib(field: str) -> float:
 def measure_peak(name: str, cfg: BenchConfig) -> None:
     """Child process: one step of one candidate, print its memory as JSON.
 
-    The peak is VmHWM, this address space's own high-water mark, not ``ru_maxrss``: Linux
-    carries ``ru_maxrss`` over fork and exec, so a child of a parent that had just run the
-    large timings would report the parent's resident set."""
+    On CPU the peak is VmHWM, this address space's own high-water mark, not ``ru_maxrss``:
+    Linux carries ``ru_maxrss`` over fork and exec, so a child of a parent that had just run
+    the large timings would report the parent's resident set. On CUDA it is the caching
+    allocator's peak of allocated bytes (``torch.cuda.max_memory_allocated``)."""
     x = _input(cfg)
     step = build(name, cfg, x)
     if isinstance(step, str):
         _emit({"skipped": step})
+        return
+    if cfg.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 2**20
+        step()
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        _emit({"peak_cuda_mib": round(peak, 1), "step_cuda_mib": round(peak - before, 1)})
         return
     before = _status_mib("VmRSS")
     step()
@@ -378,16 +418,24 @@ def measure_peak(name: str, cfg: BenchConfig) -> None:
 
 def memory_candidates(cfg: BenchConfig, candidates: list[str], threads: int) -> None:
     dense: dict[str, float] = {}
+    kind = "cuda" if cfg.device == "cuda" else "rss"
     for name in candidates:
-        cmd = [sys.executable, __file__, "--config", cfg.name, "--threads", str(threads), "--_child", name]
+        cmd = [sys.executable, __file__, *_config_args(cfg), "--threads", str(threads), "--_child", name]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         result = json.loads(out)
         if name == "dense":
             dense = result
         elif "skipped" not in result and dense:
-            result["step_ratio_to_dense"] = round(result["step_rss_mib"] / dense["step_rss_mib"], 4)
-            result["peak_ratio_to_dense"] = round(result["peak_rss_mib"] / dense["peak_rss_mib"], 4)
-        _emit({"bench": "moe_layer_memory", "config": cfg.name, "candidate": name, **result})
+            for what in ("step", "peak"):
+                key = f"{what}_{kind}_mib"
+                result[f"{what}_ratio_to_dense"] = round(result[key] / dense[key], 4)
+        _emit({"bench": "moe_layer_memory", "config": cfg.name, "candidate": name, **asdict(cfg), **result})
+
+
+def _config_args(cfg: BenchConfig) -> list[str]:
+    """The command-line flags that rebuild ``cfg`` in a child process."""
+    flags = ["--config", cfg.name, "--device", cfg.device, "--dtype", cfg.dtype]
+    return flags + (["--zero-grad"] if cfg.zero_grad else [])
 
 
 def _free_port() -> int:
@@ -417,15 +465,13 @@ def launch_ranks(ranks: int, args: argparse.Namespace, configs: list[BenchConfig
             str(port),
             "--engine",
             args.engine,
-            "--config",
-            cfg.name,
+            *_config_args(cfg),
             "--repeats",
             str(args.repeats),
             "--bind",
             args.bind,
             "--candidates",
             ",".join(c for c in candidates if c in EP_CANDIDATES),
-            *(["--zero-grad"] if args.zero_grad else []),
         ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -486,12 +532,18 @@ def main() -> None:
     parser.add_argument(
         "--zero-grad", action="store_true", help="drop parameter gradients before each step (optimizer.zero_grad())"
     )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one process (--ranks 1)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="inputs' and weights' dtype")
     parser.add_argument("--_port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_ep_worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     configs = list(CONFIGS.values()) if args.config == "all" else [CONFIGS[args.config]]
-    configs = [replace(cfg, zero_grad=args.zero_grad) for cfg in configs]
+    configs = [replace(cfg, zero_grad=args.zero_grad, device=args.device, dtype=args.dtype) for cfg in configs]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    if args.device == "cuda" and args.ranks != "1":
+        parser.error("--device cuda times one process (--ranks 1): expert parallelism here runs ranks on CPU")
     unknown = [c for c in args.candidates.split(",") if c not in CANDIDATES]
     if unknown:
         parser.error(f"unknown candidates {unknown}; known: {', '.join(CANDIDATES)}")
