@@ -86,6 +86,7 @@ from baseline_deepspeed import deepspeed_step
 from torch import Tensor, nn
 
 from sparta.comm import CommConfig
+from sparta.errors import InputError
 from sparta.moe import MoELayer
 
 if TYPE_CHECKING:
@@ -204,8 +205,12 @@ def _sparta_layer(
 
 def _sparta(
     cfg: BenchConfig, x: Tensor, place: Place, capacity_factor: float | None, gemm: str, pipeline: int | str = 1
-) -> Step:
+) -> Step | str:
     layer = _sparta_layer(cfg, place, capacity_factor, gemm, pipeline)
+    try:
+        layer.experts.uses_grouped_mm(x)  # raises where a forced expert_gemm cannot take x
+    except InputError as err:
+        return str(err)
     grad = torch.randn_like(x)
     step = _timed(lambda: layer(x).backward(grad), cfg, x, layer.parameters())
     if pipeline == "auto":
