@@ -45,6 +45,8 @@ def deepspeed_step(
     """A forward+backward step of ``deepspeed.moe.layer.MoE`` holding ``reference``'s gate and
     experts (GELU MLPs without biases, capacity factor 1.25) and the layer's parameters, or
     why it cannot run."""
+    if x.device.type != "cpu":
+        return f"the DeepSpeed baseline runs on CPU over gloo only, not on {x.device.type}"
     why = deepspeed_ready()
     if why is not None:
         return why
