@@ -258,10 +258,6 @@ def _activate_into(activation: str, h1: Tensor, h3: Tensor | None, out: Tensor) 
     return torch.ops.aten.relu.out(h1, out=out)
 
 
-def _gather(x: Tensor, idx: Tensor, out: Tensor) -> Tensor:
-    return torch.index_select(x, 0, idx, out=out)
-
-
 def loop_forward(
     x: Tensor,
     segments: list[Segment],
@@ -280,7 +276,10 @@ def loop_forward(
     scratch = _Scratch(segments, x)
     for i, (e, start, end) in enumerate(segments):
         n = end - start
-        xe = x[start:end] if token_idx is None else _gather(x, token_idx[start:end], scratch.rows("x", n, x.shape[1]))
+        if token_idx is None:
+            xe = x[start:end]
+        else:
+            xe = torch.index_select(x, 0, token_idx[start:end], out=scratch.rows("x", n, x.shape[1]))
         h1 = _linear(xe, w1[e], b1[e] if b1 is not None else None, out=pre1.segment(i))
         h3 = None
         if pre3 is not None:
@@ -331,9 +330,9 @@ def loop_backward(
         else:
             assert weight is not None
             idx, w = token_idx[start:end], weight[start:end, None]
-            xe = _gather(x, idx, scratch.rows("x", n, d_in))
+            xe = torch.index_select(x, 0, idx, out=scratch.rows("x", n, d_in))
             # "grad" holds the output gradient until the w2 gradient, then the input's.
-            grad = _gather(grad_out, idx, scratch.rows("grad", n, d_out))
+            grad = torch.index_select(grad_out, 0, idx, out=scratch.rows("grad", n, d_out))
             torch.mm(grad, w2[e].t(), out=grad_act)
             if grad_weight is not None:
                 # d/dw <grad, w * (act @ w2 + b2)> = <grad @ w2.T, act> + <grad, b2>: no
