@@ -1,6 +1,7 @@
 """Benchmark one MoE layer (forward + backward); prints one JSON line per point.
 
-Candidates, all fed the same input and sharing router / expert weights:
+Candidates (built in moe_candidates.py), all fed the same input and sharing router / expert
+weights:
   dense              floor: one MLP (d_model -> d_ff -> d_model) on T * top_k tokens, no routing
   naive              top-k routing, then a loop over experts with boolean masks
   deepspeed_dropless deepspeed.moe.layer.MoE(drop_tokens=False), if ``import deepspeed`` works
@@ -76,234 +77,28 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from baseline_deepspeed import deepspeed_step
-from torch import Tensor, nn
+from moe_candidates import (
+    CANDIDATES,
+    CONFIGS,
+    DTYPES,
+    EP_CANDIDATES,
+    BenchConfig,
+    Place,
+    Step,
+    build,
+    busiest_rank_load,
+    make_input,
+)
 
 from sparta.comm import CommConfig
-from sparta.errors import InputError
-from sparta.moe import MoELayer
 
 if TYPE_CHECKING:
     from sparta.comm import Communicator
-
-T = TypeVar("T", Tensor, nn.Module)
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    name: str
-    tokens: int
-    d_model: int
-    d_ff: int
-    num_experts: int
-    top_k: int = 2
-    zero_grad: bool = False  # drop parameter gradients before each step (--zero-grad)
-    device: str = "cpu"  # where inputs, weights and steps live (--device)
-    dtype: str = "float32"  # inputs' and weights' dtype (--dtype); routing stays float32 in Sparta
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: known {sorted(DTYPES)}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device {self.device!r}: cpu or cuda")
-
-    def place(self, module_or_tensor: T) -> T:
-        """``module_or_tensor`` on this config's device in its dtype. Made on CPU first, so
-        that every device starts from the same values."""
-        return module_or_tensor.to(device=self.device, dtype=DTYPES[self.dtype])
-
-
-CONFIGS = {
-    "small": BenchConfig("small", tokens=4096, d_model=512, d_ff=1024, num_experts=8),
-    "large": BenchConfig("large", tokens=8192, d_model=1024, d_ff=2048, num_experts=16),
-}
-CANDIDATES = (
-    "dense",
-    "naive",
-    "deepspeed_dropless",
-    "deepspeed_cap1.25",
-    "sparta_dropless",
-    "sparta_grouped_mm",
-    "sparta_cap1.25",
-    "sparta_tcp",
-    "sparta_pipelined",
-)
-# Under expert parallelism the naive loop has no meaning (it holds every expert).
-EP_CANDIDATES = (
-    "dense",
-    "deepspeed_dropless",
-    "deepspeed_cap1.25",
-    "sparta_dropless",
-    "sparta_cap1.25",
-    "sparta_tcp",
-    "sparta_pipelined",
-)
-AUX_LOSS_COEF = 1e-2  # Sparta's default; DeepSpeed's l_aux gets the same weight in backward
-
-Step = Callable[[], None]
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a candidate runs: the expert-parallel communicator (None on one process)."""
-
-    comm: Communicator | None = None
-    tcp_comm: Communicator | None = None  # the same ranks without shared memory (sparta_tcp)
-
-    @property
-    def ranks(self) -> int:
-        return 1 if self.comm is None else self.comm.size
-
-
-def _timed(run: Callable[[], None], cfg: BenchConfig, leaf: Tensor, params: Iterable[Tensor]) -> Step:
-    """``run`` as a timed step that first drops the gradient of its input ``leaf`` (each
-    step's is its own) and, with ``cfg.zero_grad``, its parameters' gradients, as
-    ``optimizer.zero_grad()`` does: backward then writes them afresh instead of adding
-    into the previous step's, as it does in gradient accumulation. On CUDA the step ends
-    when its kernels have, so that a wall clock around it times the device's work."""
-    dropped = [leaf, *params] if cfg.zero_grad else [leaf]
-
-    def step() -> None:
-        for t in dropped:
-            t.grad = None
-        run()
-        if leaf.is_cuda:
-            torch.cuda.synchronize(leaf.device)
-
-    return step
-
-
-def _sparta_layer(
-    cfg: BenchConfig, place: Place, capacity_factor: float | None, gemm: str = "auto", pipeline: int | str = 1
-) -> MoELayer:
-    # Same seed on every rank and for every candidate: the experts of global id e get the
-    # same weights whatever the expert-parallel size, and the router is the same gate.
-    torch.manual_seed(0)
-    layer = MoELayer(
-        cfg.d_model,
-        cfg.d_ff,
-        cfg.num_experts,
-        top_k=cfg.top_k,
-        capacity_factor=capacity_factor,
-        ep_size=place.ranks,
-        comm=place.comm,
-        aux_loss_coef=AUX_LOSS_COEF,
-        expert_gemm=gemm,
-        pipeline_degree=pipeline,
-    )
-    return cfg.place(layer)
-
-
-def _sparta(
-    cfg: BenchConfig, x: Tensor, place: Place, capacity_factor: float | None, gemm: str, pipeline: int | str = 1
-) -> Step | str:
-    layer = _sparta_layer(cfg, place, capacity_factor, gemm, pipeline)
-    try:
-        layer.experts.uses_grouped_mm(x)  # raises where a forced expert_gemm cannot take x
-    except InputError as err:
-        return str(err)
-    grad = torch.randn_like(x)
-    step = _timed(lambda: layer(x).backward(grad), cfg, x, layer.parameters())
-    if pipeline == "auto":
-        step()  # the first forward profiles and plans; time the steps after it
-    return step
-
-
-def _dense(cfg: BenchConfig, x: Tensor) -> Step:
-    torch.manual_seed(0)
-    w1 = cfg.place(nn.Linear(cfg.d_model, cfg.d_ff, bias=False))
-    w2 = cfg.place(nn.Linear(cfg.d_ff, cfg.d_model, bias=False))
-    rows = x.detach().repeat(cfg.top_k, 1).requires_grad_()
-    grad = torch.randn_like(rows)
-    params = [w1.weight, w2.weight]
-    return _timed(lambda: w2(nn.functional.gelu(w1(rows))).backward(grad), cfg, rows, params)
-
-
-def _naive(cfg: BenchConfig, x: Tensor) -> Step:
-    layer = _sparta_layer(cfg, Place(), None)
-    gate, experts = layer.router.gate.weight, layer.experts
-    grad = torch.randn_like(x)
-
-    def run() -> None:
-        # Per-expert weight tensors, as an nn.ModuleList of experts would have.
-        w1, w2 = experts.w1.unbind(0), experts.w2.unbind(0)
-        probs = torch.softmax(x @ gate.t(), dim=-1)
-        top, ids = torch.topk(probs, cfg.top_k, dim=-1)
-        weights = top / top.sum(dim=-1, keepdim=True)
-        y = torch.zeros_like(x)
-        for e in range(cfg.num_experts):
-            chosen = ids == e
-            rows = chosen.any(dim=-1)
-            w = (weights * chosen).sum(dim=-1)[rows].unsqueeze(1)
-            h = nn.functional.gelu(x[rows] @ w1[e]) @ w2[e]
-            y = y.index_put((rows,), w * h, accumulate=True)
-        y.backward(grad)
-
-    return _timed(run, cfg, x, layer.parameters())
-
-
-def _deepspeed(cfg: BenchConfig, x: Tensor, place: Place, drop_tokens: bool) -> Step | str:
-    # Sparta's weights (same seed), copied in, so both route the same tokens to the same experts.
-    reference = _sparta_layer(cfg, place, None)
-    built = deepspeed_step(reference, x, place.ranks, drop_tokens, AUX_LOSS_COEF)
-    if isinstance(built, str):
-        return built
-    run, params = built
-    return _timed(run, cfg, x, params)
-
-
-def build(name: str, cfg: BenchConfig, x: Tensor, place: Place | None = None) -> Step | str:
-    """The candidate's forward+backward step, or why it cannot run."""
-    place = place or Place()
-    if name == "dense":
-        return _dense(cfg, x)
-    if name == "naive":
-        return _naive(cfg, x)
-    if name.startswith("deepspeed"):
-        return _deepspeed(cfg, x, place, drop_tokens=name != "deepspeed_cap1.25")
-    if name == "sparta_dropless":
-        return _sparta(cfg, x, place, None, "auto")
-    if name == "sparta_grouped_mm":
-        return _sparta(cfg, x, place, None, "grouped_mm")
-    if name == "sparta_cap1.25":
-        return _sparta(cfg, x, place, 1.25, "auto")
-    if name == "sparta_tcp":
-        if place.tcp_comm is None:
-            return "expert parallel on the torch engine only: the others have no shared_memory switch"
-        return _sparta(cfg, x, Place(place.tcp_comm), None, "auto")
-    if name == "sparta_pipelined":
-        if place.comm is None:
-            return "expert parallel only: one process has no exchange to pipeline"
-        return _sparta(cfg, x, place, None, "auto", pipeline="auto")
-    raise ValueError(f"unknown candidate {name!r}; known: {CANDIDATES}")
-
-
-def _input(cfg: BenchConfig, rank: int = 0, ranks: int = 1) -> Tensor:
-    """This rank's slice of the one-process input (all of it on one process)."""
-    torch.manual_seed(1)
-    share = cfg.tokens // ranks
-    return cfg.place(torch.randn(cfg.tokens, cfg.d_model)[rank * share : (rank + 1) * share].clone()).requires_grad_()
-
-
-def busiest_rank_load(cfg: BenchConfig, ranks: int) -> float:
-    """Rows the busiest expert-parallel rank computes over the mean, for this benchmark's
-    input and gate (dropless top-k): the floor that routing imbalance sets for any dropless
-    layer, Sparta's or DeepSpeed's, over a dense floor of T / ranks * top_k rows per rank."""
-    layer = _sparta_layer(cfg, Place(), None)
-    with torch.no_grad():
-        layer(_input(cfg))
-    assert layer.last_stats is not None
-    per_rank = torch.tensor(layer.last_stats.tokens_per_expert).view(ranks, -1).sum(1).double()
-    return float(per_rank.max() / per_rank.mean())
 
 
 def _emit(record: dict[str, object]) -> None:
@@ -346,7 +141,7 @@ def time_candidates(
     place = Place(comm, tcp)
     rank = 0 if comm is None else comm.rank
     bench = "moe_layer" if comm is None else "moe_layer_ep"
-    x = _input(cfg, rank, place.ranks)
+    x = make_input(cfg, rank, place.ranks)
     steps: dict[str, Step] = {}
     for name in candidates:
         step = build(name, cfg, x, place)
@@ -401,7 +196,7 @@ def measure_peak(name: str, cfg: BenchConfig) -> None:
     Linux carries ``ru_maxrss`` over fork and exec, so a child of a parent that had just run
     the large timings would report the parent's resident set. On CUDA it is the caching
     allocator's peak of allocated bytes (``torch.cuda.max_memory_allocated``)."""
-    x = _input(cfg)
+    x = make_input(cfg)
     step = build(name, cfg, x)
     if isinstance(step, str):
         _emit({"skipped": step})
