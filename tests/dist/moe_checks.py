@@ -17,8 +17,7 @@ from torch import nn
 
 from sparta.comm import Communicator, HierarchicalAllToAll, World
 from sparta.errors import InputError
-from sparta.moe import parallel
-from sparta.moe import MoELayer, expert_parallel_groups, full_state_dict, sync_gradients
+from sparta.moe import MoELayer, expert_parallel_groups, full_state_dict, parallel, sync_gradients
 
 EXPERTS, D_MODEL, D_FF, SEQ = 8, 8, 16, 9
 TOL = {"atol": 1e-5, "rtol": 1e-5}
