@@ -1,6 +1,7 @@
-# Sparta's two commands: `make demo` and `make test`. Each sets up everything it needs on a
-# fresh machine with only Python (venv, Open MPI, mpi4py, a Horovod built for this torch);
-# a second run finds it all in place and goes straight to work.
+# Sparta's two commands: `make demo` and `make test`. Each sets up what it needs on a fresh
+# machine with only Python: the demo a venv with torch (it runs under torchrun on the torch
+# engine), the tests also Open MPI, mpi4py and a Horovod built for this torch. Stamps make a
+# second run go straight to work.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -24,19 +25,29 @@ mpi:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$pkgs >/dev/null; }
 
-$(VENV)/.stamp-deps: setup.py Makefile | mpi
+# The demo's needs: torch, numpy, tokenizers, tqdm (setup.py's `demo` extra).
+$(VENV)/.stamp-demo: setup.py Makefile
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
-	@echo "[setup] installing torch (CPU wheel), numpy, mpi4py, test tools into $(VENV)"
+	@echo "[setup] installing torch (CPU wheel), numpy, tokenizers, tqdm into $(VENV)"
 	@# torch first and pinned, so nothing after it can pull another (CUDA) build
 	$(PIP) install $(TORCH)
-	$(PIP) install numpy mpi4py pytest pytest-timeout ruff tqdm tokenizers transformers matplotlib
-	$(PIP) install --no-deps -e .
+	$(PIP) install -e '.[demo]'
 	@touch $@
 
-horovod: $(VENV)/.stamp-deps
-	@bash scripts/install_horovod.sh $(VENV)
+# The tests' needs on top: mpi4py and the test tools (setup.py's `test` and `mpi` extras).
+$(VENV)/.stamp-deps: $(VENV)/.stamp-demo | mpi
+	@echo "[setup] installing mpi4py, pytest, ruff, transformers, matplotlib into $(VENV)"
+	$(PIP) install -e '.[test,mpi]'
+	@touch $@
 
-setup: $(VENV)/.stamp-deps horovod
+# Only horovodrun launches need it (make test); it builds with every core (see the script).
+$(VENV)/.stamp-horovod: $(VENV)/.stamp-deps scripts/install_horovod.sh
+	@bash scripts/install_horovod.sh $(VENV)
+	@touch $@
+
+horovod: $(VENV)/.stamp-horovod
+
+setup: horovod
 
 # --- the two commands ----------------------------------------------------------------------
 test: setup
@@ -44,7 +55,8 @@ test: setup
 	$(PY) -m pytest -q tests
 
 # A GPT-style MoE LM trained on Python's standard library, experts sharded over 4 CPU ranks.
-demo: setup
+# It needs neither MPI nor Horovod, so it does not wait for them.
+demo: $(VENV)/.stamp-demo
 	$(PY) -m torch.distributed.run --nproc-per-node=4 --master-addr=127.0.0.1 --master-port=$$(( 20000 + $$$$ % 20000 )) \
 	  examples/train_moe_lm.py
 

@@ -9,19 +9,25 @@
 #      against the venv's torch, print one line and exit 0.
 #   2. Else, if a wheel is cached in
 #        ${SPARTA_CACHE_DIR:-$HOME/.cache/sparta}/wheels/horovod-0.28.1-torch<ver>-<pytag>/
-#      install it (pip --no-deps, plus horovod's runtime deps) and exit.
-#   3. Else download the sdist, patch it for C++17 (torch >= 2.1 headers need it),
-#      build a wheel with --no-build-isolation, cache it, install it.
+#      and matches the <wheel>.sha256 written beside it when it was built, install it
+#      (pip --no-deps, plus horovod's runtime deps) and exit.
+#   3. Else take the sdist (cached in .../sdist/ if it matches the sha256 PyPI publishes,
+#      else downloaded), patch it for C++17 (torch >= 2.1 headers need it), build a wheel
+#      with --no-build-isolation and one make job per CPU, cache it with its .sha256,
+#      install it.
+# A cached file that fails its hash is deleted (with a log line) and fetched or built again.
 #
 # torch is never installed or upgraded by this script.
 #
 # Environment knobs:
-#   SPARTA_CACHE_DIR   cache root (default $HOME/.cache/sparta)
-#   MAKEFLAGS          passed to make (default -j<nproc>)
-#   HOROVOD_CMAKE      cmake binary to use (default: system cmake if >= 3.13)
+#   SPARTA_CACHE_DIR    cache root (default $HOME/.cache/sparta)
+#   SPARTA_BUILD_JOBS   parallel make jobs (default: the CPUs this process may run on)
+#   HOROVOD_CMAKE       cmake binary to use (default: system cmake if >= 3.13)
 set -euo pipefail
 
 HVD_VERSION="0.28.1"
+# sha256 of horovod-0.28.1.tar.gz as PyPI publishes it (https://pypi.org/simple/horovod/).
+SDIST_SHA256="92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
 
 log()  { echo "[install_horovod] $*"; }
 die()  { echo "[install_horovod] ERROR: $*" >&2; exit 1; }
@@ -116,11 +122,22 @@ find_cached_wheel() {
     return 1
 }
 
+sha256_of() { sha256sum "$1" | cut -d' ' -f1; }
+
 # --------------------------------------------------------------------------------------
 # Cache path
 # --------------------------------------------------------------------------------------
 if WHEEL="$(find_cached_wheel)"; then
-    log "installing cached wheel $WHEEL"
+    WANT="$(cut -d' ' -f1 "$WHEEL.sha256" 2>/dev/null || true)"
+    GOT="$(sha256_of "$WHEEL")"
+    if [[ "$GOT" != "${WANT:-none}" ]]; then
+        log "cached wheel $WHEEL has sha256 $GOT, its $(basename "$WHEEL").sha256 says ${WANT:-nothing (file missing)}; removing it and rebuilding from source."
+        rm -f "$WHEEL" "$WHEEL.sha256"
+        unset WHEEL
+    fi
+fi
+if [[ -n "${WHEEL:-}" ]]; then
+    log "installing cached wheel $WHEEL (sha256 matches)"
     install_runtime_deps
     pip_ install -q --no-deps --force-reinstall "$WHEEL"
     if verify_import; then
@@ -128,7 +145,7 @@ if WHEEL="$(find_cached_wheel)"; then
         exit 0
     fi
     log "cached wheel does not import correctly; removing it and rebuilding from source."
-    rm -f "$WHEEL"
+    rm -f "$WHEEL" "$WHEEL.sha256"
 fi
 
 # --------------------------------------------------------------------------------------
@@ -178,19 +195,30 @@ log "using cmake: $HOROVOD_CMAKE ($("$HOROVOD_CMAKE" --version | head -n1))"
 # Build path: sdist (cached), extract, patch
 # --------------------------------------------------------------------------------------
 SDIST="$SDIST_DIR/horovod-${HVD_VERSION}.tar.gz"
+if [[ -f "$SDIST" ]]; then
+    GOT="$(sha256_of "$SDIST")"
+    if [[ "$GOT" == "$SDIST_SHA256" ]]; then
+        log "using cached sdist $SDIST (sha256 matches PyPI's)"
+    else
+        log "cached sdist $SDIST has sha256 $GOT, PyPI publishes $SDIST_SHA256; removing it and downloading again."
+        rm -f "$SDIST"
+    fi
+fi
 if [[ ! -f "$SDIST" ]]; then
     log "downloading horovod ${HVD_VERSION} sdist"
     mkdir -p "$TMP/dl" "$SDIST_DIR"
     pip_ download -q --no-deps --no-binary :all: --no-build-isolation \
         -d "$TMP/dl" "horovod==${HVD_VERSION}" \
         || die "pip download of horovod==${HVD_VERSION} failed (network / PyPI reachable?)"
-    [[ -f "$TMP/dl/horovod-${HVD_VERSION}.tar.gz" ]] || die "sdist not found after download (got: $(ls "$TMP/dl"))"
-    mv "$TMP/dl/horovod-${HVD_VERSION}.tar.gz" "$SDIST.part"
+    DL="$TMP/dl/horovod-${HVD_VERSION}.tar.gz"
+    [[ -f "$DL" ]] || die "sdist not found after download (got: $(ls "$TMP/dl"))"
+    GOT="$(sha256_of "$DL")"
+    [[ "$GOT" == "$SDIST_SHA256" ]] \
+        || die "downloaded horovod-${HVD_VERSION}.tar.gz has sha256 $GOT, PyPI publishes $SDIST_SHA256; not building it (check your index / proxy)."
+    mv "$DL" "$SDIST.part"
     mv "$SDIST.part" "$SDIST"
-else
-    log "using cached sdist $SDIST"
 fi
-tar -xzf "$SDIST" -C "$TMP" || { rm -f "$SDIST"; die "could not extract $SDIST (removed it; re-run to download again)"; }
+tar -xzf "$SDIST" -C "$TMP" || die "could not extract $SDIST"
 SRC="$TMP/horovod-${HVD_VERSION}"
 [[ -f "$SRC/setup.py" ]] || die "unexpected sdist layout: $SRC/setup.py missing"
 
@@ -228,16 +256,21 @@ export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET
 export HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
 unset HOROVOD_WITHOUT_PYTORCH HOROVOD_WITH_TENSORFLOW HOROVOD_WITH_MXNET HOROVOD_WITHOUT_GLOO HOROVOD_WITHOUT_MPI
 unset HOROVOD_GPU_OPERATIONS HOROVOD_GPU_ALLREDUCE HOROVOD_GPU_ALLGATHER HOROVOD_GPU_BROADCAST HOROVOD_GPU HOROVOD_LOCAL_VERSION
-# setup.py passes -j8 to make unless MAKEFLAGS is set.
-NPROC="$(nproc 2>/dev/null || echo 2)"
-export MAKEFLAGS="${MAKEFLAGS:--j${NPROC}}"
+# make reads its job count from MAKEFLAGS (horovod's setup.py adds -j8 only when it is
+# unset). An inherited MAKEFLAGS is not ours to pass on: under make it holds that make's own
+# flags (k, s, or a jobserver whose pipes this script never gets). nproc alone is not the
+# CPU count either: it honours OMP_NUM_THREADS, which Sparta's Makefile exports as 1.
+JOBS="${SPARTA_BUILD_JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2)}"
+export MAKEFLAGS="-j${JOBS}"
+unset MFLAGS MAKELEVEL
 
 mkdir -p "$LOG_DIR" "$TMP/wheelhouse"
 BUILD_LOG="$LOG_DIR/horovod-${HVD_VERSION}-torch${TORCH_VER}-${PY_TAG}-build.log"
-log "building horovod ${HVD_VERSION} wheel against torch ${TORCH_VER} (MAKEFLAGS=$MAKEFLAGS); this takes several minutes"
+log "building horovod ${HVD_VERSION} wheel against torch ${TORCH_VER} with make -j${JOBS}; this takes several minutes"
 log "build log: $BUILD_LOG"
 T0=$SECONDS
-if ! pip_ wheel -v --no-build-isolation --no-deps -w "$TMP/wheelhouse" "$SRC" >"$BUILD_LOG" 2>&1; then
+echo "[install_horovod] MAKEFLAGS=$MAKEFLAGS" >"$BUILD_LOG"
+if ! pip_ wheel -v --no-build-isolation --no-deps -w "$TMP/wheelhouse" "$SRC" >>"$BUILD_LOG" 2>&1; then
     echo "----- last 60 lines of $BUILD_LOG -----" >&2
     tail -n 60 "$BUILD_LOG" >&2
     echo "---------------------------------------" >&2
@@ -245,13 +278,17 @@ if ! pip_ wheel -v --no-build-isolation --no-deps -w "$TMP/wheelhouse" "$SRC" >"
 fi
 BUILT=("$TMP"/wheelhouse/horovod-"${HVD_VERSION}"-*.whl)
 [[ -f "${BUILT[0]}" ]] || die "build succeeded but no horovod wheel found in $TMP/wheelhouse"
-log "built $(basename "${BUILT[0]}") in $((SECONDS - T0))s ($(du -h "${BUILT[0]}" | cut -f1))"
+log "built $(basename "${BUILT[0]}") in $((SECONDS - T0))s with make -j${JOBS} ($(du -h "${BUILT[0]}" | cut -f1))"
 
+# The hash goes in first: a wheel seen without its .sha256 counts as damaged and is rebuilt.
+WHEEL="$WHEEL_DIR/$(basename "${BUILT[0]}")"
 mkdir -p "$WHEEL_DIR"
-cp "${BUILT[0]}" "$WHEEL_DIR/.tmp-$(basename "${BUILT[0]}")"
-mv "$WHEEL_DIR/.tmp-$(basename "${BUILT[0]}")" "$WHEEL_DIR/$(basename "${BUILT[0]}")"
-log "cached wheel in $WHEEL_DIR"
+echo "$(sha256_of "${BUILT[0]}")  $(basename "$WHEEL")" >"$WHEEL.sha256.part"
+mv "$WHEEL.sha256.part" "$WHEEL.sha256"
+cp "${BUILT[0]}" "$WHEEL_DIR/.tmp-$(basename "$WHEEL")"
+mv "$WHEEL_DIR/.tmp-$(basename "$WHEEL")" "$WHEEL"
+log "cached wheel in $WHEEL_DIR (sha256 in $(basename "$WHEEL").sha256)"
 
-pip_ install -q --no-deps --force-reinstall "$WHEEL_DIR/$(basename "${BUILT[0]}")"
+pip_ install -q --no-deps --force-reinstall "$WHEEL"
 verify_import || die "horovod was built and installed, but 'import horovod.torch' still fails in $VENV; run: $PY -c 'import horovod.torch'"
 log "horovod ${HVD_VERSION} built and installed into $VENV."

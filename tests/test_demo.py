@@ -3,20 +3,23 @@
 Two launches: the demo itself with a tiny configuration (its loss must fall and its JSON
 summary be sane), and this file as a worker that checks the demo's gradient convention:
 data-parallel dense weights + expert-parallel experts must give the gradients of one process
-running the whole batch.
+running the whole batch. And a dry run of `make demo`, which must not wait for MPI or Horovod.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
 
 
 def _torchrun(script: Path, args: list[str], timeout: float) -> str:
@@ -38,6 +41,29 @@ def test_demo_trains_on_two_ranks() -> None:
     assert summary["val_loss"] < summary["initial_val_loss"], summary
     assert 5.0 < summary["initial_loss"] < 8.0, f"an untrained model should be near ln(512) = 6.2: {summary}"
     assert summary["tokens_per_s"] > 0 and summary["wall_s"] > 0, summary
+
+
+def _make_dry_run(target: str) -> str:
+    """Every command `make <target>` would run on a fresh clone: -B takes every stamp as stale,
+    -n runs none of them."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not on PATH")
+    # An outer make (make test) must not hand its flags to this one.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    done = subprocess.run([make, "-n", "-B", target], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"make -n -B {target} failed:\n{done.stderr}"
+    return done.stdout
+
+
+def test_make_demo_sets_up_neither_mpi_nor_horovod() -> None:
+    demo, test = _make_dry_run("demo"), _make_dry_run("test")
+    tests_only = ("scripts/install_horovod.sh", "apt-get", "'.[test,mpi]'")
+    for step in tests_only:
+        assert step in test, f"make test no longer runs {step!r}; update this test:\n{test}"
+        assert step not in demo, f"make demo runs {step!r}, which only the tests need:\n{demo}"
+    for step in ("torch==2.13.0", "'.[demo]'", "torch.distributed.run"):
+        assert step in demo, f"make demo does not run {step!r}:\n{demo}"
 
 
 def test_gradients_equal_one_process_on_the_whole_batch() -> None:
