@@ -11,15 +11,13 @@ shape. Inside, for ``T`` tokens, ``E`` experts and ``k`` experts per token:
   and the grouped order (``N = P`` pairs dropless, fewer with a capacity); ``dispatch``
   also gathers the rows ``[N, d_model]``;
 - ``GroupedExperts`` runs every expert's MLP (with biases if ``expert_bias=True``) on its
-  rows (grouped GEMM, or the expert loop of ``sparta.moe.expert_loop``, which fuses
-  gather, MLP and combine on one process);
+  rows, each GEMM of all experts one ``torch.nn.functional.grouped_mm``;
 - ``combine`` adds the weighted outputs back into token order ``[T, d_model]``.
 
 With ``ep_size > 1`` the rows travel to the rank holding their expert and back by
-all-to-all between dispatch and combine (``sparta.moe.parallel``); a rank's own pairs never
-travel: it computes them, fused with their gather and combine, while the others' rows travel.
-On the expert loop, an expert weight that already holds a ``.grad`` (gradient accumulation)
-gets its gradient added straight into it (``expert_loop.accumulation_targets`` says when).
+all-to-all between dispatch and combine (``sparta.moe.parallel``), optionally cut into
+chunks that overlap the experts' compute; ``tune_schedule`` picks the chunking from a
+profile, as an explicit step before training.
 
 Around the layer: ``moeify(model, ...)`` swaps an existing model's MLPs for MoE layers
 (upcycling their weights and biases); ``expert_parallel_groups`` / ``sync_gradients`` combine expert
@@ -50,6 +48,7 @@ from sparta.moe.routers import (
     XMoERouter,
     build_router,
 )
+from sparta.moe.tuning import tune_schedule
 
 __all__ = [
     "ACTIVATIONS",
@@ -81,4 +80,5 @@ __all__ = [
     "read_dense_mlp",
     "sharded_expert_parameters",
     "sync_gradients",
+    "tune_schedule",
 ]

@@ -9,8 +9,7 @@ from sparta.errors import ConfigError
 from sparta.scheduling.pipeline import DEGREES_HELP, PipelineDegrees
 
 ROUTERS = ("topk", "switch", "sigmoid", "xmoe", "expert_choice", "soft")
-ACTIVATIONS = ("gelu", "relu", "swiglu")
-EXPERT_GEMMS = ("auto", "grouped_mm", "loop")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu")
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -35,16 +34,15 @@ class MoEConfig:
     Router-specific fields only matter for their router: ``jitter_eps`` (topk, switch:
     multiplicative input noise in training), ``bias_update_rate`` (sigmoid: step of the
     aux-loss-free balancing bias), ``xmoe_dim`` (xmoe: dimension of the routing space),
-    ``slots_per_expert`` (soft). ``expert_gemm`` picks the expert kernel: ``"grouped_mm"``
-    (``torch._grouped_mm``), ``"loop"`` (one ``torch.mm`` per expert) or ``"auto"``.
+    ``slots_per_expert`` (soft). ``activation``: ``gelu``, ``gelu_tanh`` (GELU's tanh
+    approximation), ``relu``, ``silu`` (ungated), ``swiglu`` (gated, a third matrix ``w3``).
     ``expert_bias`` gives every expert's linear maps biases, as a dense MLP with biases has
     (GPT-2's), so such an MLP upcycles exactly.
     ``pipeline_degree`` (expert parallel only): chunks the row exchanges are cut into so that
     communication overlaps expert compute, one int for both passes, ``(forward, backward)``,
     ``(forward, backward, taper)`` (``sparta.scheduling.PipelineDegrees``: end chunks
-    ``2**-taper`` of the middle size), or ``"auto"``: the layer profiles its all-to-all and
-    expert GEMMs at its first forward and takes the degrees (and flat or hierarchical
-    exchange) that ``sparta.scheduling.CostModel`` predicts fastest.
+    ``2**-taper`` of the middle size). ``sparta.moe.tune_schedule`` chooses them from a
+    profile, as an explicit step before training.
     """
 
     d_model: int
@@ -61,9 +59,8 @@ class MoEConfig:
     bias_update_rate: float = 1e-3
     xmoe_dim: int = 16
     slots_per_expert: int = 1
-    expert_gemm: str = "auto"
     expert_bias: bool = False
-    pipeline_degree: int | tuple[int, int] | tuple[int, int, int] | str = 1
+    pipeline_degree: int | tuple[int, int] | tuple[int, int, int] = 1
 
     def __post_init__(self) -> None:
         _check_int("d_model", self.d_model, 1)
@@ -88,8 +85,6 @@ class MoEConfig:
             raise ConfigError(f"router={self.router!r} is unknown: choose one of {', '.join(ROUTERS)}")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"activation={self.activation!r} is unknown: choose one of {', '.join(ACTIVATIONS)}")
-        if self.expert_gemm not in EXPERT_GEMMS:
-            raise ConfigError(f"expert_gemm={self.expert_gemm!r} is unknown: choose one of {', '.join(EXPERT_GEMMS)}")
         if self.capacity_factor is not None:
             cf = self.capacity_factor
             if not isinstance(cf, (int, float)) or isinstance(cf, bool) or not 0 < cf < math.inf:
@@ -108,14 +103,13 @@ class MoEConfig:
                 "has no meaning: set capacity_factor=None (size the experts' work with "
                 "slots_per_expert instead)"
             )
-        if self.pipeline_degree != "auto":
-            try:
-                PipelineDegrees.of(self.pipeline_degree)  # type: ignore[arg-type]
-            except ConfigError:
-                raise ConfigError(
-                    f"pipeline_degree={self.pipeline_degree!r} is invalid: use {DEGREES_HELP}, "
-                    "or 'auto' (chosen from a profile at the first forward)"
-                ) from None
+        try:
+            PipelineDegrees.of(self.pipeline_degree)
+        except ConfigError:
+            raise ConfigError(
+                f"pipeline_degree={self.pipeline_degree!r} is invalid: use {DEGREES_HELP} "
+                "(sparta.moe.tune_schedule chooses them from a profile)"
+            ) from None
         _check_float("aux_loss_coef", self.aux_loss_coef, 0.0)
         _check_float("z_loss_coef", self.z_loss_coef, 0.0)
         _check_float("jitter_eps", self.jitter_eps, 0.0, 1.0)
@@ -124,10 +118,9 @@ class MoEConfig:
             raise ConfigError(f"expert_bias={self.expert_bias!r} is invalid: pass True or False")
 
     @property
-    def degrees(self) -> PipelineDegrees | None:
-        """The pipeline's degrees and taper; None for "auto"."""
-        pd = self.pipeline_degree
-        return None if isinstance(pd, str) else PipelineDegrees.of(pd)
+    def degrees(self) -> PipelineDegrees:
+        """The pipeline's degrees and taper."""
+        return PipelineDegrees.of(self.pipeline_degree)
 
     @property
     def num_local_experts(self) -> int:

@@ -1,4 +1,9 @@
-"""GroupedExperts: the MLPs of the experts one rank holds, run over rows grouped by expert."""
+"""GroupedExperts: the MLPs of the experts one rank holds, run over rows grouped by expert.
+
+Every GEMM of all experts is one ``torch.nn.functional.grouped_mm`` call, on CPU and CUDA
+alike: the rows ``[N, d]`` are cut into groups by cumulative ``counts`` kept on the device,
+so running the experts needs no host synchronisation.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +14,21 @@ import torch
 from torch import Tensor, nn
 
 from sparta.errors import InputError
-from sparta.moe.dispatch import DispatchPlan, combine
-from sparta.moe.expert_loop import ExpertLoop, LoopWeights, Segment, activate, block_segments, consecutive_segments
 
-# torch._grouped_mm's dtypes per device type; CUDA kernels exist for bfloat16 only.
-_GROUPED_MM_DTYPES = {
-    "cpu": (torch.float32, torch.bfloat16, torch.float16),
-    "cuda": (torch.bfloat16,),
-}
-# torch._grouped_mm needs every row stride to be a multiple of 16 bytes.
-_GROUPED_MM_ALIGN_BYTES = 16
+
+def activate(activation: str, h1: Tensor, h3: Tensor | None = None) -> Tensor:
+    """The expert MLP's nonlinearity: ``swiglu`` gates ``silu(h1)`` by ``h3``; ``gelu_tanh``
+    is GELU's tanh approximation (GPT-2's ``gelu_new``)."""
+    if activation == "swiglu":
+        assert h3 is not None
+        return nn.functional.silu(h1) * h3
+    if activation == "gelu":
+        return nn.functional.gelu(h1)
+    if activation == "gelu_tanh":
+        return nn.functional.gelu(h1, approximate="tanh")
+    if activation == "silu":
+        return nn.functional.silu(h1)
+    return nn.functional.relu(h1)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -45,14 +55,12 @@ class GroupedExperts(nn.Module):
     depend only on the global RNG state and its global id, so a model built with any
     expert-parallel size starts from the same experts. ``state_dict()`` holds one entry per
     expert under its global id (``w1.<id>`` ``[d_model, d_ff]``, ``w2.<id>`` ``[d_ff,
-    d_model]``, ``b1.<id>`` ``[d_ff]``, ...), and ``load_state_dict`` takes this rank's experts from any checkpoint that
-    contains them, whatever expert-parallel size wrote it.
+    d_model]``, ``b1.<id>`` ``[d_ff]``, ...), and ``load_state_dict`` takes this rank's
+    experts from any checkpoint that contains them, whatever expert-parallel size wrote it.
 
-    ``gemm``: ``"loop"`` runs the experts one after the other with a hand-written backward
-    (``sparta.moe.expert_loop``), fastest on CPU; ``"grouped_mm"`` runs each GEMM of all
-    experts as one ``torch._grouped_mm`` (float32/bfloat16/float16 on CPU, bfloat16 on CUDA, ``d_model``
-    and ``d_ff`` rows 16-byte aligned), the choice for GPUs; ``"auto"`` takes grouped_mm on
-    CUDA where it applies and the loop otherwise.
+    The GEMMs run through ``torch.nn.functional.grouped_mm``: float32, bfloat16 and float16
+    on CPU; bfloat16 on CUDA (compute capability 8.0+). Rows must be 16-byte aligned
+    (``d_model`` and ``d_ff`` times the element size multiples of 16).
     """
 
     def __init__(
@@ -61,7 +69,6 @@ class GroupedExperts(nn.Module):
         d_model: int,
         d_ff: int,
         activation: str = "gelu",
-        gemm: str = "auto",
         first_expert: int = 0,
         bias: bool = False,
     ) -> None:
@@ -70,7 +77,6 @@ class GroupedExperts(nn.Module):
         self.d_model = d_model
         self.d_ff = d_ff
         self.activation = activation
-        self.gemm = gemm
         # A plain attribute, not a buffer: a checkpoint must not pin the expert-parallel layout.
         self.first_expert = first_expert
         self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
@@ -149,93 +155,47 @@ class GroupedExperts(nn.Module):
                 key for key in state_dict if key.startswith(prefix) and key[len(prefix) :].split(".")[0] not in ours
             )
 
-    def forward(self, rows: Tensor, counts: Tensor, counts_list: list[int]) -> Tensor:
-        """``rows`` ``[N, d_model]`` grouped by local expert, ``counts`` ``[num_experts]``
-        int64 (``counts_list`` the same on the host) -> ``[N, d_model]``, same order."""
-        if len(counts_list) != self.num_experts or sum(counts_list) != rows.shape[0]:
+    def check_rows(self, rows: Tensor) -> None:
+        """Raise InputError unless grouped_mm can take rows like ``rows`` with these weights."""
+        if rows.dtype != self.w1.dtype or rows.device != self.w1.device:
             raise InputError(
-                f"GroupedExperts got counts {counts_list} for {rows.shape[0]} rows and "
-                f"{self.num_experts} experts: pass one count per local expert summing to the rows"
+                f"the experts hold {self.w1.dtype} weights on {self.w1.device} but got {rows.dtype} rows on "
+                f"{rows.device}: move the layer to the input's device and dtype (layer.to(x.device, x.dtype))"
             )
-        if self._grouped_mm_takes(rows, rows.shape[0]):
-            return self._grouped_mm(rows, counts)
-        return self._loop(rows.contiguous(), None, None, consecutive_segments(counts_list))
+        unaligned = [n for n in (self.d_model, self.d_ff) if n * rows.element_size() % 16]
+        if unaligned:
+            raise InputError(
+                f"grouped_mm needs 16-byte aligned rows, but d_model={self.d_model}, d_ff={self.d_ff} in "
+                f"{rows.dtype} gives rows of {[n * rows.element_size() for n in unaligned]} bytes: use widths "
+                f"that are multiples of {16 // rows.element_size()}"
+            )
 
-    def forward_tokens(self, x: Tensor, plan: DispatchPlan) -> Tensor:
-        """``[T, d_model]`` tokens -> ``[T, d_model]``: each token's experts' outputs, weighted
-        and summed as ``plan`` (a ``plan_dispatch`` result for these experts) says. Equal to
-        ``combine(self(rows, ...), plan)`` on the gathered rows, without building them."""
-        if self._grouped_mm_takes(x, plan.token_idx.numel()):
-            rows = x.index_select(0, plan.token_idx)
-            return combine(self._grouped_mm(rows, plan.counts), plan, x.shape[0])
-        segments = consecutive_segments(plan.counts_list)
-        return self._loop(x.contiguous(), plan.token_idx, plan.weight.to(x.dtype), segments)
+    def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
+        """``rows`` ``[N, d_model]`` grouped by local expert, ``counts`` ``[num_experts]``
+        int64 on the rows' device -> ``[N, d_model]``, same order."""
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+
+        def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+            y = nn.functional.grouped_mm(x, w, offs=offsets)
+            # grouped_mm's own bias takes no gradient; output_size avoids a host sync.
+            return y if b is None else y + b.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+
+        h1 = linear(rows, self.w1, self.b1)
+        h3 = linear(rows, self.w3, self.b3) if self.w3 is not None else None
+        return _ContiguousGrad.apply(linear(activate(self.activation, h1, h3), self.w2, self.b2))
 
     def forward_blocks(self, rows: Tensor, block_counts: Tensor) -> Tensor:
         """``rows`` ``[N, d_model]`` in blocks, each grouped by local expert (block ``b`` holds
         ``block_counts[b, j]`` rows of expert ``j``, ``block_counts`` ``[B, num_experts]``
         int64; what an expert-parallel all-to-all receives, one block per source rank) ->
-        ``[N, d_model]``, same order. The loop runs each block's rows where they lie;
-        grouped_mm takes them in expert order and puts them back."""
-        if self._grouped_mm_takes(rows, rows.shape[0]):
-            expert_of_row = torch.arange(self.num_experts, device=rows.device).repeat(block_counts.shape[0])
-            row_expert = torch.repeat_interleave(expert_of_row, block_counts.reshape(-1).to(rows.device))
-            by_expert = torch.sort(row_expert, stable=True).indices
-            out = self._grouped_mm(rows.index_select(0, by_expert), block_counts.sum(dim=0).to(rows.device))
-            return torch.empty_like(out).index_copy_(0, by_expert, out)
-        return self._loop(rows.contiguous(), None, None, block_segments(block_counts.tolist()))
-
-    def loop_weights(self) -> LoopWeights:
-        """The weights as the expert loop takes them."""
-        return LoopWeights(self.activation, self.w1, self.w3, self.w2, self.b1, self.b3, self.b2)
-
-    def _loop(self, x: Tensor, token_idx: Tensor | None, weight: Tensor | None, segments: list[Segment]) -> Tensor:
-        w = self.loop_weights()
-        return ExpertLoop.apply(x, token_idx, weight, segments, w.activation, *w.tensors())
-
-    def _grouped_mm(self, rows: Tensor, counts: Tensor) -> Tensor:
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-
-        def linear(x: Tensor, w: Tensor | None, b: Tensor | None) -> Tensor | None:
-            if w is None:
-                return None
-            y = torch._grouped_mm(x, w, offs=offsets)
-            # output_size: no device-to-host sync for the row count.
-            return y if b is None else y + b.repeat_interleave(counts, dim=0, output_size=x.shape[0])
-
-        h1 = linear(rows, self.w1, self.b1)
-        assert h1 is not None
-        h3 = linear(rows, self.w3, self.b3)
-        out = linear(activate(self.activation, h1, h3), self.w2, self.b2)
-        return _ContiguousGrad.apply(out)
-
-    def _grouped_mm_takes(self, rows: Tensor, count: int) -> bool:
-        """Whether ``count`` rows like ``rows`` go through grouped_mm here. No rows at all take
-        the loop: grouped_mm's backward rejects the stride-0 gradient of an empty tensor."""
-        return self.uses_grouped_mm(rows) and count > 0
-
-    def uses_grouped_mm(self, rows: Tensor) -> bool:
-        """Whether rows like ``rows`` go through ``torch._grouped_mm`` (else the expert loop),
-        by device, dtype and widths, not by row count, so every rank of a group agrees;
-        raises where ``gemm='grouped_mm'`` cannot take them. (No rows at all always take
-        the loop.)"""
-        if self.gemm == "loop" or (self.gemm == "auto" and rows.device.type == "cpu"):
-            return False
-        supported = (
-            hasattr(torch, "_grouped_mm")
-            and rows.dtype in _GROUPED_MM_DTYPES.get(rows.device.type, ())
-            and self.w1.dtype == rows.dtype
-            and rows.is_contiguous()
-            and all(n * rows.element_size() % _GROUPED_MM_ALIGN_BYTES == 0 for n in (self.d_model, self.d_ff))
-        )
-        if self.gemm == "grouped_mm" and not supported:
-            raise InputError(
-                f"expert_gemm='grouped_mm' cannot run {rows.dtype} rows on {rows.device.type} "
-                f"with d_model={self.d_model}, d_ff={self.d_ff}: it needs "
-                f"{_GROUPED_MM_DTYPES.get(rows.device.type, ())} and 16-byte aligned rows; "
-                "use expert_gemm='auto' to fall back to a loop"
-            )
-        return supported
+        ``[N, d_model]``, same order: the rows go through ``forward`` in expert order and back."""
+        if block_counts.shape[0] == 1:
+            return self(rows, block_counts[0])
+        expert_of_row = torch.arange(self.num_experts, device=rows.device).repeat(block_counts.shape[0])
+        row_expert = torch.repeat_interleave(expert_of_row, block_counts.reshape(-1), output_size=rows.shape[0])
+        by_expert = torch.sort(row_expert, stable=True).indices
+        out = self(rows.index_select(0, by_expert), block_counts.sum(dim=0))
+        return torch.empty_like(out).index_copy(0, by_expert, out)
 
     def extra_repr(self) -> str:
         return (

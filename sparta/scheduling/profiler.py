@@ -120,25 +120,36 @@ class ProfileConfig:
 class Profiler:
     """Times operations on `groups` ({name: communicator}); `comm` spans every rank of every
     group and agrees the timings (slowest rank). All methods are collective over `comm`. A
-    HierarchicalAllToAll may be a group (named "hier" for the cost model) for "all_to_all"."""
+    HierarchicalAllToAll may be a group (named "hier" for the cost model) for "all_to_all".
+    Tensors are made on `device` (the device the profiled layer runs on), and every timed run
+    ends by waiting for that device (`torch.get_device_module(device).synchronize`), so a
+    CUDA run is timed as the GPU executes it, not as the host queues it."""
 
     def __init__(
         self,
         comm: Communicator,
         groups: Mapping[str, Communicator | HierarchicalAllToAll],
         config: ProfileConfig | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.comm, self.groups, self.config = comm, dict(groups), config or ProfileConfig()
+        self.device = torch.device(device)
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the profiled device."""
+        torch.get_device_module(self.device).synchronize(self.device)
 
     def _time(self, run: Callable[[], object]) -> float:
         """Median seconds of `run` on this rank, then the slowest rank's."""
         for _ in range(self.config.warmup):
             run()
+        self.synchronize()
         self.comm.barrier()
         times = []
         for _ in range(self.config.repeats):
             begin = time.perf_counter()
             run()
+            self.synchronize()
             times.append(time.perf_counter() - begin)
         mine = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
         every = self.comm.all_gather(mine)
@@ -155,7 +166,7 @@ class Profiler:
                 samples = []
                 for nbytes in self.config.bytes:
                     n = max(group.size, nbytes // 4 // group.size * group.size)  # float32, divisible
-                    x = torch.ones(n)
+                    x = torch.ones(n, device=self.device)
                     samples.append((n * 4, self._time(lambda op=op, x=x, g=group: getattr(g, op)(x))))
                 fits[f"{op}/{name}"] = LinearFit.fit(samples)
         return Profile(fits)
@@ -176,11 +187,11 @@ class Profiler:
         backward alone ("{op}_bwd/{shape}", through a graph built untimed)."""
 
         def forward(rows: int) -> Callable[[], object]:
-            x = torch.randn(rows, d_in, dtype=dtype)
+            x = torch.randn(rows, d_in, dtype=dtype, device=self.device)
             return lambda: fn(x)
 
         def backward(rows: int) -> Callable[[], object]:
-            out = fn(torch.randn(rows, d_in, dtype=dtype, requires_grad=True))
+            out = fn(torch.randn(rows, d_in, dtype=dtype, device=self.device, requires_grad=True))
             grad = torch.ones_like(out)
             return lambda: out.backward(grad, retain_graph=True)
 
@@ -197,8 +208,8 @@ class Profiler:
 
     def expert_mlp(self, d_model: int, d_ff: int, dtype: torch.dtype = torch.float32) -> Profile:
         """One expert's two GEMMs (d_model -> d_ff -> d_model, GELU), under "{d_model}x{d_ff}"."""
-        w1 = torch.randn(d_model, d_ff, dtype=dtype, requires_grad=True)
-        w2 = torch.randn(d_ff, d_model, dtype=dtype, requires_grad=True)
+        w1 = torch.randn(d_model, d_ff, dtype=dtype, device=self.device, requires_grad=True)
+        w2 = torch.randn(d_ff, d_model, dtype=dtype, device=self.device, requires_grad=True)
         return self.forward_backward(
             f"{d_model}x{d_ff}", lambda x: torch.nn.functional.gelu(x @ w1) @ w2, d_model, dtype
         )
