@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sparta.scheduling.cluster import ClusterConfig, EmulatedCluster  # noqa: E402
+from sparta_tools.cluster import ClusterConfig, EmulatedCluster  # noqa: E402
 
 PROBE_MIB = (1, 4, 16)
 

@@ -47,9 +47,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sparta.scheduling.cluster import ClusterConfig, EmulatedCluster  # noqa: E402
 from sparta.scheduling.microbatch import Routed, overlapped_block  # noqa: E402
 from sparta.scheduling.pipeline import Compute  # noqa: E402
+from sparta_tools.cluster import ClusterConfig, EmulatedCluster  # noqa: E402
 
 EXPERTS, TOP_K, D_MODEL, D_FF, TOKENS = 8, 2, 512, 1024, 4096
 

@@ -56,8 +56,8 @@ def _shared_memory_info() -> dict[str, object]:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    """Launch the ranks (sparta.scheduling.profile_cli), or, on a rank, run the MoE block."""
-    from sparta.scheduling.profile_cli import ProfileRun, launch, parse_degree, run_worker
+    """Launch the ranks (sparta_tools.profile), or, on a rank, run the MoE block."""
+    from sparta_tools.profile import ProfileRun, launch, parse_degree, run_worker
 
     if args.worker:
         run = ProfileRun.from_json(args.worker)

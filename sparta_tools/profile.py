@@ -14,7 +14,7 @@ and `<out>/profile.json`, and prints one JSON line per fit and one with the plan
 the layer ran and the step time.
 
 Ranks start under torchrun on this machine, or with `rate` inside an emulated cluster
-(sparta.scheduling.cluster: root only) whose nodes are `ranks_per_node` ranks each. This
+(sparta_tools.cluster: root only) whose nodes are `ranks_per_node` ranks each. This
 module never imports sparta.moe (imports point down): the command line hands the worker a
 `make_block(comm, exchange)` that builds the layer.
 """
@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from sparta.errors import ConfigError
-from sparta.scheduling.cluster import ClusterConfig, EmulatedCluster
 from sparta.scheduling.cost_model import CostModel, LayerShape
 from sparta.scheduling.pipeline import DEGREES_HELP, PipelineDegrees
 from sparta.scheduling.profiler import Profile, ProfileConfig, Profiler
 from sparta.scheduling.trace import TracedExchange, Tracer, draw_timeline, gather, write_chrome_trace
+from sparta_tools.cluster import ClusterConfig, EmulatedCluster
 
 TRACKS = ("step", "compute", "intra-node comm", "inter-node comm", "world comm")
 

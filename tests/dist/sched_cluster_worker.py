@@ -1,7 +1,7 @@
 """Inside an emulated cluster of 2 nodes x 2 ranks: shaped links are slower than loopback;
 the all-to-all goes through shared memory within a node, never across the shaped link.
 
-Run by tests/scheduling/test_cluster.py (as root) through sparta.scheduling.cluster.
+Run by tests/scheduling/test_cluster.py (as root) through sparta_tools.cluster.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def check_shared_memory_stays_within_a_node(world: World) -> None:
     world's all-to-all must cross the shaped link (gloo), a node's may use shared memory."""
     intra, _ = world.node_comms()
     x = torch.arange(2 * world.size, dtype=torch.float32) + 100 * world.rank
-    want = torch.cat([torch.arange(2 * world.rank, 2 * world.rank + 2, dtype=torch.float32) + 100 * s for s in range(4)])
+    mine = torch.arange(2 * world.rank, 2 * world.rank + 2, dtype=torch.float32)
+    want = torch.cat([mine + 100 * s for s in range(4)])
     assert torch.equal(world.comm.all_to_all(x), want)
     assert world.comm.shared_memory is None
     node = world.rank // 2

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sparta.errors import ConfigError
-from sparta.scheduling.cluster import ClusterConfig, ClusterUnavailableError, EmulatedCluster, can_emulate
+from sparta_tools.cluster import ClusterConfig, ClusterUnavailableError, EmulatedCluster, can_emulate
 
 WORKER = Path(__file__).resolve().parent.parent / "dist" / "sched_cluster_worker.py"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sparta.errors import ConfigError
-from sparta.scheduling.profile_cli import ProfileRun, parse_degree
+from sparta_tools.profile import ProfileRun, parse_degree
 
 
 def test_run_config_validated() -> None:
