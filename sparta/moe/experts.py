@@ -33,7 +33,8 @@ def activate(activation: str, h1: Tensor, h3: Tensor | None = None) -> Tensor:
 
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous: grouped_mm's backward
-    rejects the broadcast (stride 0) gradients that e.g. ``y.sum().backward()`` produces."""
+    rejects the broadcast (stride 0) gradients that e.g. ``y.sum().backward()`` produces, and
+    an empty one counts as contiguous whatever its strides, so it is made afresh."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
@@ -41,7 +42,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad.contiguous()
+        return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
 
 
 class GroupedExperts(nn.Module):

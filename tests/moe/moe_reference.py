@@ -23,6 +23,10 @@ def expert_mlp(layer: MoELayer, e: int, rows: Tensor) -> Tensor:
         hidden = nn.functional.silu(hidden) * linear(rows, experts.w3, experts.b3)
     elif layer.config.activation == "gelu":
         hidden = nn.functional.gelu(hidden)
+    elif layer.config.activation == "gelu_tanh":
+        hidden = nn.functional.gelu(hidden, approximate="tanh")
+    elif layer.config.activation == "silu":
+        hidden = nn.functional.silu(hidden)
     else:
         hidden = nn.functional.relu(hidden)
     return linear(hidden, experts.w2, experts.b2)

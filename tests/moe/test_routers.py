@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from sparta.errors import InputError
 from sparta.moe import (
     ExpertChoiceRouter,
     MoELayer,
@@ -155,9 +154,9 @@ def test_soft_layer_is_not_causal_but_keeps_sequences_apart() -> None:
 
 
 @pytest.mark.parametrize("router", ["topk", "sigmoid", "xmoe", "expert_choice", "soft"])
-def test_non_finite_logits_name_the_layer(router: str) -> None:
+def test_non_finite_input_propagates_without_a_host_check(router: str) -> None:
+    """As in any torch layer, NaN in gives NaN out (no check that waits for the device)."""
     layer = MoELayer(8, 16, 4, router=router, name="blocks.3.mlp")
     x = torch.randn(2, 5, 8)
     x[0, 1, 2] = float("nan")
-    with pytest.raises(InputError, match=r"'blocks\.3\.mlp'.*NaN or infinite.*learning rate.*z_loss"):
-        layer(x)
+    assert torch.isnan(layer(x)).any()
