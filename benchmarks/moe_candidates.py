@@ -2,7 +2,7 @@
 
 The list and what each one is: benchmarks/moe_layer.py's docstring (its --help).
 ``build(name, cfg, x, place)`` returns the step, or a string saying why that candidate
-cannot run here (DeepSpeed not installed, a forced ``expert_gemm`` that cannot take ``x``).
+cannot run here (DeepSpeed not installed, rows the layer cannot take, no exchange to pipeline).
 Weights and inputs are made on CPU from fixed seeds and then moved to the config's device
 and dtype, so that every device and every expert-parallel size starts from the same values.
 """
@@ -18,7 +18,7 @@ from baseline_deepspeed import deepspeed_step
 from torch import Tensor, nn
 
 from sparta.errors import InputError
-from sparta.moe import MoELayer
+from sparta.moe import MoELayer, tune_schedule
 
 if TYPE_CHECKING:
     from sparta.comm import Communicator
@@ -63,9 +63,7 @@ CANDIDATES = (
     "deepspeed_dropless",
     "deepspeed_cap1.25",
     "sparta_dropless",
-    "sparta_grouped_mm",
     "sparta_cap1.25",
-    "sparta_tcp",
     "sparta_pipelined",
 )
 # Under expert parallelism the naive loop has no meaning (it holds every expert).
@@ -75,7 +73,6 @@ EP_CANDIDATES = (
     "deepspeed_cap1.25",
     "sparta_dropless",
     "sparta_cap1.25",
-    "sparta_tcp",
     "sparta_pipelined",
 )
 AUX_LOSS_COEF = 1e-2  # Sparta's default; DeepSpeed's l_aux gets the same weight in backward
@@ -88,7 +85,6 @@ class Place:
     """Where a candidate runs: the expert-parallel communicator (None on one process)."""
 
     comm: Communicator | None = None
-    tcp_comm: Communicator | None = None  # the same ranks without shared memory (sparta_tcp)
 
     @property
     def ranks(self) -> int:
@@ -113,9 +109,7 @@ def _timed(run: Callable[[], None], cfg: BenchConfig, leaf: Tensor, params: Iter
     return step
 
 
-def _sparta_layer(
-    cfg: BenchConfig, place: Place, capacity_factor: float | None, gemm: str = "auto", pipeline: int | str = 1
-) -> MoELayer:
+def _sparta_layer(cfg: BenchConfig, place: Place, capacity_factor: float | None) -> MoELayer:
     # Same seed on every rank and for every candidate: the experts of global id e get the
     # same weights whatever the expert-parallel size, and the router is the same gate.
     torch.manual_seed(0)
@@ -128,25 +122,20 @@ def _sparta_layer(
         ep_size=place.ranks,
         comm=place.comm,
         aux_loss_coef=AUX_LOSS_COEF,
-        expert_gemm=gemm,
-        pipeline_degree=pipeline,
     )
     return cfg.place(layer)
 
 
-def _sparta(
-    cfg: BenchConfig, x: Tensor, place: Place, capacity_factor: float | None, gemm: str, pipeline: int | str = 1
-) -> Step | str:
-    layer = _sparta_layer(cfg, place, capacity_factor, gemm, pipeline)
+def _sparta(cfg: BenchConfig, x: Tensor, place: Place, capacity_factor: float | None, tune: bool = False) -> Step | str:
+    layer = _sparta_layer(cfg, place, capacity_factor)
     try:
-        layer.experts.uses_grouped_mm(x)  # raises where a forced expert_gemm cannot take x
+        layer.experts.check_rows(x)
     except InputError as err:
         return str(err)
+    if tune:  # the co-scheduler's choice, tuned before any step is timed
+        layer.apply_schedule(tune_schedule(layer, x))
     grad = torch.randn_like(x)
-    step = _timed(lambda: layer(x).backward(grad), cfg, x, layer.parameters())
-    if pipeline == "auto":
-        step()  # the first forward profiles and plans; time the steps after it
-    return step
+    return _timed(lambda: layer(x).backward(grad), cfg, x, layer.parameters())
 
 
 def _dense(cfg: BenchConfig, x: Tensor) -> Step:
@@ -202,19 +191,13 @@ def build(name: str, cfg: BenchConfig, x: Tensor, place: Place | None = None) ->
     if name.startswith("deepspeed"):
         return _deepspeed(cfg, x, place, drop_tokens=name != "deepspeed_cap1.25")
     if name == "sparta_dropless":
-        return _sparta(cfg, x, place, None, "auto")
-    if name == "sparta_grouped_mm":
-        return _sparta(cfg, x, place, None, "grouped_mm")
+        return _sparta(cfg, x, place, None)
     if name == "sparta_cap1.25":
-        return _sparta(cfg, x, place, 1.25, "auto")
-    if name == "sparta_tcp":
-        if place.tcp_comm is None:
-            return "expert parallel on the torch engine only: the others have no shared_memory switch"
-        return _sparta(cfg, x, Place(place.tcp_comm), None, "auto")
+        return _sparta(cfg, x, place, 1.25)
     if name == "sparta_pipelined":
         if place.comm is None:
             return "expert parallel only: one process has no exchange to pipeline"
-        return _sparta(cfg, x, place, None, "auto", pipeline="auto")
+        return _sparta(cfg, x, place, None, tune=True)
     raise ValueError(f"unknown candidate {name!r}; known: {CANDIDATES}")
 
 

@@ -6,12 +6,9 @@ weights:
   naive              top-k routing, then a loop over experts with boolean masks
   deepspeed_dropless deepspeed.moe.layer.MoE(drop_tokens=False), if ``import deepspeed`` works
   deepspeed_cap1.25  deepspeed.moe.layer.MoE(capacity_factor=1.25)
-  sparta_dropless    MoELayer(capacity_factor=None), expert_gemm=auto (on CPU: the expert loop)
-  sparta_grouped_mm  MoELayer(capacity_factor=None), expert_gemm=grouped_mm (torch._grouped_mm)
+  sparta_dropless    MoELayer(capacity_factor=None)
   sparta_cap1.25     MoELayer(capacity_factor=1.25)
-  sparta_tcp         dropless on the torch engine with CommConfig(shared_memory="off"): rows through
-                     gloo's loopback TCP instead of /dev/shm (expert parallel, --engine torch only)
-  sparta_pipelined   dropless, pipeline_degree="auto" (expert parallel only; planned untimed)
+  sparta_pipelined   dropless, degrees from sparta.moe.tune_schedule (expert parallel only; tuned untimed)
 
 Times: each repeat runs every candidate once, in a rotated order, so that machine noise
 hits all of them alike; the median (and the minimum) over repeats is reported with its
@@ -21,10 +18,8 @@ other processes share the cores (their cache pressure still shows); the wall tim
 user waits for on an idle machine.
 
 Gradients: each step drops its input's gradient first. Parameter gradients carry over from
-step to step, as over the micro-batches of gradient accumulation, so backward adds into
-them (autograd for the floor, in place for Sparta's expert weights); ``--zero-grad`` drops
-them too before each step, as ``optimizer.zero_grad()`` does, and backward allocates them
-afresh.
+step to step, as over the micro-batches of gradient accumulation, so backward adds to
+them; ``--zero-grad`` drops them too before each step, as ``optimizer.zero_grad()`` does.
 
 Expert parallelism (``--ranks 2,4``): the script launches itself under torchrun on that
 many ranks (gloo, one thread each; ``--bind core`` pins rank i to core i mod cores, as
@@ -95,8 +90,6 @@ from moe_candidates import (
     make_input,
 )
 
-from sparta.comm import CommConfig
-
 if TYPE_CHECKING:
     from sparta.comm import Communicator
 
@@ -135,10 +128,7 @@ def _timings(
 def time_candidates(
     cfg: BenchConfig, candidates: list[str], repeats: int, threads: int, comm: Communicator | None = None
 ) -> None:
-    tcp = None
-    if "sparta_tcp" in candidates and comm is not None and comm.backend == "torch":
-        tcp = comm.split(list(range(comm.size)), CommConfig(shared_memory="off"))
-    place = Place(comm, tcp)
+    place = Place(comm)
     rank = 0 if comm is None else comm.rank
     bench = "moe_layer" if comm is None else "moe_layer_ep"
     x = make_input(cfg, rank, place.ranks)

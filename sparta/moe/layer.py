@@ -18,7 +18,7 @@ from sparta.errors import ConfigError, InputError
 from sparta.moe.config import MoEConfig
 from sparta.moe.dispatch import DispatchPlan, combine, expert_capacity, plan_dispatch, soft_combine, soft_dispatch
 from sparta.moe.experts import GroupedExperts
-from sparta.moe.parallel import T, exchange_counts, expert_parallel, fail_together
+from sparta.moe.parallel import T, exchange_expert_counts, expert_parallel, fail_together
 from sparta.moe.routers import RouterOutput, build_router
 from sparta.scheduling.cost_model import SchedulePlan
 from sparta.scheduling.pipeline import Exchange
@@ -225,7 +225,7 @@ class MoELayer(nn.Module):
         if self.comm is None:
             self._record(stats)
             return self.experts(rows, plan.counts)
-        exchanged = exchange_counts(
+        exchanged = exchange_expert_counts(
             plan.counts, self.comm, self.name, rows, stats=stats, check=not self._counts_checked
         )
         self._counts_checked = True

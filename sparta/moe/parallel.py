@@ -39,7 +39,7 @@ class ExchangedCounts:
     stats: Tensor | None
 
 
-def exchange_counts(
+def exchange_expert_counts(
     counts: Tensor,
     comm: Communicator,
     layer: str,
@@ -120,7 +120,7 @@ def fail_together(
             with suppress(InputError):
                 # Counts live on the input's device, and engines pick the transport by device.
                 zeros = torch.zeros(num_experts + stats_len, dtype=torch.int64, device=device)
-                exchange_counts(zeros[:num_experts], comm, layer, failed=True, stats=zeros[num_experts:], check=check)
+                exchange_expert_counts(zeros[:num_experts], comm, layer, failed=True, stats=zeros[num_experts:], check=check)
         raise
 
 
@@ -135,7 +135,7 @@ def expert_parallel(
 ) -> Tensor:
     """Run ``rows`` ``[N, d]``, grouped by global expert (``counts`` ``[E]`` int64), through
     the experts of every rank: ``[N, d]``, the same rows' expert outputs in the same order.
-    ``exchanged`` is what ``exchange_counts`` returned for these counts. Differentiable:
+    ``exchanged`` is what ``exchange_expert_counts`` returned for these counts. Differentiable:
     the backward sends the gradients back along the reverse all-to-all.
 
     ``degrees`` cuts the row exchanges into chunks so that chunk ``i + 1`` travels while

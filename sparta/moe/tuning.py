@@ -19,7 +19,7 @@ from sparta.comm import HierarchicalAllToAll
 from sparta.errors import ConfigError
 from sparta.moe.dispatch import expert_capacity, plan_dispatch
 from sparta.moe.layer import MoELayer
-from sparta.moe.parallel import exchange_counts, expert_parallel
+from sparta.moe.parallel import exchange_expert_counts, expert_parallel
 from sparta.moe.routers import RouterOutput
 from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape, SchedulePlan
 from sparta.scheduling.profiler import ProfileConfig, Profiler
@@ -68,7 +68,7 @@ def tune_schedule(
     plan = plan_dispatch(route.token_idx, route.expert_idx, route.weight, cfg.num_experts, capacity)
     assert plan.token_idx is not None
     rows = tokens.index_select(0, plan.token_idx)
-    exchanged = exchange_counts(plan.counts, comm, layer.name, rows)
+    exchanged = exchange_expert_counts(plan.counts, comm, layer.name, rows)
     most_rows = max(int(r) for r in comm.all_gather(torch.tensor([rows.shape[0]], dtype=torch.int64)))
     shape = LayerShape(
         tokens=max(1, math.ceil(most_rows / cfg.top_k)),

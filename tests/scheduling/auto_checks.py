@@ -1,5 +1,5 @@
 """Worker of tests/scheduling/test_auto.py on 4 ranks (2 nodes x 2): the layer's timed
-auto-planning and the gradient pieces' wait for the link, checked on real collectives."""
+explicit schedule tuning and the gradient pieces' wait for the link, checked on real collectives."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from runner import finish, run_checks, start  # noqa: E402
 
 from sparta.comm import HierarchicalAllToAll, World  # noqa: E402
 from sparta.comm.handle import Handle  # noqa: E402
-from sparta.moe import MoELayer  # noqa: E402
+from sparta.moe import MoELayer, tune_schedule  # noqa: E402
 from sparta.scheduling.grad_sync import PartitionedAllReduce  # noqa: E402
 from sparta.scheduling.partition import GradientPartition  # noqa: E402
 from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange  # noqa: E402
@@ -29,16 +29,17 @@ def layer(world: World, degree: Any, hierarchical: bool = True) -> MoELayer:
     return MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=world.size, comm=world.comm, exchange=hier, pipeline_degree=degree)
 
 
-def check_auto_plan_is_agreed_and_leaves_the_layer_as_it_was(world: World) -> None:
-    """The timed trials pick the same plan and calibration on every rank, profile the
-    router, and leave no trace: the layer then computes exactly what a layer built with the
-    chosen degrees from the start computes (outputs and every gradient)."""
+def check_tuned_plan_is_agreed_and_leaves_the_layer_as_it_was(world: World) -> None:
+    """tune_schedule's timed trials pick the same plan and calibration on every rank, profile
+    the router, and leave no trace: after apply_schedule the layer computes exactly what a
+    layer built with the chosen degrees from the start computes (outputs and every gradient)."""
     x = torch.randn(TOKENS, D_MODEL, generator=torch.Generator().manual_seed(world.rank))
-    auto = layer(world, "auto")
-    y = auto(x)
-    plan = auto.schedule_plan
-    assert plan is not None and auto.degrees == plan.degrees
-    assert all(p.grad is None for p in auto.parameters()), "the trials left gradients behind"
+    tuned = layer(world, 1, hierarchical=False)
+    hier = HierarchicalAllToAll.from_world(world)
+    plan = tune_schedule(tuned, x, hierarchical=hier)
+    assert all(p.grad is None for p in tuned.parameters()), "the trials left gradients behind"
+    tuned.apply_schedule(plan, hierarchical=hier)
+    assert tuned.degrees == plan.degrees and tuned.schedule_plan is plan
     mine = torch.tensor(
         [
             plan.degrees.forward,
@@ -55,12 +56,13 @@ def check_auto_plan_is_agreed_and_leaves_the_layer_as_it_was(world: World) -> No
     assert all(torch.equal(t, mine) for t in every), f"ranks disagree on the plan: {every}"
     assert plan.router_s[0] > 0 and plan.router_s[1] > 0, plan.router_s
     assert 0.0 <= plan.calibration.efficiency <= 1.0 and plan.calibration.scale > 0
+    y = tuned(x)
     y.square().sum().backward()
     fixed = layer(world, (plan.degrees.forward, plan.degrees.backward, plan.degrees.taper), plan.hierarchical)
     want = fixed(x)
     want.square().sum().backward()
     torch.testing.assert_close(y, want, rtol=0, atol=0)
-    for (name, p), q in zip(auto.named_parameters(), fixed.parameters(), strict=True):
+    for (name, p), q in zip(tuned.named_parameters(), fixed.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 
 
@@ -128,7 +130,7 @@ def check_pieces_leave_after_the_transfer_before_their_gap(world: World) -> None
 
 
 CHECKS = [
-    check_auto_plan_is_agreed_and_leaves_the_layer_as_it_was,
+    check_tuned_plan_is_agreed_and_leaves_the_layer_as_it_was,
     check_pieces_leave_after_the_transfer_before_their_gap,
 ]
 
