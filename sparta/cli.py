@@ -23,7 +23,6 @@ def _info(_: argparse.Namespace) -> int:
             "available": True,
             "cpu": "gloo",
             "cuda": "nccl" if torch.cuda.is_available() else None,
-            "cpu_all_to_all_within_a_host": _shared_memory_info(),
         },
         "horovod": {"available": importlib.util.find_spec("horovod") is not None},
         "mpi": {"available": importlib.util.find_spec("mpi4py") is not None, "mpirun": shutil.which("mpirun")},
@@ -43,34 +42,12 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
-def _shared_memory_info() -> dict[str, object]:
-    """Where the torch engine's shared-memory all-to-all (sparta.comm.shm) would put its rings,
-    and how much room there is: a container's small /dev/shm is the usual trouble."""
-    from sparta.comm.shm import SHM_DIR
-
-    try:
-        free = shutil.disk_usage(SHM_DIR).free
-    except OSError:
-        return {"shared_memory": None, "why": f"no {SHM_DIR}: gloo's loopback TCP is used"}
-    return {"shared_memory": SHM_DIR, "free_mib": free >> 20, "host_cpus": os.cpu_count()}
-
-
 def _profile(args: argparse.Namespace) -> int:
     """Launch the ranks (sparta_tools.profile), or, on a rank, run the MoE block."""
-    from sparta_tools.profile import ProfileRun, launch, parse_degree, run_worker
+    from sparta_tools.profile import ProfileRun, launch, run_worker
 
     if args.worker:
-        run = ProfileRun.from_json(args.worker)
-
-        def make_block(comm: object, exchange: object) -> object:
-            from sparta.moe import MoELayer
-
-            return MoELayer(
-                run.d_model, run.d_ff, run.experts, run.top_k, ep_size=run.nprocs, comm=comm, exchange=exchange,
-                pipeline_degree=parse_degree(run.pipeline_degree),
-            )  # fmt: skip
-
-        run_worker(run, make_block)  # type: ignore[arg-type]
+        run_worker(ProfileRun.from_json(args.worker))
         return 0
     run = ProfileRun(
         out=args.out, nprocs=args.nprocs, ranks_per_node=args.ranks_per_node, tokens=args.tokens,

@@ -5,18 +5,17 @@
 
 Each rank profiles the collectives (all-to-all and all-reduce over the world, the node's ranks,
 the ranks of its local index across nodes, and the two-level all-to-all) and one expert's
-GEMMs, fits t = alpha + beta * n, and plans the layer's exchange with the cost model; then the
-block runs a warm-up step (where `pipeline_degree="auto"` profiles and plans inside the layer)
-and `steps` traced forward+backward steps. Rank 0 writes `<out>/trace.json` (Chrome trace:
+GEMMs, fits t = alpha + beta * n, and plans the layer's exchange with the cost model; then
+builds the layer (with `--pipeline-degree auto`, `sparta.moe.tune_schedule` times the model's
+best plans on the layer and the layer takes the fastest), runs a warm-up step and `steps`
+traced forward+backward steps. Rank 0 writes `<out>/trace.json` (Chrome trace:
 a process per rank, a thread per stream: step, compute, intra-node comm, inter-node comm,
 world comm; every chunk labelled "fwd out 2", "bwd compute 1", ...), `<out>/timeline.png`
 and `<out>/profile.json`, and prints one JSON line per fit and one with the plan, the degrees
 the layer ran and the step time.
 
 Ranks start under torchrun on this machine, or with `rate` inside an emulated cluster
-(sparta_tools.cluster: root only) whose nodes are `ranks_per_node` ranks each. This
-module never imports sparta.moe (imports point down): the command line hands the worker a
-`make_block(comm, exchange)` that builds the layer.
+(sparta_tools.cluster: root only) whose nodes are `ranks_per_node` ranks each.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from typing import Any
 import torch
 
 from sparta.errors import ConfigError
+from sparta.moe import MoELayer, tune_schedule
 from sparta.scheduling.cost_model import CostModel, LayerShape
 from sparta.scheduling.pipeline import DEGREES_HELP, PipelineDegrees
 from sparta.scheduling.profiler import Profile, ProfileConfig, Profiler
@@ -45,8 +44,8 @@ TRACKS = ("step", "compute", "intra-node comm", "inter-node comm", "world comm")
 
 
 def parse_degree(text: str) -> int | tuple[int, ...] | str:
-    """ "auto", "3", "2,4" (forward, backward) or "8,8,2" (and a taper), as MoELayer's
-    pipeline_degree takes it."""
+    """ "auto" (tuned by sparta.moe.tune_schedule), or "3", "2,4" (forward, backward) or
+    "8,8,2" (and a taper), as MoELayer's pipeline_degree takes it."""
     if text == "auto":
         return text
     try:
@@ -154,9 +153,9 @@ def fit_lines(profile: Profile) -> list[dict[str, Any]]:
     ]
 
 
-def run_worker(run: ProfileRun, make_block: Callable[[Any, Any], torch.nn.Module]) -> None:
-    """Every rank: profile, plan, run the block `make_block(comm, exchange)` builds (both
-    traced; exchange None for a flat layer), and on rank 0 write and print the results."""
+def run_worker(run: ProfileRun) -> None:
+    """Every rank: profile, plan, run the MoE layer (its exchanges traced; flat unless
+    `run.hierarchical`), and on rank 0 write and print the results."""
     from sparta.comm import HierarchicalAllToAll
     from sparta.comm.world import init
 
@@ -180,16 +179,22 @@ def run_worker(run: ProfileRun, make_block: Callable[[Any, Any], torch.nn.Module
 
     tracer = Tracer()
     comm = TracedExchange(world.comm, tracer, "world comm")
-    exchange = None
+    two_level = None
     if run.hierarchical:
         two_level = HierarchicalAllToAll(
             world.comm,
             TracedExchange(intra, tracer, "intra-node comm"),
             TracedExchange(inter, tracer, "inter-node comm"),
         )
-        exchange = TracedExchange(two_level, tracer, None)  # its two steps record themselves
-    block = make_block(comm, exchange)
+    exchange = None if two_level is None else TracedExchange(two_level, tracer, None)  # its steps record themselves
+    degree = parse_degree(run.pipeline_degree)
+    block = MoELayer(
+        run.d_model, run.d_ff, run.experts, run.top_k, ep_size=run.nprocs, comm=comm, exchange=exchange,
+        pipeline_degree=1 if degree == "auto" else degree,
+    )  # fmt: skip
     x = torch.randn(run.tokens, run.d_model, generator=torch.Generator().manual_seed(world.rank))
+    if degree == "auto":
+        block.apply_schedule(tune_schedule(block, x, two_level), exchange)
 
     def step() -> float:
         xi = x.clone().requires_grad_()
@@ -201,7 +206,7 @@ def run_worker(run: ProfileRun, make_block: Callable[[Any, Any], torch.nn.Module
             y.square().mean().backward()
         return time.perf_counter() - begin
 
-    step()  # warm-up: connections, and "auto" profiles and plans inside the layer here
+    step()  # warm-up: connections, first-call allocations
     tracer.spans.clear()
     times = sorted(step() for _ in range(run.steps))
     slowest = torch.stack(world.comm.all_gather(torch.tensor(times, dtype=torch.float64))).max(0).values  # type: ignore[arg-type]

@@ -7,11 +7,14 @@ them. The dense gradients are laid end to end in the order they become ready in 
 is a task of a sparta.comm PriorityQueue. A piece is released once its gradients are all
 accumulated and the transfers before its gap are issued: the pipeline tells the exchange of
 each transfer it issues (`issued`), and gap g opens after `openings[g]` backward transfers
-(Timeline.gap_openings). A released piece is then sent by a helper thread as soon as the
-last of those transfers has completed, not at once: the cost model's link carries one
-transfer at a time, but gloo would run the piece's all-reduce beside the chunk still in
-flight and slow it, delaying the whole pipeline. Pieces planned for no gap (-1), and any
-whose gap never came (a backward with fewer chunks than planned), go at `finish()`.
+(Timeline.gap_openings). A released piece is sent once the last of those transfers has
+completed, not at once: the cost model's link carries one transfer at a time, but gloo would
+run the piece's all-reduce beside the chunk still in flight and slow it, delaying the whole
+pipeline. Completion is seen where the pipeline waits for that transfer (it waits for every
+one, in order), so pieces go from the thread running backward and nothing waits on another
+thread: a piece may leave later than the transfer's true end, by the compute the pipeline
+does before it waits. Pieces planned for no gap (-1), and any whose gap never came (a
+backward with fewer chunks than planned), go at `finish()`.
 
 The pieces travel on their own communicator (a split of `comm` over all its ranks): the
 helper thread's issue time depends on this rank's timing, and collectives on one
@@ -21,13 +24,12 @@ fixes the pieces' order), whatever the interleaving with the exchange's transfer
     sync = PartitionedAllReduce(world.comm, dense_params_in_ready_order, part, model_tl.gap_openings())
     exchange = sync.watch(hier)                  # give the MoE layer / pipeline this exchange
     sync.start(); loss.backward(); sync.finish() # p.grad now holds the average over ranks
+    sync.close()                                 # at the end of training: the gradient hooks go
 """
 
 from __future__ import annotations
 
 import bisect
-import queue
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +48,7 @@ class PartitionedAllReduce:
     params: the dense parameters in the order their gradients become ready in backward (the
         same on every rank); one dtype. partition: pieces in bytes summing to their size.
     openings: for each gap index, the backward transfers after which it opens.
+    Not thread-safe: one training loop drives it (a context manager: `close()` at exit).
     """
 
     def __init__(
@@ -84,36 +87,27 @@ class PartitionedAllReduce:
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         self._started = False
 
+    def __enter__(self) -> PartitionedAllReduce:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def watch(self, exchange: Any) -> Any:
         """`exchange` (a Communicator or HierarchicalAllToAll) as the pipeline should get it:
         the same transfers, with this object told of each."""
         return _Watched(exchange, self)
 
     def start(self) -> None:
-        """Begin a step: call before its backward, on every rank."""
+        """Begin a step: call before its backward, on every rank. A step whose backward
+        raised before any piece left starts over here."""
         self.queue.expect(self._keys, ready_order=self._keys)
         self._ready = [False] * len(self.params)
         self._prefix = 0  # leading parameters (ready order) whose gradients are in
-        self._transfers: list[_Shared] = []  # this backward's transfers, in issue order
-        self._next = 0  # pieces released to the sender
+        self._transfers: list[_Transfer] = []  # this backward's transfers, in issue order
+        self._next = 0  # pieces sent
         self._handles: list[Handle[torch.Tensor]] = []
-        self._outbox: queue.SimpleQueue[tuple[int, torch.Tensor, _Shared | None] | None] = queue.SimpleQueue()
-        self._failure: BaseException | None = None
-        self._sender = threading.Thread(target=self._send, name="sparta-grad-pieces", daemon=True)
-        self._sender.start()
         self._started = True
-
-    def _send(self) -> None:
-        """The helper thread: each released piece, in order, once its transfer is done."""
-        while (item := self._outbox.get()) is not None:
-            k, piece, after = item
-            try:
-                if after is not None:
-                    after.wait()
-                self._handles.append(self.queue.submit(self._keys[k], piece, reduce="avg"))
-            except BaseException as exc:  # noqa: BLE001 - re-raised by finish() on the caller's thread
-                self._failure = exc
-                return
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if not self._started:
@@ -123,10 +117,15 @@ class PartitionedAllReduce:
             self._prefix += 1
         self._pump(final=False)
 
-    def issued(self, name: str, transfer: _Shared) -> None:
+    def issued(self, name: str, transfer: _Transfer) -> None:
         """The pipeline issued `transfer`, named `name` ("bwd out 2", ...)."""
         if self._started and name.startswith("bwd"):
             self._transfers.append(transfer)
+            self._pump(final=False)
+
+    def completed(self) -> None:
+        """A watched transfer's wait returned: pieces waiting behind it may go."""
+        if self._started:
             self._pump(final=False)
 
     def _pump(self, final: bool) -> None:
@@ -145,7 +144,12 @@ class PartitionedAllReduce:
             if not final and (gap < 0 or len(self._transfers) < self.openings[gap]):
                 return
             opened = gap >= 0 and 0 < self.openings[gap] <= len(self._transfers)
-            self._outbox.put((k, self._piece(k), self._transfers[self.openings[gap] - 1] if opened else None))
+            after = self._transfers[self.openings[gap] - 1] if opened else None
+            if after is not None and not after.done:
+                if not final:
+                    return  # completed() comes back here once the pipeline has waited for it
+                after.handle.wait()
+            self._handles.append(self.queue.submit(self._keys[k], self._piece(k), reduce="avg"))
             self._next += 1
 
     def _piece(self, k: int) -> torch.Tensor:
@@ -170,11 +174,7 @@ class PartitionedAllReduce:
         try:
             self._pump(final=True)
         finally:
-            self._outbox.put(None)
-            self._sender.join()
             self._transfers = []
-        if self._failure is not None:
-            raise self._failure
         flat = torch.cat([h.wait() for h in self._handles])
         for p, end in zip(self.params, self._param_ends, strict=True):
             assert p.grad is not None
@@ -182,21 +182,18 @@ class PartitionedAllReduce:
         self._started = False
 
     def close(self) -> None:
-        """Remove the gradient hooks."""
+        """Remove the gradient hooks (idempotent); the parameters train on without it."""
         for h in self._hooks:
             h.remove()
+        self._hooks = []
+        self._started = False
 
 
-class _Shared:
-    """A transfer's handle waited by two threads (the pipeline, and the sender of the piece
-    that follows it): the first wait blocks, the other gets the same result."""
+class _Transfer:
+    """A pipeline transfer's handle, and whether its wait has returned."""
 
     def __init__(self, handle: Handle[torch.Tensor]) -> None:
-        self._handle, self._lock = handle, threading.Lock()
-
-    def wait(self) -> torch.Tensor:
-        with self._lock:
-            return self._handle.wait()
+        self.handle, self.done = handle, False
 
 
 class _Watched:
@@ -205,7 +202,7 @@ class _Watched:
 
     def __init__(self, inner: Any, sync: PartitionedAllReduce) -> None:
         self.inner, self.sync = inner, sync
-        self._last: _Shared | None = None
+        self._last: _Transfer | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -214,8 +211,15 @@ class _Watched:
         out = self.inner.all_to_all(x, *args, **kwargs)
         if not isinstance(out, Handle):
             return out
-        self._last = _Shared(out)
-        return Handle(self._last.wait)
+        transfer = self._last = _Transfer(out)
+
+        def wait() -> torch.Tensor:
+            got = transfer.handle.wait()
+            transfer.done = True
+            self.sync.completed()
+            return got
+
+        return Handle(wait)
 
     def issued(self, name: str) -> None:
         inner = getattr(self.inner, "issued", None)

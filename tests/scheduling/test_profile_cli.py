@@ -23,7 +23,7 @@ def test_run_config_validated() -> None:
         parse_degree("8,8,4")
 
 
-@pytest.mark.parametrize("degree", ["3,2", "1"])
+@pytest.mark.parametrize("degree", ["3,2", "1", "auto"])
 def test_profile_two_ranks_writes_trace_and_timeline(tmp_path: Path, degree: str) -> None:
     cmd = [sys.executable, "-m", "sparta.cli", "profile", "--out", str(tmp_path), "--nprocs", "2",
            "--ranks-per-node", "1", "--tokens", "128", "--d-model", "32", "--d-ff", "64", "--experts", "4",
@@ -35,8 +35,10 @@ def test_profile_two_ranks_writes_trace_and_timeline(tmp_path: Path, degree: str
     assert {"all_to_all/world", "all_to_all/inter", "all_reduce/world", "expert_bwd/32x64"} <= set(fits)
     assert all(rec["alpha_s"] >= 0 and rec["beta_s_per_unit"] >= 0 for rec in fits.values())
     summary = next(rec for rec in lines if "layer_ran" in rec)
-    want_degrees = (3, 2) if degree == "3,2" else (1, 1)
-    assert (summary["layer_ran"]["r_fwd"], summary["layer_ran"]["r_bwd"]) == want_degrees
+    ran = summary["layer_ran"]
+    assert ran["planned_in_layer"] == (degree == "auto")
+    if degree != "auto":  # auto: sparta.moe.tune_schedule's pick, whatever this machine's timings make it
+        assert (ran["r_fwd"], ran["r_bwd"]) == ((3, 2) if degree == "3,2" else (1, 1))
     assert summary["model_plan"]["r_fwd"] >= 1 and summary["step_s"] > 0
 
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
@@ -45,10 +47,11 @@ def test_profile_two_ranks_writes_trace_and_timeline(tmp_path: Path, degree: str
     for rank in (0, 1):
         mine = {(track, name) for r, track, name in spans if r == rank}
         assert ("step", "backward") in mine
-        if degree == "1":
-            # unpipelined: own rows computed while the others' travel, then the others'
-            want = {("compute", f"{p} compute {whose}") for p in ("fwd", "bwd") for whose in ("own", "others")}
-            assert want <= mine and any(name == "all_to_all" for _, name in mine), sorted(mine)
+        if degree == "auto":
+            continue
+        if degree == "1":  # unpipelined: one all-to-all each way, no chunks
+            assert any(name == "all_to_all" for _, name in mine), sorted(mine)
+            assert not any(name.startswith(("fwd out", "bwd out")) for _, name in mine), sorted(mine)
             continue
         want_compute = {("compute", f"{p} compute {i}") for p, r in (("fwd", 3), ("bwd", 2)) for i in range(r)}
         assert want_compute <= mine, sorted(mine)
