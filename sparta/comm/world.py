@@ -15,7 +15,6 @@ import torch
 
 from sparta.comm.communicator import CommConfig, Communicator
 from sparta.comm.launch import LaunchInfo, detect
-from sparta.comm.shm import close_all
 from sparta.errors import ConfigError
 
 BACKENDS = ("auto", "torch", "horovod", "mpi")
@@ -73,9 +72,7 @@ class World:
         return intra, inter
 
     def shutdown(self) -> None:
-        """Stop the engine and close every group's shared memory (sparta.comm.shm). Runs at
-        exit too; calling it twice is harmless."""
-        close_all()
+        """Stop the engine. Runs at exit too; calling it twice is harmless."""
         self.comm.shutdown()
 
     def exit(self, code: int = 0) -> NoReturn:
