@@ -388,12 +388,19 @@ class ParamGrads:
 
 
 class _Pipelined(torch.autograd.Function):
+    """The chunked exchange. With equal degrees each chunk's graph (received rows -> computed
+    rows) is built in forward and kept as saved tensors, so autograd frees it after a
+    backward that does not retain the graph and keeps it for one that does
+    (``backward(retain_graph=True)`` twice works); with different degrees the backward
+    recomputes each of its chunks from the saved received rows."""
+
     @staticmethod
     def forward(ctx: Any, rows: Tensor, plan: _Plan, *params: Tensor) -> Tensor:
         ctx.plan = plan
         keep_graphs = any(ctx.needs_input_grad) and plan.degrees.forward == plan.degrees.backward
         recompute = any(ctx.needs_input_grad) and not keep_graphs
-        ctx.graphs: list[tuple[Tensor, Tensor]] = []
+        leaves: list[Tensor] = []
+        outs: list[Tensor] = []
         received: list[Tensor] = []
 
         def work(i: int, got: Tensor) -> Tensor:
@@ -405,39 +412,42 @@ class _Pipelined(torch.autograd.Function):
             leaf = got.detach().requires_grad_()
             with torch.enable_grad():
                 out = plan.compute(leaf, counts)
-            ctx.graphs.append((leaf, out))
+            leaves.append(leaf)
+            outs.append(out)
             return out.detach()
 
         y = _exchange_rows(plan.exchange, rows, plan.send_fwd, plan.recv_fwd, work, plan.tracer, "fwd")
+        ctx.num_params, ctx.recompute = len(params), recompute
         if recompute:
             # all received rows in one buffer, grouped by (source, slot), for the backward's chunks
             full = rows.new_empty((sum(r.shape[0] for r in received), *rows.shape[1:]))
             for i, got in enumerate(received):
                 full.index_copy_(0, plan.recv_fwd.index[i].to(got.device), got)
-            ctx.save_for_backward(full, *params)
+            ctx.save_for_backward(*params, full)
         else:
-            ctx.save_for_backward(*params)
-        ctx.recompute = recompute
+            ctx.save_for_backward(*params, *leaves, *outs)
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         plan: _Plan = ctx.plan
         saved = ctx.saved_tensors
-        full, params = (saved[0], saved[1:]) if ctx.recompute else (None, saved)
+        params, rest = saved[: ctx.num_params], saved[ctx.num_params :]
+        full = rest[0] if ctx.recompute else None
+        chunks = len(rest) // 2
         sums = ParamGrads(params, ctx.needs_input_grad[2:])
 
         def work(i: int, got: Tensor) -> Tensor:
             if full is None:
-                leaf, out = ctx.graphs[i]
+                leaf, out = rest[i], rest[chunks + i]
             else:
                 leaf = _gather(full, plan.recv_bwd.index[i]).requires_grad_()
                 with torch.enable_grad():
                     out = plan.compute(leaf, plan.recv_bwd.counts[i].view(-1, plan.slots))
-            grads = torch.autograd.grad(out, [leaf, *sums.wanted], got, allow_unused=True)
+            # retain_graph: a graph kept as saved tensors lives as long as autograd keeps them.
+            grads = torch.autograd.grad(out, [leaf, *sums.wanted], got, allow_unused=True, retain_graph=full is None)
             sums.add(grads[1:])
             return grad_or_zeros(grads[0], leaf)
 
         grad_rows = _exchange_rows(plan.exchange, grad, plan.send_bwd, plan.recv_bwd, work, plan.tracer, "bwd")
-        ctx.graphs = []
         return (grad_rows if ctx.needs_input_grad[0] else None, None, *sums.result())

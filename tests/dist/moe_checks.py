@@ -122,6 +122,15 @@ def check_pipelined_and_hierarchical_exchanges(world: World) -> None:
         for case in cases:
             compare_with_one_process(world, world.comm, case, [2] * world.size, pipeline_degree=degrees)
     compare_with_one_process(world, world.comm, CASES[0], [2] * (world.size - 1) + [0], pipeline_degree=3)
+    for degrees in (1, 3, (3, 2)):  # backward(retain_graph=True) twice adds the same gradients twice
+        torch.manual_seed(0)
+        layer = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=world.size, comm=world.comm, pipeline_degree=degrees)
+        y = layer(torch.randn(2, SEQ, D_MODEL))
+        y.square().sum().backward(retain_graph=True)
+        once = [p.grad.clone() for p in layer.parameters()]
+        y.square().sum().backward()
+        for p, g in zip(layer.parameters(), once, strict=True):
+            torch.testing.assert_close(p.grad, 2 * g, **TOL, msg=lambda m, d=degrees: f"degrees {d}: {m}")
     torch.manual_seed(0)
     tuned = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=world.size, comm=world.comm, **CASES[1])
     before = {n: p.detach().clone() for n, p in tuned.state_dict().items()}
