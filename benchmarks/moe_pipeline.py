@@ -2,7 +2,7 @@
 
     python benchmarks/moe_pipeline.py --rates 300mbit,1gbit
 
-For each rate: starts 2 emulated nodes x 2 ranks (sparta.scheduling.cluster), profiles the
+For each rate: starts 2 emulated nodes x 2 ranks (sparta_tools.cluster), profiles the
 links, the expert GEMMs and the dense layers, lets the cost model choose (r_fwd, r_bwd, flat
 or hierarchical, or a number of micro-batches), then times forward+backward of a block:
 dense projections (their gradients averaged over all ranks) around the MoE exchange
@@ -104,7 +104,7 @@ class Block(torch.nn.Module):
 
 def worker(args: argparse.Namespace) -> None:
     import sparta
-    from sparta.comm import CommConfig, HierarchicalAllToAll
+    from sparta.comm import HierarchicalAllToAll
     from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape
     from sparta.scheduling.grad_sync import PartitionedAllReduce
     from sparta.scheduling.partition import GradientPartition, bucketed_exposed_s, partition_gradients
@@ -114,8 +114,7 @@ def worker(args: argparse.Namespace) -> None:
     from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
 
     torch.set_num_threads(1)
-    comm_config = CommConfig(shared_memory=args.shared_memory)
-    world = sparta.init(backend="torch", ranks_per_node=args.ranks_per_node, config=comm_config)
+    world = sparta.init(backend="torch", ranks_per_node=args.ranks_per_node)
     size, local = world.size, EXPERTS // world.size
     intra, inter = world.node_comms()
     hier = HierarchicalAllToAll(world.comm, intra, inter)
@@ -344,7 +343,6 @@ def worker(args: argparse.Namespace) -> None:
 
         result = {
             "rate": args.rate,
-            "shared_memory": args.shared_memory,
             "load_avg": [round(x, 2) for x in os.getloadavg()],
             "step_s": {k: round(v, 3) for k, v in med.items()},
             "steps_s": {k: [round(t, 3) for t in each[cfg]] for k, cfg in configs.items()},
@@ -398,12 +396,6 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per configuration")
     ap.add_argument("--timeout", type=float, default=1200.0)
     ap.add_argument("--trace", default="", help="write a Chrome trace of one auto step; RATE is replaced by the rate")
-    ap.add_argument(
-        "--shared-memory",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="CommConfig.shared_memory: the node's rows through /dev/shm, or gloo's loopback TCP",
-    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rate", default="", help=argparse.SUPPRESS)
     ap.add_argument("--ranks-per-node", type=int, default=2, help=argparse.SUPPRESS)
@@ -420,7 +412,6 @@ def main() -> int:
     for rate in args.rates.split(","):
         config = ClusterConfig(nodes=2, ranks_per_node=2, rate=rate)
         cmd = [sys.executable, __file__, "--worker", f"--rate={rate}", f"--repeats={args.repeats}"]
-        cmd.append(f"--shared-memory={args.shared_memory}")
         if args.trace:
             cmd.append(f"--trace={Path(args.trace).resolve()}")
         with EmulatedCluster(config) as cluster:

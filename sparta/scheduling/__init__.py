@@ -15,11 +15,10 @@
     grad_sync.py  PartitionedAllReduce: those pieces issued through the priority queue in backward
     trace.py      Tracer, TracedExchange, gather, write_chrome_trace, draw_timeline: per-rank
                   timelines for Perfetto and as a PNG
-    profile_cli.py  `sparta profile`: run an MoE block on local ranks, trace it, print the fits
-    cluster.py    EmulatedCluster, ClusterConfig: nodes as network namespaces behind tbf links,
-                  each node's ranks on their own CPUs
 
-Imports point down only: this package uses sparta.comm and never sparta.moe.
+Imports point down only: this package uses sparta.comm and never sparta.moe. The tools that
+drive it from outside (`sparta profile`'s launcher, the emulated cluster of network
+namespaces) live beside the package, in `sparta_tools`.
 """
 
 from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape, Prediction, SchedulePlan, Timeline
