@@ -19,10 +19,16 @@ module of the model.
 Numerics are the non-deferred ones exactly: each parameter steps with the same reduced
 gradient, under the hyperparameters its group had at `opt.step()` (an LR scheduler stepping
 in between changes the next step, not this one), alone (so the optimizer must update each
-parameter from its own gradient and state: every torch.optim optimizer but LBFGS), and its
-`.grad` ends as it would have: the reduced gradient, or what zero_grad made of it since.
-Until then `.grad` is a copy of the local gradient (the engine may still be sending from
-the original), so the dense gradients take twice their memory between step and forward.
+parameter from its own gradient and state: every torch.optim optimizer but LBFGS).
+From `opt.step()` on, a deferred parameter's `.grad` is a copy of this rank's own gradient
+(the engine may still be sending from the original, so the dense gradients take twice their
+memory between step and forward), and it stays that, or whatever zero_grad makes of it: the
+reduced gradient is handed to the optimizer for its step only. So code that reads `.grad`
+after `opt.step()` (a gradient-norm log) sees this rank's values, not the average; training
+is unchanged, since averaging is linear: a backward that accumulates into `.grad` without
+zero_grad all-reduces to the same sum as it would onto the average (rounded differently). (Writing the average
+back would need to know whether zero_grad(set_to_none=False) zeroed the copy in between,
+which only torch's private version counter tells.)
 
 Not covered: code that reads dense weights between `opt.step()` and the next forward (a
 weight EMA, a norm log) sees the previous step's values unless it calls `opt.flush()`
@@ -32,7 +38,6 @@ first; and a spine module that uses a dense module's weight without calling that
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,13 +46,6 @@ from torch import nn
 from sparta.comm import Handle
 from sparta.embedding.layer import SparseEmbedding
 from sparta.embedding.queued import QueuedGradients
-
-
-@dataclass
-class _Pending:
-    handle: Handle[torch.Tensor]
-    grad: torch.Tensor | None  # `.grad` at opt.step(), to tell whether zero_grad touched it since
-    version: int
 
 
 class DeferredDenseStep:
@@ -59,7 +57,7 @@ class DeferredDenseStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, queued: QueuedGradients) -> None:
         self.optimizer, self.queued = optimizer, queued
-        self.pending: dict[nn.Parameter, _Pending] = {}
+        self.pending: dict[nn.Parameter, Handle[torch.Tensor]] = {}
         queued.unstepped = self.pending
         self._hyper: list[dict[str, Any]] = []
         spine = {m for m in model.modules() if any(isinstance(s, SparseEmbedding) for s in m.modules())}
@@ -92,7 +90,7 @@ class DeferredDenseStep:
             # the engine may still be sending from the old `.grad` (MPI, Horovod): what runs
             # before the step (zero_grad(set_to_none=False)) writes into a copy instead
             p.grad = p.grad.clone() if p.grad is not None else None
-            self.pending[p] = _Pending(handle, p.grad, p.grad._version if p.grad is not None else -1)
+            self.pending[p] = handle
 
     def flush(self) -> None:
         """Step every parameter still held back."""
@@ -108,13 +106,9 @@ class DeferredDenseStep:
         groups = self.optimizer.param_groups
         others = {p: p.grad for g in groups for p in g["params"] if p not in todo}
         restore: dict[nn.Parameter, torch.Tensor | None] = {}
-        for p, pending in todo.items():
-            reduced = pending.handle.wait()
-            if p.grad is pending.grad and p.grad is not None and p.grad._version == pending.version:
-                p.grad.copy_(reduced)  # untouched since step(): it ends as the reduced gradient
-            else:  # zero_grad ran since: step on the reduced gradient, then put its result back
-                restore[p] = p.grad
-                p.grad = reduced
+        for p, handle in todo.items():  # step on the reduced gradient, then put `.grad` back
+            restore[p] = p.grad
+            p.grad = handle.wait()
         now = [{k: g[k] for k in hyper} for g, hyper in zip(groups, self._hyper, strict=True)]
         try:
             for p in others:  # torch optimizers skip parameters without a gradient
