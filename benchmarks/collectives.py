@@ -8,11 +8,12 @@ Each point: the per-rank message size in bytes, the median over repeats of the s
 rank's time, and algorithm bandwidth (bytes / time). Three variants per point, run
 alternately: `raw` is the engine's own call (dist.all_to_all_single, hvd.alltoall,
 MPI Alltoall), `sparta` is Communicator with check_inputs off (what tuned code runs),
-`sparta+check` is the default with agreed input checks. On the torch engine a fourth,
-`sparta+shm`, forces the all-to-all through /dev/shm (`CommConfig(shared_memory="on")`,
-sparta.comm.shm), which "auto" leaves to gloo when ranks outnumber the host's CPUs:
+`sparta+check` is the default with agreed input checks.
 
-    python benchmarks/collectives.py --backends torch --nprocs 2 --table
+What the input checks cost on small messages, where their round trip shows most (the
+figure in CommConfig's docstring):
+
+    python benchmarks/collectives.py --backends torch --nprocs 2 --check-cost 2000
 """
 
 from __future__ import annotations
@@ -110,15 +111,14 @@ def worker(args: argparse.Namespace) -> None:
     checked = world.comm
     fast = world.comm.split_groups([list(range(world.size))], CommConfig(check_inputs=False))
     assert fast is not None
-    shm = None
-    if world.backend == "torch":
-        shm = world.comm.split_groups([list(range(world.size))], CommConfig(check_inputs=False, shared_memory="on"))
+    if args.check_cost:
+        check_cost(world, fast, args.check_cost)
+        world.shutdown()
+        return
     for nbytes in SIZES[: args.max_sizes]:
         x = torch.ones(nbytes // 4, dtype=torch.float32)
         raw = raw_ops(world, x)
         variants = {"raw": raw, "sparta": sparta_ops(fast, x), "sparta+check": sparta_ops(checked, x)}
-        if shm is not None:
-            variants["sparta+shm"] = sparta_ops(shm, x)
         repeats = max(3, min(30, int(64e6 / nbytes)))
         for op in ("all_to_all", "all_reduce"):
             times: dict[str, list[float]] = {v: [] for v in variants}
@@ -151,7 +151,42 @@ def worker(args: argparse.Namespace) -> None:
     world.shutdown()
 
 
-VARIANTS = ("raw", "sparta", "sparta+check", "sparta+shm")
+def check_cost(world, fast, repeats: int) -> None:
+    """Median time of a 1 KiB all-reduce and all-to-all with check_inputs on and off (run
+    alternately, a barrier before each call; the slowest rank's median), and of an
+    async all-reduce's issue alone (what `async_op=True` blocks for)."""
+    x = torch.ones(256, dtype=torch.float32)
+    calls = {
+        "all_reduce": lambda comm: comm.all_reduce(x),
+        "all_reduce issue (async_op=True)": lambda comm: comm.all_reduce(x, async_op=True),
+        "all_to_all": lambda comm: comm.all_to_all(x),
+    }
+    for op, call in calls.items():
+        times: dict[str, list[float]] = {"check_inputs=False": [], "check_inputs=True": []}
+        pending = []
+        for i in range(repeats + 10):  # the first ten warm up and are dropped
+            for name, comm in (("check_inputs=False", fast), ("check_inputs=True", world.comm)):
+                world.comm.barrier()
+                t0 = time.perf_counter()
+                out = call(comm)
+                dt = time.perf_counter() - t0
+                pending.append(out)
+                if i >= 10:
+                    times[name].append(dt)
+            for h in pending:
+                if not isinstance(h, torch.Tensor):
+                    h.wait()
+            pending.clear()
+        medians = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64)
+        slowest = torch.stack(world.comm.all_gather(medians)).max(0).values.tolist()
+        if world.rank == 0:
+            record = {"backend": world.backend, "ranks": world.size, "op": op, "bytes": x.numel() * 4}
+            record.update({f"{k} median_us": round(v * 1e6, 1) for k, v in zip(times, slowest, strict=True)})
+            record["repeats"] = repeats
+            print(json.dumps(record), flush=True)
+
+
+VARIANTS = ("raw", "sparta", "sparta+check")
 
 
 def table(rows: list[dict]) -> str:
@@ -189,6 +224,8 @@ def driver(args: argparse.Namespace) -> None:
             backend,
             "--max-sizes",
             str(args.max_sizes),
+            "--check-cost",
+            str(args.check_cost),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
         for line in proc.stdout.splitlines():
@@ -200,7 +237,7 @@ def driver(args: argparse.Namespace) -> None:
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
             raise SystemExit(f"{backend} benchmark failed with exit code {proc.returncode}")
-    if args.table:
+    if args.table and not args.check_cost:
         print(table(rows))
 
 
@@ -212,6 +249,9 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, default=4)
     parser.add_argument("--max-sizes", type=int, default=len(SIZES), help="measure only the first N sizes")
     parser.add_argument("--table", action="store_true", help="print a readable table after the JSON lines")
+    parser.add_argument(
+        "--check-cost", type=int, default=0, metavar="N", help="only time 1 KiB calls with and without checks, N each"
+    )
     args = parser.parse_args()
     (worker if args.worker else driver)(args)
 

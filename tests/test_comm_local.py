@@ -12,12 +12,11 @@ import torch
 
 import sparta
 from sparta.comm import CommConfig, detect
-from sparta.errors import BackendUnavailableError, ConfigError, InputError
+from sparta.comm.checks import raise_if_inconsistent
+from sparta.errors import BackendUnavailableError, ConfigError, InputError, SpartaError
 
 
 def run_py(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    import os
-
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "HOROVOD_"))}
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120)
@@ -88,8 +87,6 @@ class TestDetect:
 def test_comm_config_validates() -> None:
     with pytest.raises(ConfigError, match="timeout_s = 0 must be > 0"):
         CommConfig(timeout_s=0)
-    with pytest.raises(ConfigError, match=r"shared_memory = True; choose one of \('auto', 'on', 'off'\)"):
-        CommConfig(shared_memory=True)  # type: ignore[arg-type]
 
 
 def test_world_of_one_runs_every_op() -> None:
@@ -111,6 +108,46 @@ def test_world_of_one_runs_every_op() -> None:
         sparta.init(backend="nccl")
     with pytest.raises(ConfigError, match="ranks_per_node=3 must be >= 1 and divide the world size 1"):
         sparta.init(backend="torch", ranks_per_node=3)
+
+
+def test_agree_raises_the_ranks_error_with_its_kind() -> None:
+    c = sparta.init(backend="torch").comm
+    c.agree(None, "my op")
+    with pytest.raises(ConfigError, match=r"^my op: rank 0: experts=3 does not divide 4\. Every rank") as info:
+        c.agree(ConfigError("experts=3 does not divide 4"), "my op")
+    assert isinstance(info.value.__cause__, ConfigError)
+    with pytest.raises(InputError, match="my op: rank 0: bad ids"):
+        c.agree(InputError("bad ids"), "my op", failed=[0])
+    with pytest.raises(SpartaError, match="my op: rank 0: failed without giving a reason"):
+        c.agree(None, "my op", failed=[0])  # a flag carried by the caller, no reason given
+    with pytest.raises(InputError, match="all_reduce.*rank 0: takes a torch.Tensor, got list"):
+        c.all_reduce([1.0])  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="rank 0 passed float32 but rank 1 passed int64"):
+        raise_if_inconsistent([[0, 1, 1, 2, 1], [0, 5, 1, 2, 1]], "op", same_dim0=True)  # two ranks' rows
+    assert c.broken is None
+
+
+def test_exchanges_implement_the_public_interface() -> None:
+    """Communicator, HierarchicalAllToAll and TracedExchange are Exchanges, and the traced
+    one is nothing more: what is not an exchange's is not passed through."""
+    from sparta.comm import Exchange, HierarchicalAllToAll, PendingAllToAll
+    from sparta.scheduling import TracedExchange, Tracer
+
+    c = sparta.init(backend="torch").comm
+    tracer = Tracer()
+    traced = TracedExchange(c, tracer, "comm")
+    for ex in (c, traced):
+        assert Exchange in type(ex).__mro__ and (ex.size, ex.rank, ex.ranks) == (1, 0, (0,)) and "rank 0" in ex.where
+    assert Exchange in HierarchicalAllToAll.__mro__  # subclassed explicitly, not only shaped alike
+    assert not hasattr(traced, "all_reduce") and not hasattr(traced, "split")
+    x = torch.arange(6.0).view(3, 2).requires_grad_()
+    started = traced.start_all_to_all(x.detach(), [3])
+    assert isinstance(started, PendingAllToAll) and (started.send_splits, started.recv_splits) == ([3], [3])
+    assert torch.equal(started.handle.wait(), x.detach())
+    y = sparta.comm.all_to_all(x, [3], None, traced)
+    y.mul(torch.arange(6.0).view(3, 2)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(6.0).view(3, 2))  # the reverse exchange of the gradient
+    assert [s.track for s in tracer.spans] == ["comm"] * 3 and [s.args["rows"] for s in tracer.spans] == [3] * 3
 
 
 def test_missing_engine_names_the_install_command() -> None:
@@ -146,12 +183,8 @@ def test_cli_help_lists_subcommands() -> None:
     out = subprocess.run([sys.executable, "-m", "sparta.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "info" in out.stdout
     info = subprocess.run([sys.executable, "-m", "sparta.cli", "info"], capture_output=True, text=True, timeout=60)
-    assert '"torch": {' in info.stdout and '"engines"' in info.stdout
-    shm = json.loads(info.stdout)["engines"]["torch"]["cpu_all_to_all_within_a_host"]
-    if os.path.isdir("/dev/shm"):
-        assert shm["shared_memory"] == "/dev/shm" and shm["free_mib"] > 0, shm
-    else:
-        assert shm["shared_memory"] is None and "gloo" in shm["why"], shm
+    engines = json.loads(info.stdout)["engines"]
+    assert engines["torch"] == {"available": True, "cpu": "gloo", "cuda": "nccl" if torch.cuda.is_available() else None}
 
 
 def test_world_exit_ends_the_process_with_its_code_after_flushing() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from sparta.comm.communicator import Communicator
+from sparta.comm.exchange import Exchange
 
 
 class _AllToAll(torch.autograd.Function):
@@ -17,12 +17,12 @@ class _AllToAll(torch.autograd.Function):
         x: torch.Tensor,
         send: list[int] | None,
         recv: list[int] | None,
-        comm: Communicator,
+        comm: Exchange,
         check: bool | None,
     ) -> torch.Tensor:
-        handle, ctx.send, ctx.recv = comm._start_all_to_all(x, send, recv, check)
-        ctx.comm = comm
-        return handle.wait()
+        started = comm.start_all_to_all(x, send, recv, check)
+        ctx.send, ctx.recv, ctx.comm = started.send_splits, started.recv_splits, comm
+        return started.handle.wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
@@ -35,10 +35,11 @@ def all_to_all(
     x: torch.Tensor,
     send_splits: Sequence[int] | None,
     recv_splits: Sequence[int] | None,
-    comm: Communicator,
+    comm: Exchange,
     check: bool | None = None,
 ) -> torch.Tensor:
-    """Differentiable `comm.all_to_all`: x [n, *rest] -> [sum(recv_splits), *rest].
+    """Differentiable `comm.all_to_all`: x [n, *rest] -> [sum(recv_splits), *rest], over any
+    Exchange (a Communicator, a HierarchicalAllToAll, a traced one).
 
     recv_splits=None exchanges them once in forward; backward reuses them reversed. Every
     rank must run backward through it (collectives are matched across ranks), which holds

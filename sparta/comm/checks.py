@@ -1,125 +1,144 @@
-"""Input checks that every rank agrees on before a collective moves any data.
+"""What every rank agrees on before a collective moves any data.
 
-A rank with bad input must not simply raise: its peers would enter the collective and hang.
-Instead each rank encodes what it found (a problem code and two numbers) together with its
-tensor's dtype and shape into a small int64 row, the rows are exchanged in one tiny
-collective, and then every rank raises the same error, naming the offending rank.
+A rank with bad input must not simply raise: its peers would enter the collective and hang,
+or pair their next message with the wrong one. So each rank describes its tensor (dtype and
+shape) and whether its own arguments are valid in a small int64 row (`meta_row`); the rows
+travel on a message the operation sends anyway where it has one (the all-to-all's split
+exchange, the all-gather's size exchange), else on one small all-gather, and every rank
+raises the same error. A rank's complaint travels as one flag: the reasons are gathered
+(`Communicator.agree`) only when some rank raised a flag, so a healthy group pays nothing
+for them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 
 from sparta.comm.dtypes import dtype_code, dtype_name
-from sparta.errors import InputError
+from sparta.errors import (
+    BackendUnavailableError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    ConfigError,
+    InputError,
+    SpartaError,
+)
 
-META_LEN = 8  # problem, a, b, c, dtype code, ndim, dim 0, product of the other dims
+META_LEN = 5  # failed, dtype code, ndim, dim 0, elements per dim-0 row
 
-
-class Problem(IntEnum):
-    NONE = 0
-    SPLITS_LENGTH = 1  # a = len(splits), b = group size
-    SPLITS_NEGATIVE = 2  # a = index, b = value
-    SPLITS_SUM = 3  # a = sum of splits, b = dim 0 of the tensor
-    RECV_SPLITS_LENGTH = 4  # a = len(recv_splits), b = group size
-    RECV_SPLITS_NEGATIVE = 5  # a = index, b = value
-    NOT_DIVISIBLE = 6  # a = dim 0, b = group size
-    BAD_SRC = 7  # a = src, b = group size
-    ZERO_DIM = 8  # a tensor without a dim 0 where splitting along dim 0 is needed
-    RECV_MISMATCH = 9  # a = peer, b = recv_splits[peer], c = rows the peer sends
-
-
-_MESSAGES = {
-    Problem.SPLITS_LENGTH: "send_splits has {a} entries but the group has {b} ranks; give one split per rank",
-    Problem.SPLITS_NEGATIVE: "send_splits[{a}] = {b} is negative; splits count rows and must be >= 0",
-    Problem.SPLITS_SUM: "send_splits sum to {a} but the tensor has {b} rows along dim 0; make them sum to x.shape[0]",
-    Problem.RECV_SPLITS_LENGTH: "recv_splits has {a} entries but the group has {b} ranks; give one per rank or None",
-    Problem.RECV_SPLITS_NEGATIVE: "recv_splits[{a}] = {b} is negative; splits count rows and must be >= 0",
-    Problem.NOT_DIVISIBLE: "dim 0 ({a}) is not divisible by the group size ({b}); pad the tensor to a multiple of {b}",
-    Problem.BAD_SRC: "src = {a} is not a rank of this group of {b}; use 0 <= src < {b}",
-    Problem.ZERO_DIM: "the tensor is 0-dimensional; this operation splits along dim 0, so reshape it to at least 1-D",
-    Problem.RECV_MISMATCH: (
-        "recv_splits[{a}] = {b} but rank {a} sends {c} rows; pass recv_splits=None to have them "
-        "exchanged, or fix the splits"
-    ),
-}
+# What an agreed error can be, by index; a rank raises the most derived one its error is.
+ERROR_KINDS: tuple[type[SpartaError], ...] = (
+    SpartaError,
+    ConfigError,
+    InputError,
+    BackendUnavailableError,
+    CollectiveError,
+    CollectiveTimeoutError,
+)
+REASON_BYTES = 1024  # per rank, in the gather of reasons; longer reasons are cut
 
 
-@dataclass(frozen=True)
-class Finding:
-    problem: Problem = Problem.NONE
-    a: int = 0
-    b: int = 0
-    c: int = 0
-
-    def message(self) -> str:
-        return _MESSAGES[self.problem].format(a=self.a, b=self.b, c=self.c)
-
-
-OK = Finding()
-
-
-def check_splits(splits: Sequence[int] | None, size: int, rows: int | None, recv: bool = False) -> Finding:
-    if splits is None:
-        return OK
-    length, negative = (
-        (Problem.RECV_SPLITS_LENGTH, Problem.RECV_SPLITS_NEGATIVE)
-        if recv
-        else (Problem.SPLITS_LENGTH, Problem.SPLITS_NEGATIVE)
-    )
-    if len(splits) != size:
-        return Finding(length, len(splits), size)
-    for i, s in enumerate(splits):
-        if s < 0:
-            return Finding(negative, i, int(s))
-    if rows is not None and sum(splits) != rows:
-        return Finding(Problem.SPLITS_SUM, int(sum(splits)), rows)
-    return OK
-
-
-def meta_row(x: torch.Tensor, finding: Finding) -> list[int]:
+def meta_row(x: torch.Tensor, failed: bool) -> list[int]:
     dim0 = x.shape[0] if x.dim() > 0 else 1
     rest = x.numel() // dim0 if dim0 else int(torch.Size(x.shape[1:]).numel())
-    return [int(finding.problem), finding.a, finding.b, finding.c, dtype_code(x.dtype), x.dim(), dim0, rest]
+    return [int(failed), dtype_code(x.dtype), x.dim(), dim0, rest]
 
 
-def raise_if_any(rows: torch.Tensor, op: str, rank: int, same_dim0: bool, same_rest: bool = True) -> None:
-    """Raise one InputError from the exchanged meta rows `[size, META_LEN]` if any is bad.
+def failed_ranks(rows: Sequence[Sequence[int]]) -> list[int]:
+    """The ranks whose meta row (or any row whose first entry is the flag) says they failed."""
+    return [r for r, row in enumerate(rows) if row[0]]
 
-    `op` names the operation, rank and group (Communicator._op).
 
-    Every rank holds the same rows, so every rank raises the same error. `same_dim0` asks
-    that every rank's tensor has the same dim 0 (all-reduce, reduce-scatter), `same_rest`
-    that the trailing shape matches (everything but broadcast's receivers, which take the
-    root's shape).
-    """
-    table = rows.tolist()
-    for r, (problem, a, b, c, *_rest) in enumerate(table):
-        if problem != Problem.NONE:
-            who = "this rank" if r == rank else f"rank {r}"
-            raise InputError(
-                f"{op}: {who} passed invalid input: "
-                f"{Finding(Problem(problem), a, b, c).message()}. Every rank raises this error."
+def splits_problem(splits: Sequence[int] | None, size: int, rows: int | None, name: str) -> str | None:
+    """What is wrong with `splits` (`name`: "send_splits" or "recv_splits"), or None."""
+    if splits is None:
+        return None
+    if len(splits) != size:
+        return f"{name} has {len(splits)} entries but the group has {size} ranks; give one per rank"
+    for i, s in enumerate(splits):
+        if s < 0:
+            return f"{name}[{i}] = {s} is negative; splits count rows and must be >= 0"
+    if rows is not None and sum(splits) != rows:
+        return f"{name} sum to {sum(splits)} but the tensor has {rows} rows along dim 0; make them sum to x.shape[0]"
+    return None
+
+
+def as_tensor(x: object) -> tuple[torch.Tensor, str | None]:
+    """`x` if it can be communicated; else an empty stand-in (for the metadata that goes to
+    the peers) and what is wrong with it."""
+    if not isinstance(x, torch.Tensor):
+        return torch.empty(0), f"takes a torch.Tensor, got {type(x).__name__}"
+    if dtype_code(x.dtype) == 0:
+        return torch.empty(0), f"dtype {x.dtype} cannot be communicated; cast to a standard dtype"
+    return x, None
+
+
+def blocks_problem(x: torch.Tensor, size: int) -> str | None:
+    """What keeps `x` from being cut into `size` equal blocks along dim 0, or None."""
+    if x.dim() == 0:
+        return "the tensor is 0-dimensional; this operation splits along dim 0, so reshape it to at least 1-D"
+    if x.shape[0] % size:
+        return (
+            f"dim 0 ({x.shape[0]}) is not divisible by the group size ({size}); pad the tensor to a multiple of {size}"
+        )
+    return None
+
+
+def recv_problem(expected: Sequence[int], incoming: Sequence[int]) -> str | None:
+    """The first source whose rows differ from what the caller's recv_splits expect, or None."""
+    for r, (e, i) in enumerate(zip(expected, incoming, strict=True)):
+        if int(e) != int(i):
+            return (
+                f"recv_splits[{r}] = {e} but rank {r} sends {i} rows; pass recv_splits=None to have them "
+                "exchanged, or fix the splits"
             )
-    first = table[0]
-    for r, row in enumerate(table[1:], start=1):
-        if row[4] != first[4]:
+    return None
+
+
+def raise_if_inconsistent(rows: Sequence[Sequence[int]], op: str, same_dim0: bool) -> None:
+    """Raise one InputError if the ranks' meta rows disagree on dtype or shape. Every rank
+    holds the same rows, so every rank raises the same error. `same_dim0` asks that dim 0
+    agrees too (all-reduce, reduce-scatter, broadcast), not only the trailing dims."""
+    first = rows[0]
+    for r, row in enumerate(rows[1:], start=1):
+        if row[1] != first[1]:
             raise InputError(
-                f"{op}: rank 0 passed {dtype_name(first[4])} but rank {r} passed "
-                f"{dtype_name(row[4])}; all ranks must pass the same dtype."
+                f"{op}: rank 0 passed {dtype_name(first[1])} but rank {r} passed "
+                f"{dtype_name(row[1])}; all ranks must pass the same dtype. Every rank raises this error."
             )
-        shape_differs = (same_rest and (row[5] != first[5] or row[7] != first[7])) or (same_dim0 and row[6] != first[6])
-        if shape_differs:
+        if row[2] != first[2] or row[4] != first[4] or (same_dim0 and row[3] != first[3]):
             raise InputError(
-                f"{op}: tensor shapes disagree between ranks: rank 0 has "
-                f"{_shape_text(first)} and rank {r} has {_shape_text(row)}; "
-                f"{'all dims' if same_dim0 else 'all dims but the first'} must match."
+                f"{op}: tensor shapes disagree between ranks: rank 0 has {_shape_text(first)} and rank {r} "
+                f"has {_shape_text(row)}; {'all dims' if same_dim0 else 'all dims but the first'} must match. "
+                "Every rank raises this error."
             )
 
 
-def _shape_text(row: list[int]) -> str:
-    return f"{row[5]}-D, dim 0 = {row[6]}, {row[7]} elements per row"
+def _shape_text(row: Sequence[int]) -> str:
+    return f"{row[2]}-D, dim 0 = {row[3]}, {row[4]} elements per row"
+
+
+def encode_reason(error: SpartaError | None) -> torch.Tensor:
+    """This rank's error as REASON_BYTES bytes: its kind's index, then its UTF-8 message."""
+    buf = torch.zeros(REASON_BYTES, dtype=torch.uint8)
+    if error is not None:
+        kind = max(i for i, k in enumerate(ERROR_KINDS) if isinstance(error, k))
+        text = str(error).encode()[: REASON_BYTES - 1]
+        buf[0] = kind
+        buf[1 : 1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    return buf
+
+
+def agreed_error(reasons: torch.Tensor, failed: Sequence[int], op: str) -> SpartaError:
+    """The one error every rank raises, from every rank's `encode_reason` ([size, REASON_BYTES]);
+    ranks with the same reason are named together."""
+    rows = reasons.view(-1, REASON_BYTES)
+    by_reason: dict[str, list[int]] = {}
+    for r in failed:
+        text = bytes(rows[r, 1:].tolist()).rstrip(b"\0").decode(errors="replace")
+        by_reason.setdefault(text or "failed without giving a reason", []).append(r)
+    said = "; ".join(f"rank {rs[0]}: {why}" if len(rs) == 1 else f"ranks {rs}: {why}" for why, rs in by_reason.items())
+    kind = ERROR_KINDS[int(rows[failed[0], 0])]
+    return kind(f"{op}: {said}. Every rank of the group raises this error.")

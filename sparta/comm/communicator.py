@@ -2,31 +2,34 @@
 
 Engines implement a handful of primitives on flat byte buffers and on reducible tensors
 (`_all_to_all_bytes`, `_all_gather_bytes`, `_broadcast_bytes`, `_all_reduce`, `_split`);
-this class gives them one validated, dtype-complete, shape-aware API. Every public
-operation takes `async_op=True` and then returns a `Handle` whose `wait()` gives the result.
+this class gives them one validated, dtype-complete, shape-aware API, the agreement that
+makes bad input raise on every rank (`agree`), and the broken state after a failure. Every
+public operation takes `async_op=True` and then returns a `Handle` whose `wait()` gives the
+result.
 """
 
 from __future__ import annotations
 
 import abc
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from sparta.comm import checks
-from sparta.comm.checks import Finding, Problem
-from sparta.comm.dtypes import as_bytes, dtype_code, from_bytes, reduction_dtype
+from sparta.comm.dtypes import as_bytes, from_bytes, reduction_dtype
+from sparta.comm.exchange import Exchange, PendingAllToAll
 from sparta.comm.handle import Handle
-from sparta.errors import ConfigError, InputError
+from sparta.errors import CollectiveError, ConfigError, InputError, SpartaError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
 REDUCE_OPS = ("sum", "avg")
-SHARED_MEMORY_MODES = ("auto", "on", "off")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -34,43 +37,54 @@ class CommConfig:
     """How a communicator behaves.
 
     timeout_s: a collective that has not completed after this many seconds raises
-        CollectiveTimeoutError naming the rank, the operation and the group.
-    check_inputs: before each collective, exchange a tiny row of metadata (shapes, dtypes,
-        local problems) so that bad input raises the same error on every rank instead of
-        hanging. Costs one small extra message per collective; turn it off in tuned runs.
-    shared_memory: how the torch engine moves the all-to-all of CPU tensors when every rank
-        of the group is on one host (and one network namespace): "on" through /dev/shm
-        (sparta.comm.shm) instead of gloo's loopback TCP; "off" through gloo; "auto" (the
-        default) through /dev/shm unless the group has more ranks than the host has CPUs.
-        Measured on 2 CPUs (benchmarks/moe_layer.py, sparta_dropless vs sparta_tcp): an
-        expert-parallel MoE layer on 2 ranks is 3-8% faster through /dev/shm, on 4 ranks 5%
-        slower, as its copies then wait for a core where gloo's were done in the kernel
-        in the background. MPI has its own shared-memory path; CUDA tensors always go
-        through the engine (nccl).
+        CollectiveTimeoutError naming the rank, the operation and the group (and leaves the
+        communicator broken: see `Communicator.broken`).
+    check_inputs: before a collective moves data, every rank learns every other rank's dtype,
+        shape and verdict on its own arguments, so that bad input raises the same error on
+        every rank instead of hanging or pairing messages wrongly. The all-to-all carries
+        this on the split exchange it makes anyway when `recv_splits` is None, and the
+        all-gather on its size exchange: free. An all-to-all given `recv_splits`, an
+        all-reduce, reduce-scatter or broadcast pays one small blocking all-gather first
+        (so `async_op=True` returns only after that round trip). Turn it off in tuned runs,
+        or pass `check=False` to one call.
     """
 
     timeout_s: float = 300.0
     check_inputs: bool = True
-    shared_memory: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ConfigError(f"CommConfig.timeout_s = {self.timeout_s} must be > 0 seconds")
-        if self.shared_memory not in SHARED_MEMORY_MODES:
-            raise ConfigError(f"CommConfig.shared_memory = {self.shared_memory!r}; choose one of {SHARED_MEMORY_MODES}")
 
 
-class Communicator(abc.ABC):
+@dataclass
+class _Health:
+    """Why a communicator is broken, or None; shared by the groups split from one world where
+    the engine's failures reach them all (`Communicator.failures_span_world`)."""
+
+    broken: str | None = None
+
+
+class Communicator(Exchange, abc.ABC):
     """A group of ranks and the collectives among them.
 
     Attributes: `rank` (this process's index in the group), `size` (ranks in the group),
     `ranks` (their ranks in the world, in group order), `backend` (engine name),
-    `config` (CommConfig). Tensors are split and gathered along dim 0 throughout.
+    `config` (CommConfig), `broken`. Tensors are split and gathered along dim 0 throughout.
+
+    After a collective fails or times out, the ranks may disagree on which message comes
+    next, so the communicator is broken: every later call raises CollectiveError saying why,
+    instead of pairing messages wrongly. A handle dropped without `wait()` is waited at this
+    communicator's next call (its buffers live until then); if its collective failed, that
+    call raises and the communicator is broken.
     """
 
     backend: str = "abstract"
     # dtypes the engine's reduction accepts; others are widened (see dtypes.py)
     native_reduce_dtypes: frozenset[torch.dtype] = frozenset()
+    # whether a failed collective leaves every group of the world unusable (one background
+    # loop or progress engine serves them all), or only its own group
+    failures_span_world: bool = False
 
     def __init__(self, rank: int, size: int, ranks: Sequence[int], config: CommConfig, name: str) -> None:
         self.rank = rank
@@ -78,6 +92,8 @@ class Communicator(abc.ABC):
         self.ranks = tuple(ranks)
         self.config = config
         self.name = name
+        self._health = _Health()
+        self._orphans: list[tuple[Handle[Any], str]] = []
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, size={self.size})"
@@ -87,26 +103,15 @@ class Communicator(abc.ABC):
         """How error messages name this rank and group."""
         return f"rank {self.rank} of group {self.name!r} (world ranks {list(self.ranks)})"
 
+    @property
+    def broken(self) -> str | None:
+        """Why this communicator refuses every collective (the failure that broke it), or None."""
+        return self._health.broken
+
     # ---------------------------------------------------------------- engine primitives
     @abc.abstractmethod
     def _all_to_all_bytes(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
         """Flat uint8 `buf` cut into `send` byte counts per rank; returns the received bytes."""
-
-    def _all_to_all_filled(
-        self,
-        fill: Callable[[torch.Tensor], None],
-        device: torch.device,
-        send: list[int],
-        recv: list[int],
-        op: str,
-        borrow: bool,
-    ) -> Handle[torch.Tensor]:
-        """`_all_to_all_bytes` of the `sum(send)` bytes `fill` writes into the flat uint8
-        buffer it is handed (`borrow`: see `all_to_all_fill`); engines with a buffer of
-        their own override it."""
-        buf = torch.empty(sum(send), dtype=torch.uint8, device=device)
-        fill(buf)
-        return self._all_to_all_bytes(buf, send, recv, op)
 
     @abc.abstractmethod
     def _all_gather_bytes(self, buf: torch.Tensor, counts: list[int], op: str) -> Handle[torch.Tensor]:
@@ -127,166 +132,168 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def shutdown(self) -> None:
-        """Release engine resources (the world's engine, a group's shared memory). Idempotent."""
+        """Release engine resources. Idempotent."""
 
-    # ---------------------------------------------------------------- helpers
+    # ---------------------------------------------------------------- issuing and health
     def _op(self, op: str) -> str:
         return f"{op} on {self.where} [{self.backend}]"
 
-    def _agree(self, x: torch.Tensor, finding: Finding, op: str, same_dim0: bool, same_rest: bool = True) -> None:
-        """Raise on every rank if any rank found a problem or shapes disagree."""
-        if not self.config.check_inputs:
-            if finding.problem != Problem.NONE:
-                raise InputError(f"{op}: {finding.message()}")
-            return
-        row = torch.tensor([checks.meta_row(x, finding)], dtype=torch.int64)
-        rows = self._all_gather_bytes(as_bytes(row), [checks.META_LEN * 8] * self.size, op).wait()
-        checks.raise_if_any(
-            from_bytes(rows, torch.int64, (self.size, checks.META_LEN)), op, self.rank, same_dim0, same_rest
-        )
+    def _issue(self, op: str, start: Callable[[], Handle[T]]) -> Handle[T]:
+        """Start one engine collective: refuse if broken, first wait the handles dropped
+        unwaited, and watch the new one (its failure breaks the communicator; dropped
+        unwaited, it joins the handles to wait)."""
+        self._ready(op)
+        try:
+            raw = start()
+        except CollectiveError as exc:
+            self._break(str(exc))
+            raise
 
-    @staticmethod
-    def _require_tensor(x: Any, op: str) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):
-            raise InputError(f"{op} takes a torch.Tensor, got {type(x).__name__}")
-        if dtype_code(x.dtype) == 0:
-            raise InputError(f"{op}: dtype {x.dtype} cannot be communicated; cast to a standard dtype")
-        return x
+        def wait() -> T:
+            watch.detach()
+            self._refuse_if_broken(op)
+            try:
+                return raw.wait()
+            except CollectiveError as exc:
+                self._break(str(exc))
+                raise
 
-    def _check_op(self, op: str) -> None:
-        if op not in REDUCE_OPS:
-            raise InputError(f"unknown reduction op {op!r}; use one of {REDUCE_OPS}")
+        watched = Handle(wait)
+        watch = weakref.finalize(watched, self._orphans.append, (raw, op))
+        watch.atexit = False
+        return watched
+
+    def _ready(self, op: str) -> None:
+        self._refuse_if_broken(op)
+        while self._orphans:
+            raw, dropped = self._orphans.pop(0)
+            try:
+                raw.wait()
+            except CollectiveError as exc:
+                self._break(f"{exc} (its handle was dropped without wait(), and waited at the next call)")
+                self._refuse_if_broken(op)
+
+    def _break(self, why: str) -> None:
+        if self._health.broken is None:
+            self._health.broken = why
+
+    def _refuse_if_broken(self, op: str) -> None:
+        if self._health.broken is not None:
+            raise CollectiveError(
+                f"{op}: this communicator is broken since an earlier collective failed: {self._health.broken}. "
+                "Its ranks may now disagree on which message comes next, so it refuses every collective. "
+                "Rebuild the world: call world.shutdown() and start the job again on every rank "
+                "(e.g. torchrun --max-restarts, or your scheduler's retry)."
+            )
+
+    # ---------------------------------------------------------------- agreement
+    def agree(self, error: SpartaError | None, op: str, failed: Sequence[int] | None = None) -> None:
+        """Raise the same error on every rank of the group if any rank has one. Collective.
+
+        Every rank calls it at the same point, before any data moves, with its own verdict:
+        `error`, the exception it would raise (not raised), or None where its part is fine.
+        If any rank has one, every rank raises an error of the lowest failing rank's kind
+        (InputError, ConfigError, ...), `op` followed by each failing rank and its reason,
+        instead of leaving its peers to hang in the next collective.
+
+        failed: the group ranks with an error, when the caller has already carried one flag
+        per rank on an exchange of its own (e.g. the counts of an all-to-all); then a healthy
+        group pays nothing here and a failing one one all-gather of the reasons. Without it,
+        one all-gather of one integer per rank finds them first.
+        """
+        if failed is None:
+            failed = checks.failed_ranks(self._gather_ints([int(error is not None)], op))
+        if failed:
+            width = [checks.REASON_BYTES] * self.size
+            reason = checks.encode_reason(error)
+            reasons = self._issue(op, lambda: self._all_gather_bytes(reason, width, op)).wait()
+            raise checks.agreed_error(reasons, failed, op) from error
+
+    def agree_tensor(self, x: torch.Tensor, op: str, error: SpartaError | None = None, same_dim0: bool = True) -> None:
+        """`agree` on `error`, and that every rank's `x` has the same dtype and shape (dim 0
+        may differ unless `same_dim0`): otherwise InputError on every rank. One all-gather of
+        five integers per rank (and the reasons, if some rank has an error). Collective."""
+        rows = self._gather_ints(checks.meta_row(x, error is not None), op)
+        self.agree(error, op, checks.failed_ranks(rows))
+        checks.raise_if_inconsistent(rows, op, same_dim0)
+
+    def _gather_ints(self, row: list[int], op: str) -> list[list[int]]:
+        mine = torch.tensor(row, dtype=torch.int64)
+        width = [len(row) * 8] * self.size
+        got = self._issue(op, lambda: self._all_gather_bytes(as_bytes(mine), width, op)).wait()
+        return from_bytes(got, torch.int64, (self.size, len(row))).tolist()
+
+    def _settle(self, x: torch.Tensor, problem: str | None, op: str, check: bool | None) -> None:
+        """Before data moves: `problem` raised on every rank and the tensors compared, or,
+        with checks off, `problem` raised here only."""
+        if self.config.check_inputs if check is None else check:
+            self.agree_tensor(x, op, InputError(problem) if problem else None)
+        elif problem is not None:
+            raise InputError(f"{op}: {problem}")
 
     # ---------------------------------------------------------------- public collectives
-    def all_to_all(
+    def start_all_to_all(
         self,
         x: torch.Tensor,
         send_splits: Sequence[int] | None = None,
         recv_splits: Sequence[int] | None = None,
-        async_op: bool = False,
         check: bool | None = None,
-    ) -> torch.Tensor | Handle[torch.Tensor]:
-        """Rows `x[sum(send_splits[:r]) : sum(send_splits[:r+1])]` go to rank r.
-
-        x: [n, *rest]. send_splits: rows per destination rank (None = n / size each).
-        recv_splits: rows per source rank; None exchanges them first (one small message).
-        Returns [sum(recv_splits), *rest], rows ordered by source rank. `check=False` skips
-        the metadata exchange when the caller knows all ranks agree (default: config).
-        """
-        out, _, _ = self._start_all_to_all(x, send_splits, recv_splits, check)
-        return out if async_op else out.wait()
-
-    def all_to_all_fill(
-        self,
-        fill: Callable[[torch.Tensor], None],
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        send_splits: Sequence[int],
-        recv_splits: Sequence[int],
-        async_op: bool = False,
-        check: bool | None = None,
-        device: torch.device | str = "cpu",
-        borrow: bool = False,
-    ) -> torch.Tensor | Handle[torch.Tensor]:
-        """`all_to_all` of the rows that `fill` writes into the empty `[n, *rest]` tensor
-        (`shape`, `dtype`, `device`) it is handed, on this thread, before the exchange
-        starts. Where the engine moves the rows through shared memory (the torch engine's
-        CPU all-to-all on one host) that tensor lies there, so the rows are written once
-        instead of written and then copied in; elsewhere it is an ordinary tensor. `fill`
-        must write every row, keep no reference to the tensor and start no collective.
-
-        `borrow=True` may return, instead of a tensor of its own, a view of the engine's
-        buffer (shared memory, where all the rows come from one rank), saving the copy out.
-        It is valid only until this rank's next all-to-all on this communicator has run
-        its fill: read it, or read it in that fill, and drop it; never keep or write it."""
-        like = torch.empty(tuple(shape), dtype=dtype, device="meta")
-        out, _, _ = self._start_all_to_all(like, send_splits, recv_splits, check, fill, torch.device(device), borrow)
-        return out if async_op else out.wait()
-
-    def _start_all_to_all(
-        self,
-        x: torch.Tensor,
-        send_splits: Sequence[int] | None,
-        recv_splits: Sequence[int] | None,
-        check: bool | None,
-        fill: Callable[[torch.Tensor], None] | None = None,
-        device: torch.device | None = None,
-        borrow: bool = False,
-    ) -> tuple[Handle[torch.Tensor], list[int], list[int]]:
-        """Validate, settle the splits, and launch; returns (handle, send, recv splits).
-        With `fill`, `x` is a meta tensor of the shape and dtype `fill` writes on `device`."""
+    ) -> PendingAllToAll:
+        """Validate, settle the splits, and start the exchange (see `all_to_all`)."""
         name = self._op("all_to_all")
-        x = self._require_tensor(x, name)
-        rows = x.shape[0] if x.dim() > 0 else 0
-        if x.dim() == 0:
-            finding, send = Finding(Problem.ZERO_DIM), [0] * self.size
-        elif send_splits is None:
-            finding = Finding(Problem.NOT_DIVISIBLE, rows, self.size) if rows % self.size else OK_
-            send = [rows // self.size] * self.size
+        x, problem = checks.as_tensor(x)
+        if send_splits is None or x.dim() == 0:
+            send = [(x.shape[0] if x.dim() else 0) // self.size] * self.size
+            problem = problem or checks.blocks_problem(x, self.size)
         else:
             send = [int(s) for s in send_splits]
-            finding = checks.check_splits(send, self.size, rows)
-        if finding == OK_:
-            finding = checks.check_splits(recv_splits, self.size, None, recv=True)
+            problem = problem or checks.splits_problem(send, self.size, x.shape[0], "send_splits")
+        problem = problem or checks.splits_problem(recv_splits, self.size, None, "recv_splits")
         if recv_splits is None or (self.config.check_inputs if check is None else check):
-            recv = self._exchange_splits(x, send, recv_splits, finding, name)
+            recv = self._exchange_splits(x, send, recv_splits, problem, name)
+        elif problem is not None:
+            raise InputError(f"{name}: {problem}")
         else:
-            if finding != OK_:
-                raise InputError(f"{name}: {finding.message()}")
             recv = [int(s) for s in recv_splits]
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
-        rest = tuple(x.shape[1:])
         send_bytes, recv_bytes = [s * row_bytes for s in send], [s * row_bytes for s in recv]
-        if fill is None:
-            handle = self._all_to_all_bytes(as_bytes(x), send_bytes, recv_bytes, name)
-        else:
-            assert device is not None
-            shape = tuple(x.shape)
-            handle = self._all_to_all_filled(
-                lambda b: fill(from_bytes(b, x.dtype, shape)), device, send_bytes, recv_bytes, name, borrow
-            )
-        return handle.then(lambda b: from_bytes(b, x.dtype, (sum(recv), *rest))), send, recv
+        handle = self._issue(name, lambda: self._all_to_all_bytes(as_bytes(x), send_bytes, recv_bytes, name))
+        shape = (sum(recv), *x.shape[1:])
+        return PendingAllToAll(handle.then(lambda b: from_bytes(b, x.dtype, shape)), send, recv)
 
     def _exchange_splits(
-        self, x: torch.Tensor, send: list[int], expected: Sequence[int] | None, finding: Finding, name: str
+        self, x: torch.Tensor, send: list[int], expected: Sequence[int] | None, problem: str | None, name: str
     ) -> list[int]:
         """All-to-all of [meta, rows I send you] rows; returns the recv splits.
 
-        Carries every rank's meta row to every rank, so a local problem raises everywhere.
-        When the caller gave recv_splits, a second tiny gather spreads each rank's verdict
-        on them, so a mismatch between two ranks raises on all ranks, not just those two.
+        Carries every rank's meta row to every rank, so a local problem, or a dtype or row
+        shape that differs, raises on every rank. When the caller gave recv_splits, one
+        more agreement spreads each rank's verdict on them, so a mismatch between two ranks
+        raises on all ranks, not just those two.
         """
-        ok = finding == OK_
-        meta = checks.meta_row(x, finding)
-        table = torch.tensor([meta + [send[r] if ok else 0] for r in range(self.size)], dtype=torch.int64)
-        width = checks.META_LEN + 1
-        got = self._all_to_all_bytes(as_bytes(table), [width * 8] * self.size, [width * 8] * self.size, name).wait()
-        got = from_bytes(got, torch.int64, (self.size, width))
-        checks.raise_if_any(got[:, : checks.META_LEN], name, self.rank, same_dim0=False)
-        incoming = got[:, checks.META_LEN].tolist()
+        meta = checks.meta_row(x, problem is not None)
+        table = torch.tensor([[*meta, send[r] if problem is None else 0] for r in range(self.size)], dtype=torch.int64)
+        nbytes = [table.shape[1] * 8] * self.size
+        got = self._issue(name, lambda: self._all_to_all_bytes(as_bytes(table), nbytes, nbytes, name)).wait()
+        rows = from_bytes(got, torch.int64, tuple(table.shape)).tolist()
+        self.agree(InputError(problem) if problem else None, name, checks.failed_ranks(rows))
+        checks.raise_if_inconsistent(rows, name, same_dim0=False)
+        incoming = [row[-1] for row in rows]
         if expected is not None:
-            verdict = next(
-                (
-                    Finding(Problem.RECV_MISMATCH, r, int(expected[r]), incoming[r])
-                    for r in range(self.size)
-                    if int(expected[r]) != incoming[r]
-                ),
-                OK_,
-            )
-            self._agree(x, verdict, name, same_dim0=False)
+            mismatch = checks.recv_problem(expected, incoming)
+            self.agree(InputError(mismatch) if mismatch else None, name)
         return incoming
 
     def all_gather(self, x: torch.Tensor, async_op: bool = False) -> list[torch.Tensor] | Handle[list[torch.Tensor]]:
         """Every rank's `x`, as a list indexed by rank. Dim 0 may differ between ranks."""
         name = self._op("all_gather")
-        x = self._require_tensor(x, name)
-        row = torch.tensor([checks.meta_row(x, OK_)], dtype=torch.int64)
-        metas = self._all_gather_bytes(as_bytes(row), [checks.META_LEN * 8] * self.size, name).wait()
-        table = from_bytes(metas, torch.int64, (self.size, checks.META_LEN))
-        checks.raise_if_any(table, name, self.rank, same_dim0=False)
-        dims0 = table[:, 6].tolist()
+        x, problem = checks.as_tensor(x)
+        table = self._gather_ints(checks.meta_row(x, problem is not None), name)  # the sizes, and the check
+        self.agree(InputError(problem) if problem else None, name, checks.failed_ranks(table))
+        checks.raise_if_inconsistent(table, name, same_dim0=False)
+        dims0 = [row[3] for row in table]
         rest = tuple(x.shape[1:])
-        per_row = int(table[0, 7]) * x.element_size()
+        per_row = table[0][4] * x.element_size()
         counts = [d * per_row for d in dims0]
         shapes = [(d, *rest) if x.dim() > 0 else () for d in dims0]
 
@@ -294,23 +301,23 @@ class Communicator(abc.ABC):
             parts = torch.split(buf, counts)
             return [from_bytes(p, x.dtype, s) for p, s in zip(parts, shapes, strict=True)]
 
-        out = self._all_gather_bytes(as_bytes(x), counts, name).then(unpack)
+        out = self._issue(name, lambda: self._all_gather_bytes(as_bytes(x), counts, name)).then(unpack)
         return out if async_op else out.wait()
 
     def all_reduce(
-        self, x: torch.Tensor, op: str = "sum", async_op: bool = False
+        self, x: torch.Tensor, op: str = "sum", async_op: bool = False, check: bool | None = None
     ) -> torch.Tensor | Handle[torch.Tensor]:
-        """Element-wise sum ("sum") or mean ("avg") over ranks; returns a new tensor."""
+        """Element-wise sum ("sum") or mean ("avg") over ranks; returns a new tensor.
+        `check`: as for `all_to_all` (None follows `CommConfig.check_inputs`)."""
         name = self._op(f"all_reduce({op})")
-        x = self._require_tensor(x, name)
-        self._check_op(op)
-        self._agree(x, OK_, name, same_dim0=True)
-        wide = self._reduce_prep(x, op, name)
-        out = self._all_reduce(wide, name).then(lambda y: self._reduce_finish(y, x, op))
+        x, problem = checks.as_tensor(x)
+        wide, problem = self._widened(x, op, problem)
+        self._settle(x, problem, name, check)
+        out = self._issue(name, lambda: self._all_reduce(wide, name)).then(lambda y: self._reduce_finish(y, x, op))
         return out if async_op else out.wait()
 
     def reduce_scatter(
-        self, x: torch.Tensor, op: str = "sum", async_op: bool = False
+        self, x: torch.Tensor, op: str = "sum", async_op: bool = False, check: bool | None = None
     ) -> torch.Tensor | Handle[torch.Tensor]:
         """x: [size * m, *rest] on every rank; rank r gets the reduction of block r, [m, *rest].
 
@@ -318,19 +325,12 @@ class Communicator(abc.ABC):
         reduce-scatter and needs nothing from the engine but all-to-all.
         """
         name = self._op(f"reduce_scatter({op})")
-        x = self._require_tensor(x, name)
-        self._check_op(op)
-        rows = x.shape[0] if x.dim() > 0 else 0
-        finding = (
-            Finding(Problem.ZERO_DIM)
-            if x.dim() == 0
-            else (Finding(Problem.NOT_DIVISIBLE, rows, self.size) if rows % self.size else OK_)
-        )
-        self._agree(x, finding, name, same_dim0=True)
-        wide = self._reduce_prep(x, op, name)
-        m = rows // self.size
-        nbytes = wide.numel() // self.size * wide.element_size()
-        handle = self._all_to_all_bytes(as_bytes(wide), [nbytes] * self.size, [nbytes] * self.size, name)
+        x, problem = checks.as_tensor(x)
+        wide, problem = self._widened(x, op, problem or checks.blocks_problem(x, self.size))
+        self._settle(x, problem, name, check)
+        m = x.shape[0] // self.size
+        nbytes = [wide.numel() // self.size * wide.element_size()] * self.size
+        handle = self._issue(name, lambda: self._all_to_all_bytes(as_bytes(wide), nbytes, nbytes, name))
 
         def finish(buf: torch.Tensor) -> torch.Tensor:
             blocks = from_bytes(buf, wide.dtype, (self.size, m, *wide.shape[1:]))
@@ -339,12 +339,20 @@ class Communicator(abc.ABC):
         out = handle.then(finish)
         return out if async_op else out.wait()
 
-    def _reduce_prep(self, x: torch.Tensor, op: str, name: str) -> torch.Tensor:
+    def _widened(self, x: torch.Tensor, op: str, problem: str | None) -> tuple[torch.Tensor, str | None]:
+        """`x` in the dtype the engine sums it in, or what keeps it from being reduced."""
+        if problem is not None:
+            return x, problem
+        if op not in REDUCE_OPS:
+            return x, f"unknown reduction op {op!r}; use one of {REDUCE_OPS}"
         if op == "avg" and not (x.is_floating_point() or x.is_complex()):
-            raise InputError(f"{name}: op='avg' needs a floating dtype, got {x.dtype}; use op='sum' and divide")
-        dt = reduction_dtype(x.dtype, self.native_reduce_dtypes, self.backend)
+            return x, f"op='avg' needs a floating dtype, got {x.dtype}; use op='sum' and divide"
+        try:
+            dt = reduction_dtype(x.dtype, self.native_reduce_dtypes, self.backend)
+        except InputError as exc:
+            return x, str(exc)
         y = torch.view_as_real(x.contiguous()) if x.is_complex() else x
-        return y.to(dt).contiguous()
+        return y.to(dt).contiguous(), None
 
     def _reduce_finish(self, y: torch.Tensor, like: torch.Tensor, op: str) -> torch.Tensor:
         if op == "avg":
@@ -355,19 +363,24 @@ class Communicator(abc.ABC):
             return y != 0
         return y.to(like.dtype)
 
-    def broadcast(self, x: torch.Tensor, src: int = 0, async_op: bool = False) -> torch.Tensor | Handle[torch.Tensor]:
+    def broadcast(
+        self, x: torch.Tensor, src: int = 0, async_op: bool = False, check: bool | None = None
+    ) -> torch.Tensor | Handle[torch.Tensor]:
         """The tensor of group rank `src`, on every rank (shapes must agree). Returns a new tensor."""
         name = self._op(f"broadcast(src={src})")
-        x = self._require_tensor(x, name)
-        finding = OK_ if 0 <= src < self.size else Finding(Problem.BAD_SRC, src, self.size)
-        self._agree(x, finding, name, same_dim0=True)
+        x, problem = checks.as_tensor(x)
+        if problem is None and not 0 <= src < self.size:
+            problem = f"src = {src} is not a rank of this group of {self.size}; use 0 <= src < {self.size}"
+        self._settle(x, problem, name, check)
         buf = as_bytes(x).clone()
-        out = self._broadcast_bytes(buf, src, name).then(lambda b: from_bytes(b, x.dtype, tuple(x.shape)))
+        out = self._issue(name, lambda: self._broadcast_bytes(buf, src, name))
+        out = out.then(lambda b: from_bytes(b, x.dtype, tuple(x.shape)))
         return out if async_op else out.wait()
 
     def barrier(self, async_op: bool = False) -> None | Handle[torch.Tensor]:
         """Returns once every rank of the group has entered the barrier."""
-        out = self._all_reduce(torch.zeros(1, dtype=torch.int32), self._op("barrier"))
+        name = self._op("barrier")
+        out = self._issue(name, lambda: self._all_reduce(torch.zeros(1, dtype=torch.int32), name))
         if async_op:
             return out
         out.wait()
@@ -388,6 +401,7 @@ class Communicator(abc.ABC):
         `groups` are lists of this communicator's ranks, the same on every rank; a rank in
         none of them gets None. Called by every rank of this communicator.
         """
+        self._ready(self._op("split_groups"))
         clean = [sorted({int(r) for r in g}) for g in groups]
         seen: set[int] = set()
         for g in clean:
@@ -402,7 +416,10 @@ class Communicator(abc.ABC):
                 )
             seen |= set(g)
         mine = next((i for i, g in enumerate(clean) if self.rank in g), None)
-        return self._split(clean, mine, config or self.config)
+        child = self._split(clean, mine, config or self.config)
+        if child is not None and self.failures_span_world:
+            child._health = self._health
+        return child
 
     @classmethod
     def from_process_group(cls, pg: dist.ProcessGroup, config: CommConfig | None = None) -> Communicator:
@@ -410,9 +427,6 @@ class Communicator(abc.ABC):
         from sparta.comm.engines.torch_dist import TorchCommunicator
 
         return TorchCommunicator.wrap(pg, config or CommConfig())
-
-
-OK_ = checks.OK
 
 
 def require_world_parent(comm: Communicator, world_size: int, why: str) -> None:

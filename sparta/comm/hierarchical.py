@@ -20,37 +20,37 @@ rows ordered by source rank, within a source in the order that source sent them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from sparta.comm import checks
-from sparta.comm.checks import Finding, Problem
 from sparta.comm.communicator import Communicator
-from sparta.comm.handle import Handle
+from sparta.comm.exchange import Exchange, PendingAllToAll
 from sparta.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
     from sparta.comm.world import World
 
 
-class HierarchicalAllToAll:
+class HierarchicalAllToAll(Exchange):
     """`comm` seen as a grid of nodes x local ranks, with a two-level all-to-all over it.
 
     comm: the group the all-to-all spans (e.g. the world or an expert-parallel group).
     intra: this rank's node peers within `comm`; inter: the ranks of `comm` with this rank's
-    local index, one per node, ordered by node. Building it is collective over `comm` (one
-    small all-gather checks that the groups form a full grid) and raises ConfigError on
-    every rank if they don't.
+    local index, one per node, ordered by node (any Exchange over those ranks: a
+    Communicator, or one wrapped by `sparta.scheduling.TracedExchange`). Building it is
+    collective over `comm` (one small all-gather checks that the groups form a full grid)
+    and raises ConfigError on every rank if they don't.
 
-    Attributes mirror a Communicator's where the pipeline needs them: `rank`, `size`,
-    `backend`, `config`, `where`; `num_nodes` (N) and `local_size` (L).
+    An Exchange (`size`, `rank`, `ranks`, `where`, `all_to_all`, `start_all_to_all`) over
+    `comm`'s ranks; `num_nodes` (N) and `local_size` (L) describe the grid.
     """
 
-    def __init__(self, comm: Communicator, intra: Communicator, inter: Communicator) -> None:
+    def __init__(self, comm: Communicator, intra: Exchange, inter: Exchange) -> None:
         self.comm, self.intra, self.inter = comm, intra, inter
-        self.rank, self.size, self.backend, self.config = comm.rank, comm.size, comm.backend, comm.config
+        self.rank, self.size, self.ranks = comm.rank, comm.size, comm.ranks
         self.num_nodes, self.local_size = inter.size, intra.size
         mine = torch.tensor(
             [intra.ranks[0], intra.rank, inter.rank, inter.ranks[0], intra.size, inter.size],
@@ -77,57 +77,27 @@ class HierarchicalAllToAll:
     def __repr__(self) -> str:
         return f"HierarchicalAllToAll({self.comm!r}, nodes={self.num_nodes}, local={self.local_size})"
 
-    def all_to_all(
+    def start_all_to_all(
         self,
         x: torch.Tensor,
         send_splits: Sequence[int] | None = None,
         recv_splits: Sequence[int] | None = None,
-        async_op: bool = False,
         check: bool | None = None,
-    ) -> torch.Tensor | Handle[torch.Tensor]:
-        """Same contract as `Communicator.all_to_all` over `comm`: x [n, *rest] split by
-        `send_splits` (rows per destination rank of `comm`), returns [sum(recv), *rest]
-        ordered by source rank. With `async_op`, the intra-node step runs before this
-        returns (it crosses only the node's loopback) and the inter-node step, the slow
-        one, travels until the handle is waited: that is the part worth overlapping.
-        """
-        out, _, _ = self._start_all_to_all(x, send_splits, recv_splits, check)
-        return out if async_op else out.wait()
-
-    def all_to_all_fill(
-        self,
-        fill: Callable[[torch.Tensor], None],
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        send_splits: Sequence[int],
-        recv_splits: Sequence[int],
-        async_op: bool = False,
-        check: bool | None = None,
-        device: torch.device | str = "cpu",
-        borrow: bool = False,
-    ) -> torch.Tensor | Handle[torch.Tensor]:
-        """`Communicator.all_to_all_fill`'s contract; the rows are written into an ordinary
-        tensor (both steps move them through buffers of their own) and the result is the
-        caller's own (`borrow` has nothing to lend)."""
-        x = torch.empty(tuple(shape), dtype=dtype, device=device)
-        fill(x)
-        return self.all_to_all(x, send_splits, recv_splits, async_op, check)
-
-    def _start_all_to_all(
-        self, x: torch.Tensor, send_splits: Sequence[int] | None, recv_splits: Sequence[int] | None, check: bool | None
-    ) -> tuple[Handle[torch.Tensor], list[int], list[int]]:
-        """Validate, exchange counts, run step 1, start step 2; returns (handle, send, recv) as the
-        flat form does, so `sparta.comm.all_to_all` differentiates through it."""
-        name = f"hierarchical all_to_all on {self.where} [{self.backend}]"
-        x = Communicator._require_tensor(x, name)
-        check = self.config.check_inputs if check is None else check
-        send, finding = self._settle_send(x, send_splits)
-        if finding == checks.OK:
-            finding = checks.check_splits(recv_splits, self.size, None, recv=True)
+    ) -> PendingAllToAll:
+        """`Communicator.all_to_all`'s contract over `comm`: x [n, *rest] split by `send_splits`
+        (rows per destination rank of `comm`), received rows [sum(recv), *rest] ordered by
+        source rank. The intra-node step runs before this returns (it crosses only the
+        node's loopback); the inter-node step, the slow one, travels until the handle is
+        waited: that is the part worth overlapping."""
+        name = f"hierarchical all_to_all on {self.where} [{self.comm.backend}]"
+        check = self.comm.config.check_inputs if check is None else check
+        x, problem = checks.as_tensor(x)
+        send, problem = self._settle_send(x, send_splits, problem)
+        problem = problem or checks.splits_problem(recv_splits, self.size, None, "recv_splits")
         if check:
-            self.comm._agree(x, finding, name, same_dim0=False)
-        elif finding != checks.OK:
-            raise InputError(f"{name}: {finding.message()}")
+            self.comm.agree_tensor(x, name, InputError(problem) if problem else None, same_dim0=False)
+        elif problem is not None:
+            raise InputError(f"{name}: {problem}")
         n_nodes, local = self.num_nodes, self.local_size
         grid = self.grid
         s_mat = torch.tensor([[send[grid[n][lo]] for lo in range(local)] for n in range(n_nodes)], dtype=torch.int64)
@@ -140,7 +110,8 @@ class HierarchicalAllToAll:
             assert isinstance(c2, torch.Tensor)
             recv = [int(c2[self.position[r]]) for r in range(self.size)]
             if recv_splits is not None:
-                self._agree_recv(x, [int(s) for s in recv_splits], recv, name)
+                mismatch = checks.recv_problem(recv_splits, recv)
+                self.comm.agree(InputError(mismatch) if mismatch else None, name)
         else:
             recv = [int(s) for s in recv_splits]
         c2_list = [[recv[grid[n][lo]] for lo in range(local)] for n in range(n_nodes)]
@@ -156,35 +127,24 @@ class HierarchicalAllToAll:
         step2_in = _reorder(got, sizes1, [ls * n_nodes + n for n in range(n_nodes) for ls in range(local)])
         inter_send = [sum(c1_list[ls][n] for ls in range(local)) for n in range(n_nodes)]
         inter_recv = [sum(row) for row in c2_list]
-        h2 = self.inter.all_to_all(step2_in, inter_send, inter_recv, async_op=True, check=False)
-        assert isinstance(h2, Handle)
+        h2 = self.inter.start_all_to_all(step2_in, inter_send, inter_recv, check=False).handle
         if self._rank_major:
-            return h2, send, recv
+            return PendingAllToAll(h2, send, recv)
         sizes2 = [c2_list[n][lo] for n in range(n_nodes) for lo in range(local)]
         by_source = [n * local + lo for n, lo in (self.position[r] for r in range(self.size))]
-        return h2.then(lambda out: _reorder(out, sizes2, by_source)), send, recv
+        return PendingAllToAll(h2.then(lambda out: _reorder(out, sizes2, by_source)), send, recv)
 
-    def _settle_send(self, x: torch.Tensor, send_splits: Sequence[int] | None) -> tuple[list[int], Finding]:
-        if x.dim() == 0:
-            return [0] * self.size, Finding(Problem.ZERO_DIM)
-        rows = x.shape[0]
-        if send_splits is None:
-            finding = Finding(Problem.NOT_DIVISIBLE, rows, self.size) if rows % self.size else checks.OK
-            return [rows // self.size] * self.size, finding
+    def _settle_send(
+        self, x: torch.Tensor, send_splits: Sequence[int] | None, problem: str | None
+    ) -> tuple[list[int], str | None]:
+        """The rows for each rank (zeros where the input is bad), and what is wrong with it."""
+        if send_splits is None or x.dim() == 0:
+            problem = problem or checks.blocks_problem(x, self.size)
+            send = [x.shape[0] // self.size] * self.size if problem is None else [0] * self.size
+            return send, problem
         send = [int(s) for s in send_splits]
-        finding = checks.check_splits(send, self.size, rows)
-        return (send if finding == checks.OK else [0] * self.size), finding
-
-    def _agree_recv(self, x: torch.Tensor, expected: list[int], incoming: list[int], name: str) -> None:
-        verdict = next(
-            (
-                Finding(Problem.RECV_MISMATCH, r, e, i)
-                for r, (e, i) in enumerate(zip(expected, incoming, strict=True))
-                if e != i
-            ),
-            checks.OK,
-        )
-        self.comm._agree(x, verdict, name, same_dim0=False)
+        problem = problem or checks.splits_problem(send, self.size, x.shape[0], "send_splits")
+        return (send if problem is None else [0] * self.size), problem
 
 
 def _reorder(x: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:

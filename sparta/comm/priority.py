@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparta.comm import checks
 from sparta.comm.communicator import REDUCE_OPS, Communicator
 from sparta.comm.handle import Handle
 from sparta.errors import ConfigError, InputError
@@ -207,12 +206,10 @@ class PriorityQueue:
     def _issue(self, task: _Task, index: int) -> Handle[torch.Tensor]:
         comm, chunk = self.comm, task.chunks[index]
         if task.op == "all_to_all":
-            return comm.all_to_all(chunk, task.send, task.recv, async_op=True, check=False)  # type: ignore[return-value]
-        name = comm._op(f"queued all_reduce({task.reduce}) of {task.key} chunk {index}")
-        if index == 0:  # one agreed shape/dtype check per task, not per chunk (that would block each)
-            comm._agree(task.tensor, checks.OK, name, same_dim0=True)
-        wide = comm._reduce_prep(chunk, task.reduce, name)
-        return comm._all_reduce(wide, name).then(lambda y: comm._reduce_finish(y, chunk, task.reduce))
+            return comm.start_all_to_all(chunk, task.send, task.recv, check=False).handle
+        if index == 0 and comm.config.check_inputs:  # once per task: a check per chunk would block each
+            comm.agree_tensor(task.tensor, f"queued all_reduce({task.reduce}) of {task.key} on {comm.where}")
+        return comm.all_reduce(chunk, task.reduce, async_op=True, check=False)  # type: ignore[return-value]
 
     def _finish(self, task: _Task) -> torch.Tensor:
         if task.result is None:

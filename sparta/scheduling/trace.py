@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from sparta.comm.communicator import Communicator
-from sparta.comm.handle import Handle
+from sparta.comm.exchange import Exchange, PendingAllToAll
 
 
 @dataclass(frozen=True)
@@ -68,76 +68,55 @@ class Tracer:
             self.record(name, track, begin, time.perf_counter(), **args)
 
 
-class TracedExchange:
-    """`inner` (a Communicator or HierarchicalAllToAll) whose all-to-alls are recorded as
-    spans on `track`, from issue to completion (for an async one: until its handle's wait
-    returns). With `track=None` it records nothing itself and only carries `tracer` to the
-    pipeline (for a hierarchical exchange whose intra and inter communicators are traced).
-    Every other attribute is the inner object's, so it goes wherever `inner` would."""
+class ObservedExchange(Exchange):
+    """An Exchange that the pipeline (sparta.scheduling.pipeline) tells about its work: it
+    records its compute chunks on `tracer` when there is one, and calls `issued(name)` just
+    after it starts each transfer (gradient sync uses that to slot its own pieces in)."""
 
-    def __init__(self, inner: Any, tracer: Tracer, track: str | None) -> None:
+    tracer: Tracer | None = None
+
+    def issued(self, name: str) -> None:
+        """A transfer named `name` was just started on this exchange."""
+
+
+class TracedExchange(ObservedExchange):
+    """`inner` (a Communicator, a HierarchicalAllToAll, any Exchange) whose all-to-alls are
+    recorded as spans on `track`, from issue to completion (for an async one: until its
+    handle's wait returns). With `track=None` it records nothing itself and only carries
+    `tracer` to the pipeline (for a hierarchical exchange whose intra and inter exchanges
+    are traced). It is an Exchange over the same ranks and nothing more: hand a layer
+    `exchange=TracedExchange(comm, ...)` for its rows, and `comm` itself for the rest."""
+
+    def __init__(self, inner: Exchange, tracer: Tracer, track: str | None) -> None:
         self.inner, self.tracer, self.track = inner, tracer, track
+        self.size, self.rank, self.ranks = inner.size, inner.rank, inner.ranks
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    @property
+    def where(self) -> str:
+        return self.inner.where
 
     def __repr__(self) -> str:
         return f"TracedExchange({self.inner!r}, track={self.track!r})"
 
-    def _traced(self, handle: Handle[torch.Tensor], begin: float | None = None) -> Handle[torch.Tensor]:
-        if self.track is None:
-            return handle
-        name, begin = self.tracer.context or "all_to_all", begin or time.perf_counter()
-
-        def done(y: torch.Tensor) -> torch.Tensor:
-            rows = int(y.shape[0]) if y.dim() else 0
-            self.tracer.record(name, str(self.track), begin, time.perf_counter(), rows=rows)
-            return y
-
-        return handle.then(done)
-
-    def all_to_all(
+    def start_all_to_all(
         self,
         x: torch.Tensor,
         send_splits: Sequence[int] | None = None,
         recv_splits: Sequence[int] | None = None,
-        async_op: bool = False,
         check: bool | None = None,
-    ) -> torch.Tensor | Handle[torch.Tensor]:
-        out = self.inner.all_to_all(x, send_splits, recv_splits, async_op=True, check=check)
-        handle = self._traced(out)
-        return handle if async_op else handle.wait()
+    ) -> PendingAllToAll:
+        begin = time.perf_counter()
+        started = self.inner.start_all_to_all(x, send_splits, recv_splits, check)
+        if self.track is None:
+            return started
+        name, track = self.tracer.context or "all_to_all", self.track
 
-    def all_to_all_fill(
-        self,
-        fill: Callable[[torch.Tensor], None],
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        send_splits: Sequence[int],
-        recv_splits: Sequence[int],
-        async_op: bool = False,
-        check: bool | None = None,
-        device: torch.device | str = "cpu",
-        borrow: bool = False,
-    ) -> torch.Tensor | Handle[torch.Tensor]:
-        filled = [0.0]
+        def done(y: torch.Tensor) -> torch.Tensor:
+            rows = int(y.shape[0]) if y.dim() else 0
+            self.tracer.record(name, track, begin, time.perf_counter(), rows=rows)
+            return y
 
-        def timed_fill(buf: torch.Tensor) -> None:
-            fill(buf)
-            filled[0] = time.perf_counter()  # the transfer's span starts once its rows are written
-
-        out = self.inner.all_to_all_fill(
-            timed_fill, shape, dtype, send_splits, recv_splits, async_op=True, check=check, device=device, borrow=borrow
-        )
-        handle = self._traced(out, filled[0])
-        return handle if async_op else handle.wait()
-
-    def _start_all_to_all(
-        self, x: torch.Tensor, send: Sequence[int] | None, recv: Sequence[int] | None, check: bool | None
-    ) -> tuple[Handle[torch.Tensor], list[int], list[int]]:
-        # what sparta.comm.all_to_all (the differentiable, unpipelined one) calls
-        handle, sent, received = self.inner._start_all_to_all(x, send, recv, check)
-        return self._traced(handle), sent, received
+        return PendingAllToAll(started.handle.then(done), started.send_splits, started.recv_splits)
 
 
 def gather(comm: Communicator, tracer: Tracer) -> dict[int, list[Span]] | None:
@@ -194,17 +173,19 @@ def write_chrome_trace(path: str | Path, spans: Mapping[int, Sequence[Span]]) ->
 def draw_timeline(path: str | Path, spans: Mapping[int, Sequence[Span]], title: str = "") -> None:
     """A PNG of the same timeline: one row per (rank, track), one bar per span, a colour
     per track; chunk numbers are written on bars wide enough to hold them."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on a training node
-    import matplotlib.pyplot as plt
+    # An explicit Agg canvas: files only, and no change to the process's pyplot backend.
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     everything = [s for ranks in spans.values() for s in ranks]
     origin = min((s.start_s for s in everything), default=0.0)
     tracks = sorted({s.track for s in everything})
     rows = [(rank, track) for rank in sorted(spans) for track in tracks]
-    colours = plt.get_cmap("tab10")
-    fig, ax = plt.subplots(figsize=(14, 0.45 * len(rows) + 1.5))
+    colours = colormaps["tab10"]
+    fig = Figure(figsize=(14, 0.45 * len(rows) + 1.5))
+    FigureCanvasAgg(fig)  # the figure draws on this canvas from now on
+    ax = fig.add_subplot()
     span_s = max((s.end_s - origin for s in everything), default=1.0)
     for y, (rank, track) in enumerate(rows):
         mine = [(s, b, e) for s, b, e in _disjoint(spans[rank]) if s.track == track]
@@ -220,4 +201,3 @@ def draw_timeline(path: str | Path, spans: Mapping[int, Sequence[Span]], title: 
     ax.set_title(title or "sparta timeline")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -5,14 +5,15 @@ Run on 4 ranks by tests/test_comm_dist.py under torchrun, mpirun and horovodrun.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from runner import finish, raises, run_checks, start
 
 import sparta
 from sparta.comm import Communicator, World
-from sparta.errors import InputError
+from sparta.errors import ConfigError, InputError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.bool, torch.complex64, torch.int8]
 WIDTH = 3
@@ -50,44 +51,6 @@ def check_all_to_all_uneven(world: World) -> None:
             handle = world.comm.all_to_all(x, send, recv, async_op=True)
             assert torch.equal(handle.wait(), expect)
             assert torch.equal(world.comm.all_to_all(x, send, recv, check=False), expect)
-
-
-def _filled(
-    comm: Communicator, x: torch.Tensor, send: list[int], recv: list[int], seen: list[torch.Tensor] | None = None, **kw: Any
-) -> Any:
-    """``comm.all_to_all_fill`` of the rows of ``x``, written by the fill (the buffer it was
-    handed is appended to ``seen``)."""
-    seen = [] if seen is None else seen
-    before = len(seen)
-
-    def fill(buf: torch.Tensor) -> None:
-        assert buf.shape == x.shape and buf.dtype == x.dtype, (buf.shape, x.shape, buf.dtype)
-        buf.copy_(x)
-        seen.append(buf)
-
-    out = comm.all_to_all_fill(fill, x.shape, x.dtype, send, recv, **kw)
-    assert len(seen) == before + 1, "fill runs once, before the call returns"
-    return out
-
-
-def check_all_to_all_fill(world: World) -> None:
-    """``all_to_all_fill`` gives what ``all_to_all`` of the same rows gives, for every dtype
-    (odd byte counts in between, so that its buffers start anywhere), waited in or out of
-    order, with and without the split check; every rank raises on bad splits."""
-    for salt in range(3):
-        handles = []
-        for dtype in DTYPES:
-            x, send, expect, recv = payload(world, salt, dtype)
-            assert torch.equal(_filled(world.comm, x, send, recv), expect), (salt, dtype)
-            assert torch.equal(_filled(world.comm, x, send, recv, borrow=True), expect), (salt, dtype)
-            handles.append((_filled(world.comm, x, send, recv, async_op=True, check=False), expect))
-            odd = torch.ones(2 * world.size + 1 - world.rank % 2, dtype=torch.int8)
-            world.comm.all_to_all(odd, [2] * (world.size - 1) + [3 - world.rank % 2])
-        for handle, expect in reversed(handles):
-            assert torch.equal(handle.wait(), expect)
-    bad = [1] * world.size
-    with raises(InputError, "send_splits"):
-        _filled(world.comm, torch.zeros(world.size + 1, 2), bad, bad)
 
 
 def check_all_to_all_empty(world: World) -> None:
@@ -252,118 +215,11 @@ def check_autograd_all_to_all(world: World) -> None:
     assert torch.allclose(x.grad, ref_in[r].grad, rtol=1e-12, atol=1e-12)
 
 
-def rows_between(src: int, dst: int, i: int, base: int) -> int:
-    """Rows src sends dst in the i-th all-to-all of a sequence: up to 1.5 * base, some zero."""
-    return 0 if (src + dst + i) % 5 == 0 else base * (1 + (src + 2 * dst + i) % 3) // 2
-
-
-def _shared_memory_matches_gloo(shm: Communicator, tcp: Communicator) -> None:
-    """Exchanges through ``shm``'s /dev/shm match gloo's over ``tcp`` (the same ranks), with
-    many in flight, waited out of order, large enough to outgrow the first ring twice; old
-    rings go once drained, and every ring's file once every rank has mapped it."""
-    import os
-
-    r, n = shm.rank, shm.size
-    bases = [10, 60_000, 200, 150_000, 3, 120_000]  # rows of 12 bytes: up to 2.7 MiB per rank
-    handles, expected = [], []
-    for i, base in enumerate(bases):
-        send = [rows_between(r, d, i, base) for d in range(n)]
-        recv = [rows_between(s, r, i, base) for s in range(n)]
-        x = torch.cat([block(r, d, send[d], torch.float32) for d in range(n)])
-        if i % 2:  # written straight into this rank's ring
-            buffers: list[torch.Tensor] = []
-            handles.append(_filled(shm, x, send, recv, buffers, async_op=True, check=False))
-            assert shm.shared_memory is not None
-            rings = [(ring.bytes.data_ptr(), ring.size) for ring in shm.shared_memory._owned.values()]
-            at = buffers[0].data_ptr()
-            assert x.numel() == 0 or any(lo <= at < lo + size for lo, size in rings), "not in a ring"
-        else:
-            handles.append(shm.all_to_all(x, send, recv, async_op=True, check=False))
-        expected.append(torch.cat([block(s, r, recv[s], torch.float32) for s in range(n)]))
-        if i == len(bases) - 1:
-            assert torch.equal(tcp.all_to_all(x, send, recv), expected[-1])
-    assert shm.shared_memory is not None and tcp.shared_memory is None
-    for i in reversed(range(len(bases))):
-        assert torch.equal(handles[i].wait(), expected[i]), i
-    grown = shm.shared_memory.files()
-    assert len(grown) >= 2, grown
-    for _ in range(2):  # every rank reports the exchanges above done: drained rings go
-        shm.all_to_all(torch.arange(n, dtype=torch.float32))
-    assert shm.shared_memory.files() == grown[-1:], (grown, shm.shared_memory.files())
-    assert not any(os.path.exists(f) for f in grown), grown
-    shm.shutdown()
-
-
-def check_shared_memory_all_to_all(world: World) -> None:
-    """The torch engine's all-to-all of CPU rows goes through /dev/shm among ranks of one
-    host, the same bytes as gloo's TCP (``_shared_memory_matches_gloo``), nothing left in
-    /dev/shm even without a shutdown: over all ranks (more than this machine's CPUs, so
-    synchronised by gloo) and over pairs (a core each, so synchronised through /dev/shm by
-    ``SharedRowGather``, with more exchanges than it has slots). A rank that cannot map
-    shared memory makes every rank raise instead of hanging."""
-    import errno
-    import glob
-    import os
-
-    import sparta.comm.shm as shm_module
-    from sparta.comm import CommConfig
-    from sparta.comm.shm_rows import SLOTS, ordered_stores
-    from sparta.errors import CollectiveError
-
-    r, n = world.rank, world.size
-    tcp = world.comm.split(list(range(n)), CommConfig(shared_memory="off"))
-    shm = world.comm.split(list(range(n)), CommConfig(shared_memory="on"))
-    auto = world.comm.split(list(range(n)))  # 4 ranks on this 2-CPU machine: gloo
-    auto.all_to_all(torch.zeros(n))
-    assert (auto.shared_memory is None) == (n > (os.cpu_count() or 1)), os.cpu_count()
-    assert tcp is not None and shm is not None
-    shm.all_to_all(torch.zeros(n))
-    assert (shm.row_gather is None) == (n > (os.cpu_count() or 1)), os.cpu_count()
-    _shared_memory_matches_gloo(shm, tcp)
-
-    pairs = [[p, p + 1] for p in range(0, n, 2)]
-    pair = world.comm.split_groups(pairs, CommConfig(shared_memory="on"))
-    pair_tcp = world.comm.split_groups(pairs, CommConfig(shared_memory="off"))
-    assert pair is not None and pair_tcp is not None
-    for i in range(SLOTS + 5):  # every slot of the row gather reused
-        got = pair.all_to_all(torch.arange(2.0) + 2 * pair.rank + i)
-        assert torch.equal(got, torch.tensor([0.0, 2.0]) + pair.rank + i), (i, got)
-    assert (pair.row_gather is not None) == ordered_stores()
-    assert pair.shared_memory is not None
-    for i in range(3):  # rows from the peer only: borrowed where they lie in its ring
-        peer, rows = 1 - pair.rank, torch.arange(6.0).view(3, 2) + 10 * pair.rank + i
-        send = [3 * (d == peer) for d in range(2)]
-        got = _filled(pair, rows, send, send, borrow=True)
-        assert torch.equal(got, torch.arange(6.0).view(3, 2) + 10 * peer + i), (i, got)
-        rings = [(ring.bytes.data_ptr(), ring.size) for ring in pair.shared_memory._peers.values()]
-        assert any(lo <= got.data_ptr() < lo + size for lo, size in rings), "borrowed rows were copied"
-    world.comm.barrier()  # every group is set up
-    assert not glob.glob("/dev/shm/sparta-rows-*"), "control files outlive the set-up"
-    _shared_memory_matches_gloo(pair, pair_tcp)
-
-    fragile = world.comm.split(list(range(n)), CommConfig(shared_memory="on"))
-    assert fragile is not None
-    fragile.all_to_all(torch.zeros(n))  # sets up shared memory: a first ring of 1 MiB
-    ring = shm_module._Ring
-    if r == 1:
-
-        def full(path: str, size: int = 0) -> shm_module._Ring:
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        shm_module._Ring = full  # type: ignore[assignment,misc]
-    try:
-        with raises(CollectiveError, r"rank\(s\) \[1\] could not map shared memory.*shared_memory='off'"):
-            fragile.all_to_all(torch.ones(n, 1 << 17))  # 1.5 MiB out of each rank: a new ring
-    finally:
-        shm_module._Ring = ring  # type: ignore[misc]
-    fragile.shutdown()
-
-
 def check_bad_input_raises_everywhere(world: World) -> None:
     r, n = world.rank, world.size
     c = world.comm
     bad_rank = 1
-    with raises(InputError, "send_splits has 2 entries but the group has 4 ranks"):
+    with raises(InputError, "rank 1: send_splits has 2 entries but the group has 4 ranks"):
         c.all_to_all(torch.ones(2), [1, 1] if r == bad_rank else [2, 0, 0, 0])
     with raises(InputError, r"send_splits\[0\] = -1 is negative"):
         c.all_to_all(torch.ones(0), [-1, 1, 0, 0] if r == bad_rank else [0] * n)
@@ -393,9 +249,98 @@ def check_bad_input_raises_everywhere(world: World) -> None:
     assert c.all_reduce(torch.tensor([1.0])).item() == n
 
 
+@contextmanager
+def engine_calls(comm: Communicator) -> Iterator[list[str]]:
+    """The engine primitives `comm` runs inside the block, in order (the engine's own calls
+    run unchanged; this only records their names)."""
+    calls: list[str] = []
+    names = ("_all_to_all_bytes", "_all_gather_bytes", "_broadcast_bytes", "_all_reduce")
+    for name in names:
+        real = getattr(comm, name)
+        setattr(comm, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    try:
+        yield calls
+    finally:
+        for name in names:
+            delattr(comm, name)
+
+
+A2A, GATHER, REDUCE = "_all_to_all_bytes", "_all_gather_bytes", "_all_reduce"
+
+
+def check_agreement_rides_on_exchanged_data(world: World) -> None:
+    """The input agreement costs no round of its own where a collective exchanges sizes
+    anyway (all-to-all without recv_splits, all-gather), one small all-gather elsewhere,
+    and a round for the reasons only when some rank has one; bad input moves no data."""
+    c, r, n = world.comm, world.rank, world.size
+    x, send, expect, recv = payload(world, 1, torch.float32)
+    with engine_calls(c) as calls:
+        assert torch.equal(c.all_to_all(x, send), expect)
+    assert calls == [A2A, A2A], calls  # splits with everyone's dtype, shape and verdict; rows
+    with engine_calls(c) as calls:
+        assert torch.equal(c.all_to_all(x, send, recv, check=False), expect)
+    assert calls == [A2A], calls
+    with engine_calls(c) as calls:
+        assert torch.equal(c.all_to_all(x, send, recv), expect)
+    assert calls == [A2A, GATHER, A2A], calls  # every rank's verdict on the recv_splits it was given
+    with engine_calls(c) as calls:
+        assert [t.item() for t in c.all_gather(torch.tensor([r]))] == list(range(n))
+    assert calls == [GATHER, GATHER], calls
+    with engine_calls(c) as calls:
+        assert c.all_reduce(torch.tensor([1.0])).item() == n
+        assert c.all_reduce(torch.tensor([1.0]), check=False).item() == n
+    assert calls == [GATHER, REDUCE, REDUCE], calls
+    with engine_calls(c) as calls, raises(InputError, "rank 0 passed float32 but rank 1 passed int64"):
+        c.all_to_all(torch.ones(n, dtype=torch.int64 if r == 1 else torch.float32))
+    assert calls == [A2A], calls  # found on the split exchange: no rows moved
+    with engine_calls(c) as calls, raises(InputError, r"rank 2: send_splits\[1\] = -3 is negative"):
+        c.all_to_all(torch.ones(n), [1, -3, 5, 1] if r == 2 else [1] * n)
+    assert calls == [A2A, GATHER], calls  # flags on the split exchange, then the reasons
+    with engine_calls(c) as calls, raises(InputError, "rank 3: op='avg' needs a floating dtype"):
+        c.all_reduce(torch.ones(2, dtype=torch.int64 if r == 3 else torch.float32), op="avg")
+    assert calls == [GATHER, GATHER], calls
+
+
+def check_agree_names_every_failing_rank(world: World) -> None:
+    """`Communicator.agree`: one error on every rank, of the failing rank's kind, each failing
+    rank's reason, ranks with the same reason together; a flag carried by the caller's own
+    exchange makes a healthy round free."""
+    c, r = world.comm, world.rank
+    c.agree(None, "nothing wrong")
+    mine = ConfigError(f"table {r} is too big") if r in (1, 3) else None
+    with raises(ConfigError, r"^my layer: rank 1: table 1 is too big; rank 3: table 3 is too big\. Every rank"):
+        c.agree(mine, "my layer")
+    same = InputError("ids out of range") if r != 0 else None
+    with raises(InputError, r"my layer: ranks \[1, 2, 3\]: ids out of range\."):
+        c.agree(same, "my layer")
+    flags = c.all_to_all(torch.tensor([int(same is not None)] * world.size), check=False)
+    with engine_calls(c) as calls, raises(InputError, r"ranks \[1, 2, 3\]: ids out of range"):
+        c.agree(same, "my layer", failed=[s for s, f in enumerate(flags.tolist()) if f])
+    assert calls == [GATHER], calls  # only the reasons
+    with engine_calls(c) as calls:
+        c.agree(None, "my layer", failed=[])
+    assert calls == [], calls
+
+
+def check_dropped_handle_is_waited_at_the_next_call(world: World) -> None:
+    """A handle dropped without wait() keeps the communicator in step: its collective is
+    waited at the next call on that communicator, whose results stay right."""
+    c, r, n = world.comm, world.rank, world.size
+    for _ in range(2):
+        dropped = c.all_reduce(torch.full((3,), float(r)), async_op=True)
+        del dropped
+        x, send, expect, recv = payload(world, 2, torch.float32)
+        unwaited = c.all_to_all(x, send, recv, async_op=True, check=False)
+        del unwaited
+        assert c._orphans, "the dropped handles were not kept to be waited"
+        assert c.all_reduce(torch.tensor([float(r)])).item() == sum(range(n))
+        assert not c._orphans
+        assert torch.equal(c.all_to_all(x, send), expect)
+    assert c.broken is None
+
+
 CHECKS = [
     check_all_to_all_uneven,
-    check_all_to_all_fill,
     check_all_to_all_empty,
     check_all_to_all_equal_default,
     check_all_reduce,
@@ -407,11 +352,13 @@ CHECKS = [
     check_from_process_group,
     check_autograd_all_to_all,
     check_bad_input_raises_everywhere,
-    check_shared_memory_all_to_all,
+    check_agreement_rides_on_exchanged_data,
+    check_agree_names_every_failing_rank,
+    check_dropped_handle_is_waited_at_the_next_call,
 ]
 
-# only the torch engine wraps process groups and has its own shared-memory path
-TORCH_ONLY = [check_from_process_group, check_shared_memory_all_to_all]
+# only the torch engine wraps process groups
+TORCH_ONLY = [check_from_process_group]
 
 if __name__ == "__main__":
     world, _ = start()
