@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import logging
-import os
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ class World:
     rank: int = field(init=False)
     size: int = field(init=False)
     node: int = field(init=False)
+    _node_comms: tuple[Communicator, Communicator] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.rank, self.size = self.comm.rank, self.comm.size
@@ -61,30 +61,45 @@ class World:
         """(intra-node, inter-node) communicators for hierarchical collectives.
 
         Intra: the ranks of this node. Inter: the ranks that share this rank's local index,
-        one per node. Called by every rank.
+        one per node. Called by every rank; the first call makes them (a collective), later
+        calls return the same two, and `shutdown` releases them.
         """
-        intra = self.comm.split_groups([list(r) for r in self.node_ranks])
-        width = max(len(r) for r in self.node_ranks)
-        inter = self.comm.split_groups(
-            [[ranks[i] for ranks in self.node_ranks if i < len(ranks)] for i in range(width)]
-        )
-        assert intra is not None and inter is not None  # every rank is in one of each
-        return intra, inter
+        if self._node_comms is None:
+            intra = self.comm.split_groups([list(r) for r in self.node_ranks])
+            width = max(len(r) for r in self.node_ranks)
+            inter = self.comm.split_groups(
+                [[ranks[i] for ranks in self.node_ranks if i < len(ranks)] for i in range(width)]
+            )
+            assert intra is not None and inter is not None  # every rank is in one of each
+            self._node_comms = (intra, inter)
+        return self._node_comms
 
     def shutdown(self) -> None:
-        """Stop the engine. Runs at exit too; calling it twice is harmless."""
+        """Release the node communicators, stop the engine and join its threads. Every rank
+        calls it (it frees groups, a collective on MPI); twice is harmless.
+
+        It runs at exit by itself: `init` registers it with `atexit`, once per World, and it
+        unregisters itself, so init/shutdown cycles add nothing. Registered rather than left
+        to the user because the engine must stop before the interpreter tears down: a gloo
+        worker thread that drops its last tensor after that point needs the GIL, which a
+        finalizing interpreter answers by ending the thread with pthread_exit, whose
+        unwinding through a C++ noexcept destructor calls std::terminate (the exit -6
+        "terminate called without an active exception" once seen now and then after a
+        clean run). atexit callbacks run before that point, so a script that simply ends,
+        returns from main, or raises, still stops the engine in time."""
+        atexit.unregister(self.shutdown)
+        if self._node_comms is not None:
+            for group in self._node_comms:
+                group.shutdown()
+            self._node_comms = None
         self.comm.shutdown()
 
     def exit(self, code: int = 0) -> NoReturn:
-        """Stop the engine and end the process with ``code``, skipping the interpreter's
-        teardown: torch 2.13's gloo now and then aborts in its C++ destructors at exit
-        ("terminate called without an active exception", exit -6) even after its process
-        group was destroyed, which fails a launcher's run whose work all succeeded. The end
-        of a training script: ``world.exit()``."""
+        """`shutdown`, then end the process with ``code`` (SystemExit): `finally:` blocks,
+        atexit handlers and finalizers run as after any `sys.exit`. The end of a training
+        script: ``world.exit()``; ending it without (or with ``world.shutdown()``) is as safe."""
         self.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        sys.exit(code)
 
 
 def _resolve(backend: str, launch: LaunchInfo) -> str:
@@ -152,7 +167,7 @@ def init(backend: str = "auto", ranks_per_node: int | None = None, config: CommC
             "the mpirun on PATH: rebuild it (pip install --no-binary mpi4py --force-reinstall mpi4py)."
         )
     world = World(comm=comm, launcher=launch.launcher, node_ranks=_node_layout(comm, ranks_per_node))
-    atexit.register(world.shutdown)
+    atexit.register(world.shutdown)  # see World.shutdown
     log.info(
         "sparta world: rank %d/%d on node %d/%d via %s", world.rank, world.size, world.node, world.num_nodes, engine
     )

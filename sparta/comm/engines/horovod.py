@@ -17,7 +17,7 @@ from sparta.comm.communicator import CommConfig, Communicator, require_world_par
 from sparta.comm.engines import import_engine
 from sparta.comm.handle import Handle, engine_failure, poll_until_done
 from sparta.comm.launch import LaunchInfo
-from sparta.errors import CollectiveError, CollectiveTimeoutError
+from sparta.errors import CollectiveError
 
 
 @dataclass
@@ -27,13 +27,13 @@ class _Session:
     hvd: Any
     process_sets: dict[tuple[int, ...], Any] = field(default_factory=dict)
     running: bool = True
-    broken: bool = False
 
 
 class HorovodCommunicator(Communicator):
     backend = "horovod"
     # measured on 0.28.1: its reductions reject uint8, int8, int16, bfloat16 and bool
     native_reduce_dtypes = frozenset({torch.float32, torch.float64, torch.float16, torch.int64, torch.int32})
+    failures_span_world = True  # one background loop serves every process set
 
     def __init__(self, session: _Session, process_set: Any, ranks: list[int], config: CommConfig, name: str) -> None:
         hvd = session.hvd
@@ -64,7 +64,7 @@ class HorovodCommunicator(Communicator):
 
     def shutdown(self) -> None:
         # A timed-out op would keep Horovod's background loop waiting in shutdown forever.
-        if self.name == "world" and self._session.running and not self._session.broken:
+        if self.name == "world" and self._session.running and self.broken is None:
             self._hvd.shutdown()
         self._session.running = False
 
@@ -75,9 +75,6 @@ class HorovodCommunicator(Communicator):
             try:
                 poll_until_done(lambda: hvd.poll(start), self.config.timeout_s, lambda: op)
                 out = hvd.synchronize(start)
-            except CollectiveTimeoutError:
-                self._session.broken = True
-                raise
             except Exception as exc:  # HorovodInternalError and friends carry no common base
                 raise engine_failure(exc, op) if not isinstance(exc, CollectiveError) else exc from exc
             return post(out) if post else out

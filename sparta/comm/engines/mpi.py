@@ -11,16 +11,22 @@ progresses only inside MPI calls, so it never overlaps the caller's compute, whi
 thread's call (mpi4py releases the GIL) does. The caller waits on the call's future with
 the communicator's timeout, so a stuck collective still raises CollectiveTimeoutError
 instead of hanging. Needs MPI_THREAD_MULTIPLE (what mpi4py asks for by default).
+
+The threads end at shutdown (see `MPICommunicator`), which leaves none behind unless a call
+is stuck inside MPI after a timeout; a split, too, times out instead of hanging when a
+rank never joins it.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, TypeVar
 
@@ -28,46 +34,88 @@ import torch
 
 from sparta.comm.communicator import CommConfig, Communicator
 from sparta.comm.engines import import_engine
-from sparta.comm.handle import Handle
+from sparta.comm.handle import Handle, engine_failure
 from sparta.comm.launch import LaunchInfo
-from sparta.errors import BackendUnavailableError, CollectiveTimeoutError, InputError
+from sparta.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, InputError
 
 T = TypeVar("T")
+log = logging.getLogger("sparta.comm")
 
 _MAX_COUNT = 2**31 - 1  # MPI-3 counts are C ints
+_Call = tuple[Callable[[], Any], "Future[Any]"]
 
 
-@dataclass
-class _Session:
-    """State shared by the world communicator and every split of it."""
-
-    owns_mpi: bool
-    broken: bool = False
+def _serve(calls: queue.SimpleQueue[_Call | None]) -> None:
+    """A call thread's loop, until it takes None. A function of the queue alone, so that the
+    thread holds no reference to its communicator, which can then be collected."""
+    while (item := calls.get()) is not None:
+        call, done = item
+        try:
+            done.set_result(call())
+        except BaseException as exc:  # handed to the waiting caller, not lost in this thread
+            done.set_exception(exc)
 
 
 class _CallThread:
-    """A daemon thread that runs one communicator's MPI calls one after the other. Daemon:
-    a call stuck in MPI after a timeout must not keep the process from exiting."""
+    """The thread that runs one communicator's MPI calls one after the other. Daemon: a call
+    stuck in MPI after a timeout can never be joined and must not keep the process alive."""
 
     def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name=f"sparta-mpi-{name}", daemon=True).start()
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=_serve, args=(self._calls,), name=f"sparta-mpi-{name}", daemon=True)
+        self._thread.start()
+
+        self.stopped = False
+        self.timed_out = False  # a call outlived its caller's wait: the thread may be stuck
+        self._last: Future[Any] | None = None
 
     def submit(self, call: Callable[[], T]) -> Future[T]:
         done: Future[T] = Future()
         self._calls.put((call, done))
+        self._last = done
         return done
 
-    def _serve(self) -> None:
-        while True:
-            call, done = self._calls.get()
-            try:
-                done.set_result(call())
-            except BaseException as exc:  # handed to the waiting caller, not lost in this thread
-                done.set_exception(exc)
+    def close(self) -> None:
+        """Let the thread end once the calls queued before have run (without waiting: the
+        last reference to a communicator may well be dropped on its own thread)."""
+        if not self.stopped:
+            self._calls.put(None)
+            self.stopped = True
+
+    def stop(self, timeout_s: float) -> bool:
+        """`close`, and wait for the thread to end; False if it is still in a call after
+        `timeout_s` (a collective its peers never joined). Where a call already timed out
+        and is still running, no waiting: the job has failed."""
+        self.close()
+        hopeless = self.timed_out and self._last is not None and not self._last.done()
+        self._thread.join(0.0 if hopeless else timeout_s)
+        return not self._thread.is_alive()
+
+
+@dataclass
+class _Group:
+    """One MPI communicator and its call thread: what shutdown must release."""
+
+    mpicomm: Any
+    thread: _CallThread
+    freed: bool = False
+
+
+@dataclass
+class _Session:
+    """What the world communicator and every split of it share: whether this process
+    finalizes MPI, and every group made, in creation order, to be freed before it does."""
+
+    owns_mpi: bool
+    groups: list[_Group] = field(default_factory=list)
 
 
 class MPICommunicator(Communicator):
+    """A group over MPI. `shutdown()` of a split (called by all its members: MPI_Comm_free
+    is collective) stops its thread and frees it; the world's shuts down every split not
+    yet shut down, in creation order, then finalizes MPI. A split dropped without shutdown
+    stops its thread when collected; its MPI communicator is freed with the world's."""
+
     backend = "mpi"
     native_reduce_dtypes = frozenset(
         {torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
@@ -76,18 +124,20 @@ class MPICommunicator(Communicator):
     def __init__(self, mpicomm: Any, config: CommConfig, name: str, session: _Session) -> None:
         from mpi4py import MPI
 
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise BackendUnavailableError(
+                "the mpi engine needs MPI_THREAD_MULTIPLE but MPI was initialised with a lower thread "
+                "level: leave mpi4py.rc.thread_level at its default ('multiple') and use an MPI built with it"
+            )
         world_group = MPI.COMM_WORLD.Get_group()
         ranks = mpicomm.Get_group().Translate_ranks(list(range(mpicomm.Get_size())), world_group)
         super().__init__(mpicomm.Get_rank(), mpicomm.Get_size(), ranks, config, name)
         self.mpi = mpicomm
         self._MPI = MPI
         self._session = session
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise BackendUnavailableError(
-                "the mpi engine needs MPI_THREAD_MULTIPLE but MPI was initialised with a lower thread "
-                "level: leave mpi4py.rc.thread_level at its default ('multiple') and use an MPI built with it"
-            )
-        self._thread = _CallThread(name)
+        self._group = _Group(mpicomm, _CallThread(name))
+        session.groups.append(self._group)
+        weakref.finalize(self, self._group.thread.close).atexit = False
 
     @classmethod
     def init_world(cls, launch: LaunchInfo, config: CommConfig) -> MPICommunicator:
@@ -99,12 +149,27 @@ class MPICommunicator(Communicator):
         return cls(MPI.COMM_WORLD, config, "world", _Session(owns_mpi=True))
 
     def shutdown(self) -> None:
-        MPI = self._MPI
-        # After a timed-out collective MPI_Finalize would wait for it forever; the job has
-        # failed anyway, so leave without finalizing and let the launcher report it.
-        if self._session.owns_mpi and not self._session.broken and not MPI.Is_finalized():
-            MPI.Finalize()
+        if self.mpi is not self._MPI.COMM_WORLD:
+            self._release([self._group])
+            return
+        if self._release(self._session.groups) and self._session.owns_mpi and not self._MPI.Is_finalized():
+            self._MPI.Finalize()
         self._session.owns_mpi = False
+
+    def _release(self, groups: list[_Group]) -> bool:
+        """Stop the groups' threads and free their communicators, in order; False where a
+        thread is stuck in a call its peers never joined (then MPI_Comm_free and
+        MPI_Finalize would wait for it forever: the job has failed, so leave them undone
+        and let the launcher report it)."""
+        stuck = [g for g in groups if not g.thread.stop(self.config.timeout_s)]
+        if stuck:
+            log.warning("sparta mpi: %d call thread(s) still inside MPI at shutdown; not finalizing MPI", len(stuck))
+            return False
+        for g in groups:
+            if not g.freed and g.mpicomm is not self._MPI.COMM_WORLD:
+                g.mpicomm.Free()
+            g.freed = True
+        return True
 
     # ---------------------------------------------------------------- plumbing
     @staticmethod
@@ -117,17 +182,29 @@ class MPICommunicator(Communicator):
         """Queue ``call`` (which fills ``result``) on this communicator's thread. The closure
         holds the buffers, so they live until MPI is done with them even if the caller drops
         the handle."""
-        done = self._thread.submit(call)
+        done = self._submit(call, op)
 
         def wait() -> torch.Tensor:
-            try:
-                done.result(timeout=self.config.timeout_s)
-            except FutureTimeout:
-                self._session.broken = True
-                raise CollectiveTimeoutError(f"{op} did not complete within {self.config.timeout_s:g} s") from None
+            self._wait(done, op)
             return result.to(device)
 
         return Handle(wait)
+
+    def _submit(self, call: Callable[[], T], op: str) -> Future[T]:
+        if self._group.thread.stopped:
+            raise CollectiveError(f"{op}: this communicator was shut down; use one that is still open")
+        return self._group.thread.submit(call)
+
+    def _wait(self, done: Future[T], op: str) -> T:
+        """The result of a call on this communicator's thread, within the timeout; MPI's own
+        errors come out as CollectiveError naming the operation."""
+        try:
+            return done.result(timeout=self.config.timeout_s)
+        except FutureTimeout:
+            self._group.thread.timed_out = True
+            raise CollectiveTimeoutError(f"{op} did not complete within {self.config.timeout_s:g} s") from None
+        except self._MPI.Exception as exc:
+            raise engine_failure(exc, op) from exc
 
     def _check_counts(self, counts: list[int], op: str) -> None:
         if max(counts, default=0) > _MAX_COUNT or sum(counts) > _MAX_COUNT:
@@ -172,8 +249,14 @@ class MPICommunicator(Communicator):
         # One collective Split over the parent makes every group at once.
         # On this communicator's thread, after the calls queued before it: MPI orders the
         # collectives of one communicator by their issue order, which only one thread keeps.
-        split = self._thread.submit(lambda: self.mpi.Split(MPI.UNDEFINED if mine is None else mine, self.rank))
-        sub = split.result()
+        op = self._op(f"split into groups {groups}")
+        try:
+            sub = self._wait(
+                self._submit(lambda: self.mpi.Split(MPI.UNDEFINED if mine is None else mine, self.rank), op), op
+            )
+        except CollectiveError as exc:
+            self._break(str(exc))
+            raise
         if sub == MPI.COMM_NULL:
             return None
         members = [self.ranks[r] for r in groups[mine]]  # type: ignore[index]
