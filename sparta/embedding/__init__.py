@@ -6,8 +6,11 @@
 Only the rows a step touches move (all-to-all to their owners, forward and backward); the
 dense rest of a model stays on DDP / Horovod / PriorityQueue all-reduce (see `parallelize`).
 VocabParallelHead and vocab_parallel_cross_entropy shard the output layer by vocabulary.
+`state_dict()` is local (each rank's shard); `full_state_dict(model)`, called on every rank,
+gathers the whole tables for a checkpoint saved from one rank.
 """
 
+from sparta.embedding.checkpoint import full_state_dict
 from sparta.embedding.layer import SparseEmbedding
 from sparta.embedding.layout import SHARDINGS, ShardLayout
 from sparta.embedding.optim import HybridOptimizer
@@ -22,6 +25,7 @@ __all__ = [
     "ShardLayout",
     "SparseEmbedding",
     "VocabParallelHead",
+    "full_state_dict",
     "parallelize",
     "sharded_parameter_names",
     "swap_embeddings",

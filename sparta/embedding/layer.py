@@ -3,6 +3,7 @@ Communicator and whose lookups and gradients move only the rows a step touches."
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -32,9 +33,15 @@ class SparseEmbedding(nn.Module):
 
     `self.weight` is this rank's shard (`[rows of the range, dim]` or `[num, dim / world]`);
     a standard optimizer over `parameters()` updates it, and its gradient is averaged over
-    ranks as DDP would. `state_dict()` holds the full table in vocabulary order (every rank
-    must call it: it gathers), and `load_state_dict` takes a full table written under any
-    world size. Every rank must run forward and backward together (they are collective).
+    ranks as DDP would. `state_dict()` is local, as any module's: sharded, it holds this
+    rank's shard under a key naming its part of the table (`weight.rows<r0>-<r1>.cols<c0>-<c1>`),
+    so `if rank == 0: torch.save(model.state_dict(), ...)` saves rank 0's shard only. To save
+    the whole table from one rank, every rank calls `sparta.embedding.full_state_dict(model)`
+    (a collective: it writes `weight`, the full table in vocabulary order), then rank 0 saves
+    it. `load_state_dict` takes a full `weight` written under any world size and sharding (an
+    `nn.Embedding`'s too), or shard pieces that cover this rank's part (the merged
+    `state_dict()`s of every rank). Every rank must run forward and backward together (they
+    are collective).
     `last_route` (a lookup.Route) says which ids the last forward sent where, for logging.
     After `defer_gradients(queue, key)` the backward exchange is a task of that queue and
     the gradient lands in `weight.grad` at `finish_gradients()` (see there).
@@ -182,8 +189,16 @@ class SparseEmbedding(nn.Module):
             return shard.clone()
         return self.layout.join(self.comm.all_gather(shard.contiguous()))  # type: ignore[arg-type]
 
+    def shard_key(self) -> str:
+        """This rank's state_dict key, without the module's prefix: `weight` when one process
+        holds the whole table, else `weight.rows<r0>-<r1>.cols<c0>-<c1>` (its part of it)."""
+        if self.comm is None:
+            return "weight"
+        (r0, r1), (c0, c1) = self.layout.row_range(self.layout.rank), self.layout.col_range(self.layout.rank)
+        return f"weight.rows{r0}-{r1}.cols{c0}-{c1}"
+
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        destination[prefix + "weight"] = self.full_weight()
+        destination[prefix + self.shard_key()] = self.weight if keep_vars else self.weight.detach()
 
     def _load_from_state_dict(
         self,
@@ -196,18 +211,66 @@ class SparseEmbedding(nn.Module):
         error_msgs: list[str],
     ) -> None:
         key = prefix + "weight"
-        if key not in state_dict:
+        pieces: dict[str, tuple[int, int, int, int]] = {}
+        for name in state_dict:
+            if not name.startswith(prefix) or name == key:
+                continue
+            match = _PIECE.fullmatch(name[len(prefix) :])
+            if match is None:
+                if strict:
+                    unexpected_keys.append(name)
+                continue
+            pieces[name] = (int(match["r0"]), int(match["r1"]), int(match["c0"]), int(match["c1"]))
+        if key in state_dict:
+            table = state_dict[key]
+            if tuple(table.shape) != (self.num_embeddings, self.embedding_dim):
+                error_msgs.append(
+                    f"{key}: the checkpoint's table has shape {tuple(table.shape)} but {self.table_name} is "
+                    f"[{self.num_embeddings}, {self.embedding_dim}]; load a checkpoint of the same vocabulary and dim"
+                )
+                return
+            with torch.no_grad():
+                self.weight.copy_(self.layout.cut(table))
+            return
+        if not pieces:
             missing_keys.append(key)
             return
-        table = state_dict[key]
-        if tuple(table.shape) != (self.num_embeddings, self.embedding_dim):
-            error_msgs.append(
-                f"{key}: the checkpoint's table has shape {tuple(table.shape)} but {self.table_name} "
-                f"is [{self.num_embeddings}, {self.embedding_dim}]; load a checkpoint of the same vocabulary and dim"
+        problem = self._load_pieces({name: (state_dict[name], box) for name, box in pieces.items()})
+        if problem:
+            error_msgs.append(f"{key}: {problem}")
+
+    def _load_pieces(self, pieces: dict[str, tuple[torch.Tensor, tuple[int, int, int, int]]]) -> str:
+        """Copy this rank's part of the table from shard pieces (rows r0..r1, columns c0..c1
+        each); returns what is wrong, or ""."""
+        (r0, r1), (c0, c1) = self.layout.row_range(self.layout.rank), self.layout.col_range(self.layout.rank)
+        shard = torch.empty_like(self.weight)
+        covered = torch.zeros(shard.shape, dtype=torch.bool)
+        for name, (tensor, (p0, p1, q0, q1)) in pieces.items():
+            if tuple(tensor.shape) != (p1 - p0, q1 - q0) or p1 > self.num_embeddings or q1 > self.embedding_dim:
+                return (
+                    f"the piece {name} has shape {tuple(tensor.shape)}, which does not fit its key or "
+                    f"{self.table_name}'s [{self.num_embeddings}, {self.embedding_dim}] table"
+                )
+            rows, cols = slice(max(p0, r0), min(p1, r1)), slice(max(q0, c0), min(q1, c1))
+            if rows.start >= rows.stop or cols.start >= cols.stop:
+                continue
+            mine = (slice(rows.start - r0, rows.stop - r0), slice(cols.start - c0, cols.stop - c0))
+            shard[mine] = tensor[rows.start - p0 : rows.stop - p0, cols.start - q0 : cols.stop - q0]
+            covered[mine] = True
+        if not bool(covered.all()):
+            held = ", ".join(sorted(pieces))
+            return (
+                f"the checkpoint holds only the pieces {held} of {self.table_name}, not all of rows "
+                f"{r0}..{r1 - 1}, columns {c0}..{c1 - 1} that this rank needs: it was saved from some ranks' "
+                "state_dict(); save sparta.embedding.full_state_dict(model) (called on every rank) from one "
+                "rank, or merge every rank's state_dict()"
             )
-            return
         with torch.no_grad():
-            self.weight.copy_(self.layout.cut(table))
+            self.weight.copy_(shard)
+        return ""
+
+
+_PIECE = re.compile(r"weight\.rows(?P<r0>\d+)-(?P<r1>\d+)\.cols(?P<c0>\d+)-(?P<c1>\d+)")
 
 
 def _normalise_padding(padding_idx: int | None, num_embeddings: int) -> int | None:

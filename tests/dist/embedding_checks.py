@@ -7,6 +7,9 @@ of the ranks' losses). Run by tests/embedding/test_embedding_dist.py under every
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from embedding_priority_checks import PRIORITY_CHECKS
@@ -14,7 +17,13 @@ from runner import finish, raises, run_checks, start
 
 from sparta.comm import Communicator, World
 from sparta.comm.priority import QueueConfig
-from sparta.embedding import SparseEmbedding, VocabParallelHead, parallelize, vocab_parallel_cross_entropy
+from sparta.embedding import (
+    SparseEmbedding,
+    VocabParallelHead,
+    full_state_dict,
+    parallelize,
+    vocab_parallel_cross_entropy,
+)
 from sparta.errors import ConfigError, InputError
 
 VOCAB, DIM, PAD = 37, 8, 5
@@ -145,21 +154,64 @@ def check_from_pretrained_frozen_and_random_init(world: World) -> None:
     assert torch.equal(single[PAD], torch.zeros(DIM)) and single.std() > 0.5
 
 
-def check_state_dict_full_table_and_other_world(world: World) -> None:
+def check_state_dict_is_local_and_the_full_one_reloads_under_any_world(world: World) -> None:
+    """`if rank == 0: torch.save(model.state_dict())` runs on rank 0 alone (no collective to
+    hang on) and saves its shard, which a rank needing other rows refuses with the fix;
+    full_state_dict, called on every rank and saved from rank 0, reloads on any world size
+    and sharding to the same lookups."""
     comm = world.comm
-    emb = SparseEmbedding.from_pretrained(table() * 2, freeze=False, sharding="row", comm=comm)
-    state = emb.state_dict()
-    torch.testing.assert_close(state["weight"], table() * 2, rtol=0, atol=0)
-    # load into a table cut over half the ranks, over one process, and with the other sharding
-    half = comm.split_groups([list(range(comm.size // 2)), list(range(comm.size // 2, comm.size))])
-    assert half is not None
-    for target in (
-        SparseEmbedding(VOCAB, DIM, sharding="column", comm=half),
-        SparseEmbedding(VOCAB, DIM),
-        SparseEmbedding(VOCAB, DIM, sharding="column", comm=comm),
-    ):
-        target.load_state_dict(state)
-        torch.testing.assert_close(target.full_weight(), table() * 2, rtol=0, atol=0)
+    model = torch.nn.Sequential(SparseEmbedding.from_pretrained(table() * 2, freeze=False, sharding="row", comm=comm))
+    emb = model[0]
+    folder = Path(tempfile.gettempdir())
+    tag = int(comm.broadcast(torch.randint(0, 2**31, (1,))))  # type: ignore[arg-type]
+    local_path, full_path = folder / f"sparta-emb-{tag}-local.pt", folder / f"sparta-emb-{tag}-full.pt"
+    (r0, r1), (c0, c1) = emb.layout.row_range(comm.rank), emb.layout.col_range(comm.rank)
+    if comm.rank == 0:
+        local = model.state_dict()
+        assert list(local) == [f"0.weight.rows{r0}-{r1}.cols{c0}-{c1}"], list(local)
+        torch.save(local, local_path)
+    full = full_state_dict(model)
+    torch.testing.assert_close(full["0.weight"], table() * 2, rtol=0, atol=0)
+    if comm.rank == 0:
+        torch.save(full, full_path)
+    comm.barrier()
+    ids = batches(0, comm.size)[comm.rank]
+    want = emb(ids)
+    try:
+        # load into a table cut over half the ranks, over one process, and with the other sharding
+        half = comm.split_groups([list(range(comm.size // 2)), list(range(comm.size // 2, comm.size))])
+        assert half is not None
+        for target in (
+            SparseEmbedding(VOCAB, DIM, sharding="column", comm=half),
+            SparseEmbedding(VOCAB, DIM),
+            SparseEmbedding(VOCAB, DIM, sharding="column", comm=comm),
+        ):
+            fresh = torch.nn.Sequential(target)
+            fresh.load_state_dict(torch.load(full_path))
+            torch.testing.assert_close(target.full_weight(), table() * 2, rtol=0, atol=0)
+            if target.comm is comm or target.comm is None:  # lookups of the same ranks' ids
+                torch.testing.assert_close(target(ids), want, rtol=0, atol=0)
+        # rank 0's shard alone: rank 0 finds its rows, every other rank is told how to save
+        same_cut = torch.nn.Sequential(SparseEmbedding(VOCAB, DIM, sharding="row", comm=comm))
+        if comm.rank == 0:
+            same_cut.load_state_dict(torch.load(local_path))
+            torch.testing.assert_close(same_cut[0].weight, emb.weight, rtol=0, atol=0)
+        else:
+            with raises(RuntimeError, "holds only the pieces 0.weight.rows0-.*save sparta.embedding.full_state_dict"):
+                same_cut.load_state_dict(torch.load(local_path))
+        # every rank's state_dict() merged (here cut from the full table) covers any cut of it
+        merged = {}
+        for r in range(comm.size):
+            a, b = emb.layout.row_range(r)
+            merged[f"0.weight.rows{a}-{b}.cols0-{DIM}"] = full["0.weight"][a:b]
+        for target in (SparseEmbedding(VOCAB, DIM), SparseEmbedding(VOCAB, DIM, sharding="column", comm=comm)):
+            torch.nn.Sequential(target).load_state_dict(merged)
+            torch.testing.assert_close(target.full_weight(), table() * 2, rtol=0, atol=0)
+    finally:
+        comm.barrier()
+        if comm.rank == 0:
+            local_path.unlink()
+            full_path.unlink()
     wrong = {"weight": torch.zeros(VOCAB + 1, DIM)}
     with raises(RuntimeError, f"shape \\({VOCAB + 1}, {DIM}\\)"):
         emb.load_state_dict(wrong)
@@ -377,7 +429,7 @@ CHECKS = [
     check_sparse_gradients_step_touched_rows_only,
     check_uneven_and_empty_batches,
     check_from_pretrained_frozen_and_random_init,
-    check_state_dict_full_table_and_other_world,
+    check_state_dict_is_local_and_the_full_one_reloads_under_any_world,
     check_bad_ids_raise_on_every_rank,
     check_bad_config_raises_on_every_rank,
     check_vocab_parallel_cross_entropy_equals_full_logits,
