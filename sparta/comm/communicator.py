@@ -93,7 +93,7 @@ class Communicator(Exchange, abc.ABC):
         self.config = config
         self.name = name
         self._health = _Health()
-        self._orphans: list[tuple[Handle[Any], str]] = []
+        self._orphans: list[Handle[Any]] = []  # engine handles whose watched handle was dropped
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, size={self.size})"
@@ -159,16 +159,15 @@ class Communicator(Exchange, abc.ABC):
                 raise
 
         watched = Handle(wait)
-        watch = weakref.finalize(watched, self._orphans.append, (raw, op))
+        watch = weakref.finalize(watched, self._orphans.append, raw)
         watch.atexit = False
         return watched
 
     def _ready(self, op: str) -> None:
         self._refuse_if_broken(op)
         while self._orphans:
-            raw, dropped = self._orphans.pop(0)
             try:
-                raw.wait()
+                self._orphans.pop(0).wait()
             except CollectiveError as exc:
                 self._break(f"{exc} (its handle was dropped without wait(), and waited at the next call)")
                 self._refuse_if_broken(op)
