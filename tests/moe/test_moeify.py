@@ -4,6 +4,8 @@ and a plain PyTorch transformer. Converted models keep their interface and train
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -34,8 +36,9 @@ def gpt2_exact_gelu() -> nn.Module:
     return gpt2("gelu")
 
 
-def llama() -> nn.Module:
+def llama(hidden_act: str = "silu") -> nn.Module:
     cfg = transformers.LlamaConfig(
+        hidden_act=hidden_act,
         vocab_size=VOCAB,
         hidden_size=D_MODEL,
         intermediate_size=48,
@@ -97,7 +100,7 @@ def train_losses(model: nn.Module, steps: int = 25) -> list[float]:
 @pytest.mark.parametrize(
     ("build", "match", "paths", "activation"),
     [
-        (gpt2, None, ["transformer.h.0.mlp", "transformer.h.1.mlp"], "gelu"),
+        (gpt2, None, ["transformer.h.0.mlp", "transformer.h.1.mlp"], "gelu_tanh"),
         (llama, None, ["model.layers.0.mlp", "model.layers.1.mlp"], "swiglu"),
         (PlainLM, r"blocks\.\d+\.ffn", ["blocks.0.ffn", "blocks.1.ffn"], "relu"),
     ],
@@ -114,7 +117,7 @@ def test_converted_model_trains(build: type, match: str | None, paths: list[str]
     assert all(model.get_submodule(p).last_stats.tokens_dropped == 0 for p in paths)
 
 
-@pytest.mark.parametrize("build", [llama, PlainLM, gpt2_exact_gelu])
+@pytest.mark.parametrize("build", [llama, PlainLM, gpt2, gpt2_exact_gelu])
 def test_upcycled_model_computes_what_it_did(build: type) -> None:
     """Every expert is the dense MLP, biases included, and top-2 weights sum to 1: the same
     function."""
@@ -160,7 +163,124 @@ def test_errors_name_the_problem() -> None:
         moeify(PlainLM(), 4, match=r"nothing\.here")
     with pytest.raises(ConfigError, match=r"blocks.0.attn \(MultiheadAttention\) is not an MLP"):
         moeify(PlainLM(), 4, match=r"blocks\.0\.attn")
-    with pytest.raises(ConfigError, match=r"cannot upcycle transformer.h.0.mlp, a gelu MLP, into swiglu"):
+    with pytest.raises(ConfigError, match=r"cannot upcycle transformer.h.0.mlp, a gelu_tanh MLP, into swiglu"):
         moeify(gpt2(), 4, activation="swiglu")
     with pytest.raises(ConfigError, match=r"top_k=5 exceeds num_experts=4"):
         moeify(llama(), 4, top_k=5)
+
+
+HIDDEN = 24
+ACTS = transformers.activations
+
+
+class TwoLinear(nn.Module):
+    """fc1 -> activation -> fc2 with biases; the activation a child module, or (module=None)
+    applied in forward from `config.hidden_act` or by `apply` alone."""
+
+    def __init__(self, act: nn.Module | None = None, hidden_act: str | None = None, apply: Any = None) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D_MODEL, HIDDEN), nn.Linear(HIDDEN, D_MODEL)
+        self.act = act
+        self.config = SimpleNamespace(hidden_act=hidden_act) if hidden_act else None
+        self.fn = apply
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.act is not None:
+            return self.fc2(self.act(h))
+        if self.config is not None:  # as Hugging Face code does: ACT2FN[name] outside the module tree
+            return self.fc2(ACTS.ACT2FN[self.config.hidden_act](h))
+        return self.fc2(self.fn(h))
+
+
+class Holder(nn.Module):
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def upcycled_equals_dense(mlp: nn.Module, want: str, **options: Any) -> None:
+    """moeify(top-2 of 4 copies) computes what the dense MLP did; the other GELU form would
+    not pass the same tolerance."""
+    torch.manual_seed(0)
+    model = Holder(mlp).eval()
+    x = 3 * torch.randn(2, 7, D_MODEL)
+    with torch.no_grad():
+        before = model(x)
+        moeify(model, num_experts=4, top_k=2, match="mlp", **options)
+        after = model(x)
+    assert model.mlp.config.activation == want
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    if want in ("gelu", "gelu_tanh"):
+        h = mlp.fc1(x)
+        other = nn.functional.gelu(h, approximate="none" if want == "gelu_tanh" else "tanh")
+        assert (mlp.fc2(other) - before).abs().max() > 1e-4  # ten times the tolerance
+
+
+@pytest.mark.parametrize(
+    ("act", "want"),
+    [
+        (nn.GELU(), "gelu"),
+        (nn.GELU(approximate="tanh"), "gelu_tanh"),
+        (nn.ReLU(), "relu"),
+        (nn.SiLU(), "silu"),
+        (ACTS.GELUActivation(), "gelu"),
+        (ACTS.NewGELUActivation(), "gelu_tanh"),
+        (ACTS.GELUTanh(), "gelu_tanh"),
+        (ACTS.PytorchGELUTanh(), "gelu_tanh"),
+        (ACTS.FastGELUActivation(), "gelu_tanh"),
+        (ACTS.AccurateGELUActivation(), "gelu_tanh"),
+        (ACTS.SiLUActivation(), "silu"),
+    ],
+    ids=lambda v: type(v).__name__ + str(getattr(v, "approximate", "")) if isinstance(v, nn.Module) else v,
+)
+def test_each_activation_module_upcycles_exactly(act: nn.Module, want: str) -> None:
+    upcycled_equals_dense(TwoLinear(act), want)
+
+
+@pytest.mark.parametrize(
+    ("hidden_act", "want"),
+    [
+        ("gelu", "gelu"),
+        ("gelu_python", "gelu"),
+        ("gelu_new", "gelu_tanh"),
+        ("gelu_pytorch_tanh", "gelu_tanh"),
+        ("gelu_python_tanh", "gelu_tanh"),
+        ("gelu_fast", "gelu_tanh"),
+        ("gelu_accurate", "gelu_tanh"),
+        ("relu", "relu"),
+        ("silu", "silu"),
+        ("swish", "silu"),
+    ],
+)
+def test_each_hidden_act_name_upcycles_exactly(hidden_act: str, want: str) -> None:
+    upcycled_equals_dense(TwoLinear(hidden_act=hidden_act), want)
+
+
+def test_an_activation_only_the_forward_knows_is_named_by_the_caller() -> None:
+    with pytest.raises(ConfigError, match=r"cannot tell which activation mlp \(TwoLinear\) applies.*pass activation="):
+        moeify(Holder(TwoLinear(apply=torch.relu)), 4, match="mlp")
+    upcycled_equals_dense(TwoLinear(apply=torch.relu), "relu", activation="relu")
+
+
+def test_what_no_expert_computes_exactly_is_refused_unless_not_upcycled() -> None:
+    with pytest.raises(ConfigError, match=r"mlp has the activation act \(QuickGELUActivation\), which no expert"):
+        moeify(Holder(TwoLinear(ACTS.QuickGELUActivation())), 4, match="mlp")
+    with pytest.raises(ConfigError, match=r"the activation config.hidden_act='quick_gelu'"):
+        moeify(Holder(TwoLinear(hidden_act="quick_gelu")), 4, match="mlp")
+    with pytest.raises(ConfigError, match=r"the activation act \(Tanh\)"):
+        moeify(Holder(TwoLinear(nn.Tanh())), 4, match="mlp", activation="gelu")  # naming another does not help
+    with pytest.raises(ConfigError, match=r"the modules act \(GELU\), norm \(LayerNorm\) besides its linear maps"):
+        mlp = TwoLinear(nn.GELU())
+        mlp.norm = nn.LayerNorm(HIDDEN)
+        moeify(Holder(mlp), 4, match="mlp")
+    with pytest.raises(ConfigError, match=r"another order than linear, activation, linear"):
+        moeify(Holder(nn.Sequential(nn.Linear(D_MODEL, 8), nn.Linear(8, D_MODEL), nn.ReLU())), 4, match="mlp")
+    with pytest.raises(ConfigError, match=r"a gelu_tanh gate \(gate_proj\), where gated experts gate with SiLU"):
+        moeify(llama(hidden_act="gelu_pytorch_tanh"), 4)  # Gemma's GeGLU
+    model = Holder(TwoLinear(ACTS.QuickGELUActivation()))
+    moeify(model, 4, match="mlp", upcycle=False, activation="gelu")  # fresh experts: any activation
+    assert model.mlp.config.activation == "gelu"
