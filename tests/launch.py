@@ -3,6 +3,13 @@
 Workers append JSON lines to one file per rank in a fresh directory (see dist/runner.py). A launch that outlives its
 timeout is killed whole, and the failure shows the tail of its output, whose last lines
 name the rank and the collective that hung.
+
+Launchers: torchrun, mpirun, horovodrun, horovod-mpirun, and "env": the ranks started
+directly with the torch.distributed variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) and no
+agent watching them, as a job scheduler (srun) or the other hosts of a multi-node job see
+them: there a rank's death reaches its peers only through the engine, where torchrun's
+agent would stop every survivor at once. `python tests/launch.py NPROCS script args...`
+is that spawner.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from pathlib import Path
 import pytest
 
 DIST = Path(__file__).parent / "dist"
-LAUNCHERS = ("torchrun", "mpirun", "horovodrun", "horovod-mpirun")
+LAUNCHERS = ("torchrun", "mpirun", "horovodrun", "horovod-mpirun", "env")
 
 
 def free_port() -> int:
@@ -55,9 +62,14 @@ def require_launcher(launcher: str) -> None:
         pytest.skip(missing)
 
 
-def command(launcher: str, nprocs: int, script: Path, args: list[str]) -> list[str]:
+def command(
+    launcher: str, nprocs: int, script: Path, args: list[str], launcher_args: list[str] | None = None
+) -> list[str]:
+    """The command line; `launcher_args` go to mpirun before the program (e.g. MCA settings)."""
     py = sys.executable
     bindir = Path(py).parent
+    if launcher == "env":
+        return [py, __file__, str(nprocs), str(script), *args]
     if launcher == "torchrun":
         return [
             py,
@@ -85,6 +97,7 @@ def command(launcher: str, nprocs: int, script: Path, args: list[str]) -> list[s
             "PYTHONUNBUFFERED=1",
             "-x",
             "PATH",
+            *(launcher_args or []),
             py,
             str(script),
             *args,
@@ -120,6 +133,33 @@ def run_killing_on_timeout(cmd: list[str], env: dict[str, str], timeout: float, 
     return proc.returncode, out
 
 
+def launch_raw(
+    launcher: str,
+    script: str,
+    nprocs: int,
+    args: list[str] | None = None,
+    timeout: float = 300,
+    launcher_args: list[str] | None = None,
+) -> tuple[int, str, dict[tuple[int, str], dict]]:
+    """Run `dist/<script>` on `nprocs` ranks; (exit code, output, {(rank, check): result}),
+    whatever the outcome (a launch that outlives `timeout` fails the test)."""
+    require_launcher(launcher)
+    results_dir = tempfile.mkdtemp(prefix="sparta-test-")
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MKL_NUM_THREADS="1", SPARTA_TEST_RESULTS=results_dir
+    )
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    cmd = command(launcher, nprocs, DIST / script, list(args or []), launcher_args)
+    returncode, out = run_killing_on_timeout(cmd, env, timeout, f"{launcher} {script}")
+    results: dict[tuple[int, str], dict] = {}
+    for path in sorted(Path(results_dir).glob("rank-*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            results[(rec["rank"], rec["check"])] = rec
+    shutil.rmtree(results_dir, ignore_errors=True)
+    return returncode, out, results
+
+
 def launch(
     launcher: str,
     script: str,
@@ -129,20 +169,7 @@ def launch(
     expect_ok: bool = True,
 ) -> dict[tuple[int, str], dict]:
     """Run `dist/<script>` on `nprocs` ranks; returns {(rank, check): result}."""
-    require_launcher(launcher)
-    results_dir = tempfile.mkdtemp(prefix="sparta-test-")
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MKL_NUM_THREADS="1", SPARTA_TEST_RESULTS=results_dir
-    )
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    cmd = command(launcher, nprocs, DIST / script, list(args or []))
-    returncode, out = run_killing_on_timeout(cmd, env, timeout, f"{launcher} {script}")
-    results: dict[tuple[int, str], dict] = {}
-    for path in sorted(Path(results_dir).glob("rank-*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            results[(rec["rank"], rec["check"])] = rec
-    shutil.rmtree(results_dir, ignore_errors=True)
+    returncode, out, results = launch_raw(launcher, script, nprocs, args, timeout)
     if expect_ok and returncode != 0:
         pytest.fail(f"{launcher} {script} exited with {returncode}; output tail:\n{out[-4000:]}")
     if not results:
@@ -158,3 +185,31 @@ def assert_all_ok(results: dict[tuple[int, str], dict], nprocs: int, expected_ch
     for name in names:
         ranks = {r for r, c in results if c == name}
         assert ranks == set(range(nprocs)), f"check {name} reported by ranks {sorted(ranks)} only"
+
+
+def spawn(nprocs: int, argv: list[str]) -> int:
+    """The "env" launcher: start `nprocs` ranks of `python argv...` with the torch.distributed
+    variables, wait for every one, and exit 1 if any failed (each rank's code is printed)."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *argv],
+            env=dict(
+                os.environ,
+                RANK=str(r),
+                WORLD_SIZE=str(nprocs),
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE=str(nprocs),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            ),
+        )
+        for r in range(nprocs)
+    ]
+    codes = [p.wait() for p in procs]
+    print(f"spawn: exit codes by rank {codes}", flush=True)
+    return int(any(codes))
+
+
+if __name__ == "__main__":
+    sys.exit(spawn(int(sys.argv[1]), sys.argv[2:]))

@@ -1,0 +1,196 @@
+"""Faults on real processes (tests/test_faults.py launches it; --case picks one).
+
+lifecycle: the node communicators are made once; handles dropped without wait() never
+    pair messages wrongly, and one whose collective fails breaks its communicator with a
+    clear error; a split that a rank joins late times out naming the groups; after
+    `world.shutdown()` no sparta thread is left; `world.exit()` runs `finally:` and atexit.
+kill: expert-parallel MoE training; rank --victim SIGKILLs itself in the middle of a
+    step's backward; every survivor must raise a SpartaError (reported with its message
+    and how long it took), and the communicator must refuse what comes after. Every rank
+    first reports the /dev/shm files it maps or holds open, for the test to check that
+    none is left behind.
+after: a new job after the killed one: an all-reduce, checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import os
+import re
+import signal
+import threading
+import time
+
+import torch
+from runner import raises, report, run_checks, start
+
+import sparta
+from sparta.comm import CommConfig, Communicator
+from sparta.errors import CollectiveError, CollectiveTimeoutError, SpartaError
+from sparta.moe import MoELayer
+
+SHORT_S = 3.0  # the timeout of the groups whose collectives are meant to fail
+KILL_STEP = 2
+
+
+def _group(world: sparta.World, check_inputs: bool = True) -> Communicator:
+    group = world.comm.split_groups([list(range(world.size))], CommConfig(timeout_s=SHORT_S, check_inputs=check_inputs))
+    assert group is not None
+    return group
+
+
+def check_node_comms_are_made_once(world: sparta.World) -> None:
+    intra, inter = world.node_comms()
+    again = world.node_comms()
+    assert again[0] is intra and again[1] is inter, "node_comms() made new groups on its second call"
+    for group in (intra, inter):
+        got = group.all_reduce(torch.tensor([float(world.rank)]))
+        assert got.item() == sum(group.ranks), (group.name, got.item(), group.ranks)
+
+
+def check_dropped_handles_never_mispair(world: sparta.World) -> None:
+    """Each dropped collective carries values that would be caught if a later one read them."""
+    comm, n, r = world.comm, world.size, world.rank
+    for i in range(3):
+        comm.all_reduce(torch.full((4,), 1000.0 * (i + 1)), async_op=True)  # dropped at once
+        comm.all_to_all(torch.full((n, 2), -1.0 - i), async_op=True)
+        gc.collect()
+        total = comm.all_reduce(torch.full((4,), float(r)))
+        assert total.tolist() == [float(sum(range(n)))] * 4, total
+        rows = comm.all_to_all(torch.arange(n, dtype=torch.float32).view(n, 1) + 10 * r)
+        assert rows.view(-1).tolist() == [10.0 * src + r for src in range(n)], rows
+
+
+def check_dropped_failed_handle_breaks_its_communicator(world: sparta.World) -> None:
+    """Rank 0 joins the dropped all-reduce only after its peers gave up on it: they must see
+    an error that says so at their next call, and a broken communicator after."""
+    group = _group(world, check_inputs=False)  # no agreement round: the dropped op starts at once
+    if world.rank == 0:
+        time.sleep(SHORT_S + 2)
+        try:  # lets MPI's call threads on the other ranks finish (gloo's gave up already)
+            group.all_reduce(torch.ones(2))
+        except CollectiveError:
+            pass
+        return
+    group.all_reduce(torch.ones(2), async_op=True)
+    gc.collect()
+    with raises(CollectiveError, "dropped without wait"):
+        group.all_reduce(torch.ones(2))
+    assert group.broken is not None
+    with raises(CollectiveError, "broken"):
+        group.barrier()
+
+
+def check_late_split_times_out_naming_the_groups(world: sparta.World) -> None:
+    """Rank 0 joins a split only after its peers gave up: those in its new group (on MPI,
+    where the split is one collective, every peer) must time out naming the groups."""
+    group = _group(world)
+    halves = [list(range(world.size // 2)), list(range(world.size // 2, world.size))]
+    if world.rank == 0:
+        time.sleep(SHORT_S + 2)
+        try:  # the late member: completes the split the others' engines may still be in
+            group.split_groups(halves)
+        except CollectiveError:
+            pass
+        return
+    if world.rank not in halves[0] and world.backend != "mpi":
+        assert group.split_groups(halves) is not None
+        return
+    with raises(CollectiveTimeoutError, "split.*" + re.escape(str(halves))):
+        group.split_groups(halves)
+
+
+def lifecycle(world: sparta.World) -> int:
+    atexit.register(lambda: report(world.rank, "user_atexit_ran", True))
+    checks = [
+        check_node_comms_are_made_once,
+        check_dropped_handles_never_mispair,
+        check_dropped_failed_handle_breaks_its_communicator,
+        check_late_split_times_out_naming_the_groups,
+    ]
+    failures = run_checks(world, checks)
+    world.comm.barrier()  # the late rank is back
+    world.shutdown()
+    alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    report(world.rank, "no_thread_after_shutdown", not alive, f"alive: {alive}")
+    return failures + bool(alive)
+
+
+def shm_files() -> list[str]:
+    """The files under /dev/shm this process maps or holds open."""
+    found = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                found.add(fields[5].strip().removesuffix(" (deleted)"))
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/dev/shm/"):
+            found.add(target.removesuffix(" (deleted)"))
+    return sorted(found)
+
+
+def kill(world: sparta.World, victim: int) -> int:
+    torch.manual_seed(0)
+    layer = MoELayer(16, 32, 2 * world.size, top_k=2, ep_size=world.size, comm=world.comm).train()
+    x = torch.randn(64, 16)
+    began = time.monotonic()
+    try:
+        for step in range(KILL_STEP + 3):
+            began = time.monotonic()
+            y = layer(x)
+            if step == KILL_STEP and world.rank == victim:
+                report(world.rank, "shm_files", True, files=shm_files())
+                y.register_hook(lambda _: os.kill(os.getpid(), signal.SIGKILL))  # in backward
+            y.square().mean().backward()
+            if step == 0:  # the transports are set up by now
+                if world.rank != victim:
+                    report(world.rank, "shm_files", True, files=shm_files())
+    except SpartaError as exc:
+        report(world.rank, "survivor_raised", True, waited_s=time.monotonic() - began, message=str(exc))
+    except Exception as exc:  # a survivor must raise Sparta's error, not the engine's
+        report(world.rank, "survivor_raised", False, f"{type(exc).__name__}: {exc}")
+        return 1
+    else:
+        report(world.rank, "survivor_raised", False, "training went on without the killed rank")
+        return 1
+    try:
+        world.comm.all_reduce(torch.ones(1))
+    except CollectiveError as exc:
+        report(world.rank, "refuses_after_failure", True, message=str(exc))
+    else:
+        report(world.rank, "refuses_after_failure", False, "an all_reduce after the failure returned")
+    return 1  # the job failed: say so to the launcher
+
+
+def after(world: sparta.World) -> int:
+    got = world.comm.all_reduce(torch.tensor([float(world.rank + 1)]))
+    ok = got.item() == world.size * (world.size + 1) / 2
+    report(world.rank, "new_job_runs", ok, "" if ok else f"all_reduce gave {got.item()}")
+    return int(not ok)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", choices=("lifecycle", "kill", "after"), required=True)
+    parser.add_argument("--victim", type=int, default=-1)
+    parser.add_argument("--timeout", type=float, default=90.0)
+    opts, _ = parser.parse_known_args()
+    world, _ = start(timeout_s=opts.timeout)
+    code = 1
+    try:
+        if opts.case == "lifecycle":
+            code = lifecycle(world)
+        elif opts.case == "kill":
+            code = kill(world, opts.victim % world.size)
+        else:
+            code = after(world)
+        world.exit(code)
+    finally:
+        report(world.rank, "finally_ran", True)

@@ -1,0 +1,88 @@
+"""Faults on real processes: a rank killed in the middle of an MoE training step, handles
+dropped without wait(), and the lifecycle of a World (tests/dist/fault_checks.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from launch import assert_all_ok, launch, launch_raw
+
+TIMEOUT_S = 6.0  # CommConfig.timeout_s of the killed jobs
+# What a survivor may spend past the timeout: the rest of its step's compute before the
+# collective that fails, on a loaded machine (a bound on hanging, not a speed claim).
+SLACK_S = 10.0
+VICTIM = 2
+COLLECTIVES = ("all_to_all", "all_reduce", "all_gather", "broadcast")
+# Open MPI 4.1 ends the whole job when a rank dies, survivors included, before they can
+# say anything; with recovery enabled it leaves them running, so that their collectives
+# time out (MPI itself never reports the dead peer: no ULFM before Open MPI 5).
+MPI_RECOVERY = ["--mca", "orte_enable_recovery", "1"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_lifecycle_dropped_handles_and_late_split(launcher: str) -> None:
+    results = launch(launcher, "fault_checks.py", nprocs=4, args=["--case", "lifecycle"], timeout=240)
+    assert_all_ok(results, nprocs=4, expected_checks=7)
+    for rank in range(4):  # world.exit() ran the user's finally block and atexit handler
+        assert (rank, "finally_ran") in results and (rank, "user_atexit_ran") in results
+
+
+def _shm_left(results: dict[tuple[int, str], dict]) -> list[str]:
+    mapped = {f for (_, check), rec in results.items() if check == "shm_files" for f in rec["files"]}
+    return sorted(f for f in mapped if os.path.exists(f))
+
+
+def _kill(launcher: str, victim: int, launcher_args: list[str] | None = None) -> tuple[int, str, dict]:
+    args = ["--case", "kill", "--victim", str(victim), "--timeout", str(TIMEOUT_S)]
+    code, out, results = launch_raw(launcher, "fault_checks.py", 3, args, timeout=180, launcher_args=launcher_args)
+    # (mpirun with recovery enabled exits 0 whatever its ranks did: Open MPI 4.1.4)
+    assert code != 0 or launcher_args == MPI_RECOVERY, f"a job that lost a rank exited 0:\n{out[-3000:]}"
+    assert {r for r, c in results if c == "shm_files"} == {0, 1, 2}, out[-3000:]
+    assert not _shm_left(results), f"left under /dev/shm: {_shm_left(results)}"
+    return code, out, results
+
+
+def _assert_survivors_raised(results: dict[tuple[int, str], dict], victim: int, out: str) -> list[str]:
+    """Each survivor's error names its collective, rank and group, came within the timeout,
+    and left the communicator refusing further calls; returns the messages."""
+    messages = []
+    for rank in sorted({0, 1, 2} - {victim}):
+        rec = results.get((rank, "survivor_raised"))
+        assert rec is not None and rec["ok"], f"rank {rank}: {rec}\n{out[-3000:]}"
+        text = rec["message"]
+        assert any(op in text for op in COLLECTIVES) and f"rank {rank} of group 'world'" in text, text
+        assert rec["waited_s"] < TIMEOUT_S + SLACK_S, (rec["waited_s"], text)
+        refused = results[(rank, "refuses_after_failure")]
+        assert refused["ok"] and "broken" in refused["message"], refused
+        assert (rank, "finally_ran") in results
+        messages.append(text)
+    return messages
+
+
+def _new_job_runs(launcher: str) -> None:
+    assert_all_ok(launch(launcher, "fault_checks.py", nprocs=2, args=["--case", "after"], timeout=120), 2, 1)
+
+
+@pytest.mark.parametrize("victim", [VICTIM, 0])  # 0 also hosts the rendezvous store
+def test_rank_killed_mid_step_torch_engine(victim: int) -> None:
+    """Ranks started as a scheduler starts them: torchrun's agent would stop the survivors."""
+    _, out, results = _kill("env", victim)
+    _assert_survivors_raised(results, victim, out)  # gloo: the peer's connection closed or reset
+    assert re.search(r"exit codes by rank \[.*-9", out), out[-2000:]
+    _new_job_runs("env")
+
+
+def test_rank_killed_mid_step_mpi_engine_with_recovery() -> None:
+    _, out, results = _kill("mpirun", VICTIM, MPI_RECOVERY)
+    for text in _assert_survivors_raised(results, VICTIM, out):
+        assert f"did not complete within {TIMEOUT_S:g} s" in text, text
+    _new_job_runs("mpirun")
+
+
+def test_rank_killed_mid_step_mpirun_ends_the_job() -> None:
+    """Without recovery mpirun kills the survivors at once and names the dead rank."""
+    _, out, results = _kill("mpirun", VICTIM)
+    assert f"process rank {VICTIM} with PID" in out and "signal 9" in out, out[-3000:]
+    assert not any(check == "survivor_raised" for _, check in results)
