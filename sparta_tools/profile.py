@@ -154,7 +154,7 @@ def fit_lines(profile: Profile) -> list[dict[str, Any]]:
 
 
 def run_worker(run: ProfileRun) -> None:
-    """Every rank: profile, plan, run the MoE layer (its exchanges traced; flat unless
+    """Every rank: profile, plan, run the MoE layer (its rows' exchanges traced; flat unless
     `run.hierarchical`), and on rank 0 write and print the results."""
     from sparta.comm import HierarchicalAllToAll
     from sparta.comm.world import init
@@ -178,7 +178,7 @@ def run_worker(run: ProfileRun) -> None:
     plan = CostModel(profile).plan(shape, hierarchical=None if run.hierarchical else False)
 
     tracer = Tracer()
-    comm = TracedExchange(world.comm, tracer, "world comm")
+    flat = TracedExchange(world.comm, tracer, "world comm")
     two_level = None
     if run.hierarchical:
         two_level = HierarchicalAllToAll(
@@ -186,15 +186,17 @@ def run_worker(run: ProfileRun) -> None:
             TracedExchange(intra, tracer, "intra-node comm"),
             TracedExchange(inter, tracer, "inter-node comm"),
         )
-    exchange = None if two_level is None else TracedExchange(two_level, tracer, None)  # its steps record themselves
+    hier = None if two_level is None else TracedExchange(two_level, tracer, None)  # its steps record themselves
     degree = parse_degree(run.pipeline_degree)
     block = MoELayer(
-        run.d_model, run.d_ff, run.experts, run.top_k, ep_size=run.nprocs, comm=comm, exchange=exchange,
+        run.d_model, run.d_ff, run.experts, run.top_k, ep_size=run.nprocs, comm=world.comm, exchange=hier or flat,
         pipeline_degree=1 if degree == "auto" else degree,
     )  # fmt: skip
     x = torch.randn(run.tokens, run.d_model, generator=torch.Generator().manual_seed(world.rank))
     if degree == "auto":
-        block.apply_schedule(tune_schedule(block, x, two_level), exchange)
+        chosen = tune_schedule(block, x, two_level)
+        block.apply_schedule(chosen, hier)
+        block.set_exchange(hier if chosen.hierarchical else flat)  # a flat plan's rows traced too
 
     def step() -> float:
         xi = x.clone().requires_grad_()
@@ -234,7 +236,7 @@ def run_worker(run: ProfileRun) -> None:
                 "r_fwd": degrees.forward if degrees else None,
                 "r_bwd": degrees.backward if degrees else None,
                 "taper": degrees.taper if degrees else None,
-                "hierarchical": bool(exchange) if layer_plan is None else layer_plan.hierarchical,
+                "hierarchical": hier is not None and block.exchange is hier,
                 "planned_in_layer": layer_plan is not None,
             },
             # the layer's own plan: its timed trials' correction of the model, and its

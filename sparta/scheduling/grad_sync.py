@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from sparta.comm.communicator import Communicator
+from sparta.comm.exchange import Exchange, PendingAllToAll
 from sparta.comm.handle import Handle
 from sparta.comm.priority import PriorityQueue, QueueConfig, TaskKey
 from sparta.errors import ConfigError, InputError
 from sparta.scheduling.partition import GradientPartition
+from sparta.scheduling.trace import ObservedExchange
 
 
 class PartitionedAllReduce:
@@ -93,9 +94,9 @@ class PartitionedAllReduce:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def watch(self, exchange: Any) -> Any:
-        """`exchange` (a Communicator or HierarchicalAllToAll) as the pipeline should get it:
-        the same transfers, with this object told of each."""
+    def watch(self, exchange: Exchange) -> ObservedExchange:
+        """`exchange` (a Communicator, HierarchicalAllToAll, TracedExchange...) as the pipeline
+        should get it: the same transfers, with this object told of each."""
         return _Watched(exchange, self)
 
     def start(self) -> None:
@@ -196,22 +197,29 @@ class _Transfer:
         self.handle, self.done = handle, False
 
 
-class _Watched:
-    """An exchange whose pipeline transfers are reported to a PartitionedAllReduce; every
-    other attribute is the inner exchange's (a TracedExchange inside still traces)."""
+class _Watched(ObservedExchange):
+    """`inner` (any Exchange, e.g. a TracedExchange, which still traces) whose transfers are
+    reported to a PartitionedAllReduce: each one as it is issued, and when its wait returns."""
 
-    def __init__(self, inner: Any, sync: PartitionedAllReduce) -> None:
+    def __init__(self, inner: Exchange, sync: PartitionedAllReduce) -> None:
         self.inner, self.sync = inner, sync
+        self.size, self.rank, self.ranks = inner.size, inner.rank, inner.ranks
+        self.tracer = inner.tracer if isinstance(inner, ObservedExchange) else None
         self._last: _Transfer | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    @property
+    def where(self) -> str:
+        return self.inner.where
 
-    def all_to_all(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        out = self.inner.all_to_all(x, *args, **kwargs)
-        if not isinstance(out, Handle):
-            return out
-        transfer = self._last = _Transfer(out)
+    def start_all_to_all(
+        self,
+        x: torch.Tensor,
+        send_splits: Sequence[int] | None = None,
+        recv_splits: Sequence[int] | None = None,
+        check: bool | None = None,
+    ) -> PendingAllToAll:
+        started = self.inner.start_all_to_all(x, send_splits, recv_splits, check)
+        transfer = self._last = _Transfer(started.handle)
 
         def wait() -> torch.Tensor:
             got = transfer.handle.wait()
@@ -219,11 +227,10 @@ class _Watched:
             self.sync.completed()
             return got
 
-        return Handle(wait)
+        return PendingAllToAll(Handle(wait), started.send_splits, started.recv_splits)
 
     def issued(self, name: str) -> None:
-        inner = getattr(self.inner, "issued", None)
-        if inner is not None:
-            inner(name)
-        assert self._last is not None, "the pipeline reports only transfers it issued through all_to_all"
+        if isinstance(self.inner, ObservedExchange):
+            self.inner.issued(name)
+        assert self._last is not None, "the pipeline reports only transfers it started on this exchange"
         self.sync.issued(name, self._last)
