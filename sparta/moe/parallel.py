@@ -10,7 +10,6 @@ layer with ``ep_size > 1``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -44,7 +43,7 @@ def exchange_expert_counts(
     comm: Communicator,
     layer: str,
     rows_like: Tensor | None = None,
-    failed: bool = False,
+    error: SpartaError | None = None,
     stats: Tensor | None = None,
     check: bool = True,
 ) -> ExchangedCounts:
@@ -52,8 +51,9 @@ def exchange_expert_counts(
     returns what every rank receives (``ExchangedCounts``), with the sum over ranks of ``stats``.
 
     Each message also carries a flag and the dtype and width of the rows to come. A rank that
-    rejected its input (``failed=True``) still takes part, so that every rank raises
-    ``InputError`` here instead of waiting forever for it in the next collective; rows that
+    rejected its input (``error``, its unraised error) still takes part, flagged, and
+    ``Communicator.agree`` then raises the same error on every rank instead of leaving them
+    to wait forever in the next collective (a healthy group pays nothing for it); rows that
     differ in dtype or width between ranks raise here too. Every rank then knows the row
     exchanges agree, and they skip the communicator's own input check.
 
@@ -67,7 +67,8 @@ def exchange_expert_counts(
     """
     ep_size = comm.size
     local = counts.numel() // ep_size
-    meta = [int(failed), 0, 0] if rows_like is None else [int(failed), dtype_code(rows_like.dtype), rows_like.shape[1]]
+    flag = int(error is not None)
+    meta = [flag, 0, 0] if rows_like is None else [flag, dtype_code(rows_like.dtype), rows_like.shape[1]]
     extra = counts.new_tensor(meta) if stats is None else torch.cat([counts.new_tensor(meta), stats])
     width = local + extra.numel()
     send = torch.cat([counts.view(ep_size, local), extra.expand(ep_size, -1)], dim=1)
@@ -76,12 +77,7 @@ def exchange_expert_counts(
     # The one host synchronisation of the exchange: the splits of the row exchanges.
     table = torch.cat([recv.reshape(-1), counts.view(ep_size, local).sum(dim=1)]).tolist()
     rows = [table[s * width : (s + 1) * width] for s in range(ep_size)]
-    failed_ranks = [s for s, row in enumerate(rows) if row[local]]
-    if failed_ranks:
-        raise InputError(
-            f"MoE layer {layer!r}: expert-parallel rank(s) {failed_ranks} of {comm.where} rejected "
-            "their input (their own error says why); this rank stops with them instead of hanging"
-        )
+    comm.agree(error, f"MoE layer {layer!r} on {comm.where}", failed=[s for s, row in enumerate(rows) if row[local]])
     kinds = {(dtype_name(int(row[local + 1])), int(row[local + 2])) for row in rows}
     if len(kinds) > 1:
         raise InputError(
@@ -111,17 +107,17 @@ def fail_together(
     """Run ``step``, a local stage before the layer's first collective (input checks,
     routing). If it raises a ``SpartaError`` on one rank, that rank still joins the counts
     exchange (with ``stats_len`` zero stats, the length the other ranks send, and their
-    ``check``), flagged, so that every rank of ``comm`` raises instead of hanging."""
+    ``check``) with its error, so that every rank of ``comm`` raises the same error instead
+    of hanging."""
     try:
         return step()
-    except SpartaError:
-        if comm is not None:
-            # The flag we sent comes back as an InputError; this rank raises its own error.
-            with suppress(InputError):
-                # Counts live on the input's device, and engines pick the transport by device.
-                zeros = torch.zeros(num_experts + stats_len, dtype=torch.int64, device=device)
-                exchange_expert_counts(zeros[:num_experts], comm, layer, failed=True, stats=zeros[num_experts:], check=check)
-        raise
+    except SpartaError as err:
+        if comm is None:
+            raise
+        # Counts live on the input's device, and engines pick the transport by device.
+        zeros = torch.zeros(num_experts + stats_len, dtype=torch.int64, device=device)
+        exchange_expert_counts(zeros[:num_experts], comm, layer, error=err, stats=zeros[num_experts:], check=check)
+        raise AssertionError("unreachable: the counts exchange raises the agreed error") from err
 
 
 def expert_parallel(

@@ -28,46 +28,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from sparta.comm import Exchange
 from sparta.comm.handle import Handle
 from sparta.errors import ConfigError, InputError
-from sparta.scheduling.trace import Tracer
+from sparta.scheduling.trace import ObservedExchange, Tracer
 
 # compute(rows [M, d_in], counts [size, slots] int64) -> [M, d_out]: rows grouped by source
 # rank, then slot, `counts[s, j]` of them from source s for slot j; output rows in the same order
 Compute = Callable[[Tensor, Tensor], Tensor]
-
-
-class Exchange(Protocol):
-    """What the pipeline needs of a communicator: `Communicator` and `HierarchicalAllToAll` both fit."""
-
-    size: int
-
-    def all_to_all(
-        self,
-        x: Tensor,
-        send_splits: Sequence[int] | None = None,
-        recv_splits: Sequence[int] | None = None,
-        async_op: bool = False,
-        check: bool | None = None,
-    ) -> Tensor | Handle[Tensor]: ...
-
-    def all_to_all_fill(
-        self,
-        fill: Callable[[Tensor], None],
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        send_splits: Sequence[int],
-        recv_splits: Sequence[int],
-        async_op: bool = False,
-        check: bool | None = None,
-        device: torch.device | str = "cpu",
-        borrow: bool = False,
-    ) -> Tensor | Handle[Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -269,15 +242,15 @@ def _pipeline(
     microbatch.py) overlaps the transfers too.
     `tracer` gets spans "{label} out|compute|back {i}" on tracks "send", "compute", "return"
     (and, with `trace_ends`, "{label} before|after {i}" on "compute" for produce and
-    consume). An exchange that traces itself (trace.TracedExchange) records the transfers
-    under those names on its own tracks, and its tracer gets the compute spans.
-    An exchange with an `issued(name)` method hears of each transfer just after it is issued
-    (the gradient partitioner sends its pieces into the gaps that follow, see grad_sync.py)."""
+    consume). An ObservedExchange (trace.py) hears of each transfer just after it is issued
+    (`issued(name)`: the gradient partitioner sends its pieces into the gaps that follow, see
+    grad_sync.py); one with a tracer (a TracedExchange) records the transfers under those
+    names on its own tracks, and its tracer gets the compute spans."""
     clock = time.perf_counter
-    own = getattr(exchange, "tracer", None)
+    observed = exchange if isinstance(exchange, ObservedExchange) else None
+    own = observed.tracer if observed is not None else None
     tracer = tracer if tracer is not None else own
     comm_spans = tracer is not None and own is None
-    on_issue = getattr(exchange, "issued", None)
     back_splits: list[tuple[list[int], list[int]]] = []
 
     def start(x: Tensor, splits: list[int], back: list[int], name: str) -> tuple[Handle[Tensor], float]:
@@ -287,8 +260,8 @@ def _pipeline(
         assert isinstance(handle, Handle)
         if tracer is not None:
             tracer.context = ""
-        if on_issue is not None:
-            on_issue(name)
+        if observed is not None:
+            observed.issued(name)
         return handle, clock()
 
     def span(name: str, begin: float, i: int, rows: int) -> None:

@@ -4,6 +4,8 @@ explicit schedule tuning and the gradient pieces' wait for the link, checked on 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dist"))  # the 
 
 from runner import finish, run_checks, start  # noqa: E402
 
-from sparta.comm import HierarchicalAllToAll, World  # noqa: E402
+from sparta.comm import Exchange, HierarchicalAllToAll, PendingAllToAll, World  # noqa: E402
 from sparta.comm.handle import Handle  # noqa: E402
 from sparta.moe import MoELayer, tune_schedule  # noqa: E402
 from sparta.scheduling.grad_sync import PartitionedAllReduce  # noqa: E402
@@ -66,25 +68,34 @@ def check_tuned_plan_is_agreed_and_leaves_the_layer_as_it_was(world: World) -> N
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 
 
-class _Recorded:
-    """world.comm's all-to-all, each async handle remembering that its wait has returned."""
+class _Recorded(Exchange):
+    """world.comm's all-to-all, each started one remembering that its wait has returned."""
 
     def __init__(self, world: World) -> None:
-        self.comm, self.size, self.done = world.comm, world.size, []
+        self.comm, self.done = world.comm, []
+        self.size, self.rank, self.ranks = world.comm.size, world.comm.rank, world.comm.ranks
 
-    def all_to_all(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        out = self.comm.all_to_all(x, *args, **kwargs)
-        if not isinstance(out, Handle):
-            return out
+    @property
+    def where(self) -> str:
+        return self.comm.where
+
+    def start_all_to_all(
+        self,
+        x: torch.Tensor,
+        send_splits: Sequence[int] | None = None,
+        recv_splits: Sequence[int] | None = None,
+        check: bool | None = None,
+    ) -> PendingAllToAll:
+        started = self.comm.start_all_to_all(x, send_splits, recv_splits, check)
         index = len(self.done)
         self.done.append(False)
 
         def wait() -> torch.Tensor:
-            got = out.wait()
+            got = started.handle.wait()
             self.done[index] = True
             return got
 
-        return Handle(wait)
+        return replace(started, handle=Handle(wait))
 
 
 def check_pieces_leave_after_the_transfer_before_their_gap(world: World) -> None:
@@ -116,8 +127,8 @@ def check_pieces_leave_after_the_transfer_before_their_gap(world: World) -> None
     submit = sync.queue.submit
 
     def checked_submit(key: Any, *args: Any, **kwargs: Any) -> Any:
-        # transfers: the forward's out 0, back 0 (degree 1), then backward's out 0, out 1, ...
-        sent_after.append(key.priority > 0 or recorded.done[2 + 1])
+        # transfers: the counts exchange, forward out 0 and back 0 (degree 1), then backward out 0, out 1, ...
+        sent_after.append(key.priority > 0 or recorded.done[3 + 1])
         return submit(key, *args, **kwargs)
 
     sync.queue.submit = checked_submit  # type: ignore[method-assign]
