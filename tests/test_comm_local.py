@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,6 +149,20 @@ def test_exchanges_implement_the_public_interface() -> None:
     y.mul(torch.arange(6.0).view(3, 2)).sum().backward()
     assert torch.equal(x.grad, torch.arange(6.0).view(3, 2))  # the reverse exchange of the gradient
     assert [s.track for s in tracer.spans] == ["comm"] * 3 and [s.args["rows"] for s in tracer.spans] == [3] * 3
+
+
+def test_timeline_draws_without_switching_the_pyplot_backend(tmp_path: Path) -> None:
+    png = tmp_path / "timeline.png"
+    code = (
+        "import matplotlib; matplotlib.use('svg')\n"
+        "from sparta.scheduling.trace import Span, draw_timeline\n"
+        "spans = {0: [Span('fwd compute 1', 'compute', 0.0, 0.01)], 1: [Span('x 1', 'comm', 0.002, 0.02)]}\n"
+        f"draw_timeline({str(png)!r}, spans, 'two ranks')\n"
+        "print('BACKEND', matplotlib.get_backend())\n"
+    )
+    out = run_py(code)
+    assert "BACKEND svg" in out.stdout, out.stdout + out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_missing_engine_names_the_install_command() -> None:

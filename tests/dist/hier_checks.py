@@ -12,6 +12,7 @@ from runner import finish, raises, run_checks, start
 import sparta
 from sparta.comm import HierarchicalAllToAll, World
 from sparta.errors import ConfigError, InputError
+from sparta.scheduling.trace import TracedExchange, Tracer
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
 
@@ -108,13 +109,29 @@ def check_bad_grid_raises_everywhere(world: World) -> None:
 
 def check_bad_splits_raise_everywhere(world: World) -> None:
     h = hier(world)
-    with raises(InputError, "send_splits sum to 4 but the tensor has 3 rows"):
+    with raises(InputError, "rank 2: send_splits sum to 4 but the tensor has 3 rows"):
         h.all_to_all(torch.ones(3), [1, 1, 1, 1] if world.rank == 2 else [3, 0, 0, 0])
-    with raises(InputError, r"recv_splits\[0\] = 5 but rank 0 sends 1 rows"):
+    with raises(InputError, r"rank 1: recv_splits\[0\] = 5 but rank 0 sends 1 rows"):
         h.all_to_all(torch.ones(4), [1] * 4, [5, 1, 1, 1] if world.rank == 1 else [1] * 4)
+    with raises(InputError, "rank 0 passed float32 but rank 3 passed bfloat16"):
+        h.all_to_all(torch.ones(4, 2, dtype=torch.bfloat16 if world.rank == 3 else torch.float32))
     # and it still works
     x, send = payload(world, 2, torch.float32)
     assert torch.equal(h.all_to_all(x, send), world.comm.all_to_all(x, send))
+
+
+def check_traced_steps(world: World) -> None:
+    """Intra and inter steps through TracedExchange (any Exchange will do): the same rows
+    as the flat exchange, each step (counts, then rows) recorded on its own track."""
+    intra, inter = world.node_comms()
+    tracer = Tracer()
+    h = HierarchicalAllToAll(world.comm, TracedExchange(intra, tracer, "intra"), TracedExchange(inter, tracer, "inter"))
+    x, send = payload(world, 3, torch.float32)
+    tracer.context = "rows"
+    want = world.comm.all_to_all(x, send)
+    assert torch.equal(h.all_to_all(x, send), want)
+    assert [s.track for s in tracer.spans] == ["intra", "inter", "intra", "inter"], tracer.spans
+    assert tracer.spans[-1].args["rows"] == want.shape[0]  # the inter step delivers every row
 
 
 CHECKS = [
@@ -126,6 +143,7 @@ CHECKS = [
     check_interleaved_nodes,
     check_bad_grid_raises_everywhere,
     check_bad_splits_raise_everywhere,
+    check_traced_steps,
 ]
 
 if __name__ == "__main__":
