@@ -14,7 +14,7 @@ from sparta.comm.priority import PriorityQueue, TaskKey
 from sparta.embedding.checks import agree_config, inspect_ids
 from sparta.embedding.layout import SHARDINGS, ShardLayout
 from sparta.embedding.lookup import Route, ShardedLookup, plan_route, rows_to_shard
-from sparta.errors import ConfigError, InputError
+from sparta.errors import ConfigError
 
 
 class SparseEmbedding(nn.Module):
@@ -65,7 +65,8 @@ class SparseEmbedding(nn.Module):
         self.sharding, self.comm = sharding, comm
         self.table_name = name or f"SparseEmbedding({num_embeddings}, {embedding_dim})"
         world, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
-        problem, layout = "", None
+        problem: ConfigError | None = None
+        layout = None
         try:
             layout = ShardLayout(self.num_embeddings, self.embedding_dim, sharding, world, rank)
             self.padding_idx = _normalise_padding(padding_idx, self.num_embeddings)
@@ -77,11 +78,12 @@ class SparseEmbedding(nn.Module):
         except ConfigError as exc:
             if comm is None:
                 raise
-            problem = str(exc)
+            problem = exc
         seed = int(torch.randint(0, 2**40, (1,)))  # consumes the global RNG, as nn.Embedding's init does
         if comm is not None:
-            pad = -1 if problem or self.padding_idx is None else self.padding_idx
-            values = [self.num_embeddings, self.embedding_dim, SHARDINGS.index(sharding) if not problem else -1, pad]
+            pad = -1 if problem is not None or self.padding_idx is None else self.padding_idx
+            shardings = SHARDINGS.index(sharding) if problem is None else -1
+            values = [self.num_embeddings, self.embedding_dim, shardings, pad]
             names = ["num_embeddings", "embedding_dim", "sharding", "padding_idx", "seed"]
             seed = agree_config(comm, [*values, seed], names, problem, self.table_name)
         assert layout is not None
@@ -134,12 +136,12 @@ class SparseEmbedding(nn.Module):
     # ---------------------------------------------------------------- forward
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [*shape] (integers in 0..num_embeddings-1) -> [*shape, embedding_dim]."""
-        finding = inspect_ids(ids, self.num_embeddings)
+        error = inspect_ids(ids, self.num_embeddings, self.table_name)
         if self.comm is None:
-            if finding.problem:
-                raise InputError(finding.message(self.table_name))
+            if error is not None:
+                raise error
             return nn.functional.embedding(ids, self.weight, self.padding_idx, sparse=self.sparse)
-        route = plan_route(ids, self.layout, self.comm, finding, self.table_name)
+        route = plan_route(ids, self.layout, self.comm, error, self.table_name)
         self.last_route = route
         defer = self._defer if self._queue is not None else None
         rows = ShardedLookup.apply(self.weight, route, self.layout, self.comm, self.padding_idx, defer, self.sparse)

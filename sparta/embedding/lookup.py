@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from sparta.comm import Communicator
-from sparta.embedding.checks import IdFinding, exchange_counts
+from sparta.embedding.checks import exchange_id_counts
 from sparta.embedding.layout import ShardLayout
+from sparta.errors import InputError
 
 
 @dataclass
@@ -59,12 +60,15 @@ def rows_to_shard(got: torch.Tensor, route: Route, shard_shape: torch.Size, spar
     return shard_grad.index_add_(0, route.served, got)
 
 
-def plan_route(ids: torch.Tensor, layout: ShardLayout, comm: Communicator, finding: IdFinding, table: str) -> Route:
-    """Exchange the ids (two all-to-alls: counts with the agreed checks, then the ids)."""
-    if finding.problem:
+def plan_route(
+    ids: torch.Tensor, layout: ShardLayout, comm: Communicator, error: InputError | None, table: str
+) -> Route:
+    """Exchange the ids (two all-to-alls: counts with the agreed checks, then the ids).
+    `error`: what is wrong with this rank's ids (inspect_ids), raised on every rank."""
+    if error is not None:
         # This rank's ids are unusable: its verdict alone makes every rank raise.
-        exchange_counts(comm, [0] * comm.size, finding, table)
-        raise AssertionError("unreachable: exchange_counts raises on a bad finding")
+        exchange_id_counts(comm, [0] * comm.size, error, table)
+        raise AssertionError("unreachable: exchange_id_counts raises on a bad rank")
     unique, inverse = torch.unique(ids.reshape(-1).long(), sorted=True, return_inverse=True)
     if layout.sharding == "row":
         # Sorted ids are already grouped by owner, so no permutation is needed.
@@ -74,7 +78,7 @@ def plan_route(ids: torch.Tensor, layout: ShardLayout, comm: Communicator, findi
     else:
         send = [unique.numel()] * comm.size
         outgoing = unique.repeat(comm.size)
-    recv = exchange_counts(comm, send, finding, table)
+    recv = exchange_id_counts(comm, send, None, table)
     served = comm.all_to_all(outgoing, send, recv, check=False)
     assert isinstance(served, torch.Tensor)
     served = served - layout.row_range(comm.rank)[0]

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from sparta.comm import Communicator
-from sparta.embedding.checks import IdFinding, IdProblem, gather_with_verdict, inspect_ids
+from sparta.embedding.checks import gather_with_verdict, inspect_ids
 from sparta.embedding.layer import SparseEmbedding
 from sparta.embedding.layout import ShardLayout
-from sparta.errors import ConfigError
+from sparta.errors import ConfigError, InputError
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -145,12 +145,15 @@ class VocabParallelHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """hidden [*, d], targets [*] -> scalar mean loss over this rank's tokens."""
-        finding = inspect_ids(targets, self.layout.num_embeddings)
-        if not finding.problem and hidden.shape[:-1] != targets.shape:
-            finding = IdFinding(IdProblem.SHAPE_MISMATCH, hidden.shape[:-1].numel(), targets.numel())
         x = hidden.reshape(-1, hidden.shape[-1])
         name = f"VocabParallelHead({x.shape[-1]}, {self.layout.num_embeddings}) targets"
-        counts = gather_with_verdict(self.comm, 0 if finding.problem else x.shape[0], finding, name)
+        error = inspect_ids(targets, self.layout.num_embeddings, name)
+        if error is None and hidden.shape[:-1] != targets.shape:
+            error = InputError(
+                f"{name} got hidden states of {hidden.shape[:-1].numel()} tokens but {targets.numel()} targets; "
+                "targets must have hidden's shape without its last dim"
+            )
+        counts = gather_with_verdict(self.comm, 0 if error is not None else x.shape[0], error, name)
         t = targets.reshape(-1)
         weight = self.shard()
         if self.gather_tokens:
