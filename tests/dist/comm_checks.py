@@ -243,6 +243,10 @@ def check_bad_input_raises_everywhere(world: World) -> None:
         c.all_reduce(torch.ones(2, dtype=torch.uint64))
     with raises(InputError, "unknown reduction op 'max'"):
         c.all_reduce(torch.ones(2), op="max")
+    with raises(InputError, "rank 1: takes a torch.Tensor, got list"):
+        c.all_reduce([1.0] if r == bad_rank else torch.ones(1))  # type: ignore[arg-type]
+    with raises(InputError, "rank 1: unknown reduction op 'max'"):
+        c.all_reduce(torch.ones(2), op="max" if r == bad_rank else "sum")
     with raises(InputError, "groups must be disjoint"):
         c.split_groups([[0, 1], [1, 2]])
     # and the communicator still works after all of that
