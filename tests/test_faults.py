@@ -86,3 +86,9 @@ def test_rank_killed_mid_step_mpirun_ends_the_job() -> None:
     _, out, results = _kill("mpirun", VICTIM)
     assert f"process rank {VICTIM} with PID" in out and "signal 9" in out, out[-3000:]
     assert not any(check == "survivor_raised" for _, check in results)
+
+
+def test_rank_killed_mid_step_torchrun_ends_the_job() -> None:
+    """torchrun's agent stops the survivors as soon as a rank dies and names the dead one."""
+    _, out, _ = _kill("torchrun", VICTIM)
+    assert re.search(rf"rank\s*: {VICTIM} \(local_rank: {VICTIM}\)\s*exitcode\s*: -9", out), out[-3000:]

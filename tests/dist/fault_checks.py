@@ -3,7 +3,8 @@
 lifecycle: the node communicators are made once; handles dropped without wait() never
     pair messages wrongly, and one whose collective fails breaks its communicator with a
     clear error; a split that a rank joins late times out naming the groups; after
-    `world.shutdown()` no sparta thread is left; `world.exit()` runs `finally:` and atexit.
+    `world.shutdown()` no sparta or gloo thread is left; `world.exit()` runs `finally:` and
+    atexit.
 kill: expert-parallel MoE training; rank --victim SIGKILLs itself in the middle of a
     step's backward; every survivor must raise a SpartaError (reported with its message
     and how long it took), and the communicator must refuse what comes after. Every rank
@@ -114,8 +115,19 @@ def lifecycle(world: sparta.World) -> int:
     world.comm.barrier()  # the late rank is back
     world.shutdown()
     alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    # gloo's own threads: one left running into the interpreter's finalization is what
+    # aborted clean runs (see World.shutdown)
+    alive += [name for name in native_thread_names() if "gloo" in name]
     report(world.rank, "no_thread_after_shutdown", not alive, f"alive: {alive}")
     return failures + bool(alive)
+
+
+def native_thread_names() -> list[str]:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as comm:
+            names.append(comm.read().strip())
+    return names
 
 
 def shm_files() -> list[str]:
