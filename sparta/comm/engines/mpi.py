@@ -15,6 +15,13 @@ instead of hanging. Needs MPI_THREAD_MULTIPLE (what mpi4py asks for by default).
 The threads end at shutdown (see `MPICommunicator`), which leaves none behind unless a call
 is stuck inside MPI after a timeout; a split, too, times out instead of hanging when a
 rank never joins it.
+
+When a rank dies (Open MPI 4.1, measured by tests/test_faults.py): plain mpirun kills the
+whole job at once and prints which rank died and by which signal; the survivors say
+nothing. With `mpirun --mca orte_enable_recovery 1` the survivors keep running and their
+pending collective raises CollectiveTimeoutError after `timeout_s` (MPI itself never
+reports the dead peer: that needs ULFM, Open MPI 5), and then mpirun exits 0 whatever its
+ranks returned: read their output.
 """
 
 from __future__ import annotations
