@@ -80,13 +80,16 @@ class World:
 
         It runs at exit by itself: `init` registers it with `atexit`, once per World, and it
         unregisters itself, so init/shutdown cycles add nothing. Registered rather than left
-        to the user because the engine must stop before the interpreter tears down: a gloo
-        worker thread that drops its last tensor after that point needs the GIL, which a
-        finalizing interpreter answers by ending the thread with pthread_exit, whose
-        unwinding through a C++ noexcept destructor calls std::terminate (the exit -6
-        "terminate called without an active exception" once seen now and then after a
-        clean run). atexit callbacks run before that point, so a script that simply ends,
-        returns from main, or raises, still stops the engine in time."""
+        to the user because the engine must stop before the interpreter finalizes: a gloo
+        worker thread releases each finished collective (and its tensors) a moment after
+        the caller's wait() returned; if that moment falls in the interpreter's
+        finalization, the release needs the GIL, Python ends the thread with pthread_exit,
+        and unwinding through a C++ noexcept frame is std::terminate: exit -6, "terminate
+        called without an active exception", in 10 of 25 clean 4-rank runs measured. The
+        torch engine's shutdown destroys the process groups, whose destructors join those
+        threads; atexit callbacks run before finalization, so a script that simply ends,
+        returns from main or raises is as safe as one that calls this.
+        """
         atexit.unregister(self.shutdown)
         if self._node_comms is not None:
             for group in self._node_comms:
@@ -154,6 +157,9 @@ def init(backend: str = "auto", ranks_per_node: int | None = None, config: CommC
     ranks_per_node: pose as nodes of this many consecutive ranks (to emulate a cluster on
         one machine); by default nodes are found by host name.
     config: timeouts and input checks (CommConfig).
+
+    `World.shutdown` is registered to run at exit (once; see there): ending the script with
+    `world.exit()`, `world.shutdown()` or nothing at all is equally clean.
     """
     config = config or CommConfig()
     launch = detect()
