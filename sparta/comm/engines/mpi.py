@@ -69,12 +69,11 @@ class _CallThread:
 
     def __init__(self, name: str) -> None:
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=_serve, args=(self._calls,), name=f"sparta-mpi-{name}", daemon=True)
-        self._thread.start()
-
         self.stopped = False
         self.timed_out = False  # a call outlived its caller's wait: the thread may be stuck
         self._last: Future[Any] | None = None
+        self._thread = threading.Thread(target=_serve, args=(self._calls,), name=f"sparta-mpi-{name}", daemon=True)
+        self._thread.start()
 
     def submit(self, call: Callable[[], T]) -> Future[T]:
         done: Future[T] = Future()
