@@ -165,6 +165,29 @@ def test_timeline_draws_without_switching_the_pyplot_backend(tmp_path: Path) -> 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_world_shutdown_releases_every_group_and_they_refuse_after() -> None:
+    """Shutting the world down ends gloo's worker threads of the world and of its splits
+    (one left running into the interpreter's finalization can abort the process), and every
+    communicator of that world then refuses, saying so."""
+    code = (
+        "import os, torch, sparta\n"
+        "TASKS = '/proc/self/task'\n"
+        "w = sparta.init(backend='torch')\n"
+        "part = w.comm.split([0])\n"
+        "w.comm.all_reduce(torch.ones(2)); part.all_to_all(torch.ones(1))\n"
+        "def gloo(): return sum('gloo' in open(f'/proc/self/task/{t}/comm').read() for t in os.listdir(TASKS))\n"
+        "before = gloo()\n"
+        "w.shutdown()\n"
+        "print('GLOO THREADS', before > 0, gloo())\n"
+        "try:\n    part.all_reduce(torch.ones(1))\n"
+        "except sparta.errors.CollectiveError as e:\n    print('REFUSED', e)\n"
+    )
+    out = run_py(code)
+    assert "GLOO THREADS True 0" in out.stdout, out.stdout + out.stderr
+    assert "REFUSED all_reduce(sum) on rank 0 of group 'world[0]'" in out.stdout, out.stdout
+    assert "broken and refuses every collective: its world was shut down" in out.stdout, out.stdout
+
+
 def test_missing_engine_names_the_install_command() -> None:
     for backend, module, hint in [
         ("mpi", "mpi4py", "pip install 'sparta\\[mpi\\]'"),

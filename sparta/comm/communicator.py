@@ -110,7 +110,8 @@ class Communicator(Exchange, abc.ABC):
 
     @property
     def broken(self) -> str | None:
-        """Why this communicator refuses every collective (the failure that broke it), or None."""
+        """Why this communicator refuses every collective (the failure that broke it, or its
+        world's shutdown), or None."""
         return self._health.broken
 
     # ---------------------------------------------------------------- engine primitives
@@ -177,18 +178,23 @@ class Communicator(Exchange, abc.ABC):
                 self._break(f"{exc} (its handle was dropped without wait(), and waited at the next call)")
                 self._refuse_if_broken(op)
 
-    def _break(self, why: str) -> None:
+    def _break(self, failure: str) -> None:
+        """Refuse every later call: a collective failed (`failure`, the engine's error)."""
+        self._retire(
+            f"an earlier collective failed: {failure}. Its ranks may now disagree on which message comes "
+            "next. Rebuild the world: call world.shutdown() and start the job again on every rank "
+            "(e.g. torchrun --max-restarts, or your scheduler's retry)"
+        )
+
+    def _retire(self, why: str) -> None:
+        """Refuse every later call, saying `why` (the first reason given stays)."""
         if self._health.broken is None:
             self._health.broken = why
 
     def _refuse_if_broken(self, op: str) -> None:
         if self._health.broken is not None:
-            raise CollectiveError(
-                f"{op}: this communicator is broken since an earlier collective failed: {self._health.broken}. "
-                "Its ranks may now disagree on which message comes next, so it refuses every collective. "
-                "Rebuild the world: call world.shutdown() and start the job again on every rank "
-                "(e.g. torchrun --max-restarts, or your scheduler's retry)."
-            )
+            why = self._health.broken
+            raise CollectiveError(f"{op}: this communicator is broken and refuses every collective: {why}.")
 
     # ---------------------------------------------------------------- agreement
     def agree(self, error: SpartaError | None, op: str, failed: Sequence[int] | None = None) -> None:
@@ -420,7 +426,11 @@ class Communicator(Exchange, abc.ABC):
                 )
             seen |= set(g)
         mine = next((i for i, g in enumerate(clean) if self.rank in g), None)
-        child = self._split(clean, mine, config or self.config)
+        try:
+            child = self._split(clean, mine, config or self.config)
+        except CollectiveError as exc:  # the groups' rendezvous failed: the ranks' group counts may differ
+            self._break(str(exc))
+            raise
         if child is not None and self.failures_span_world:
             child._health = self._health
         return child

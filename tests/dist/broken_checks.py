@@ -23,7 +23,7 @@ from runner import report, start
 from sparta.comm import CommConfig, Communicator
 from sparta.errors import CollectiveError, CollectiveTimeoutError
 
-BROKEN = "is broken since an earlier collective failed"
+BROKEN = "is broken and refuses every collective: an earlier collective failed"
 
 
 def refuses_at_once(comm: Communicator, cause: str) -> str:

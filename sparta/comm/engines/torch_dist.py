@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -13,26 +15,39 @@ from sparta.comm.handle import Handle, engine_failure
 from sparta.comm.launch import LaunchInfo
 
 
+@dataclass
+class _Session:
+    """The communicators of one world and the groups split from it."""
+
+    members: weakref.WeakSet[TorchCommunicator] = field(default_factory=weakref.WeakSet)
+
+
 class TorchCommunicator(Communicator):
     backend = "torch"
     native_reduce_dtypes = frozenset(
         {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8, torch.uint8}
     )
 
-    def __init__(self, pg: dist.ProcessGroup, config: CommConfig, name: str, owns_world: bool = False) -> None:
+    def __init__(
+        self, pg: dist.ProcessGroup, config: CommConfig, name: str, session: _Session, owns_world: bool = False
+    ) -> None:
         super().__init__(dist.get_rank(pg), dist.get_world_size(pg), dist.get_process_group_ranks(pg), config, name)
-        self.pg = pg
+        self.pg: dist.ProcessGroup | None = pg
+        self._session = session
         self._owns_world = owns_world
+        session.members.add(self)
 
     @classmethod
     def wrap(cls, pg: dist.ProcessGroup, config: CommConfig) -> TorchCommunicator:
+        """Over a process group the caller made and keeps (its own session: shutting it
+        down is the caller's)."""
         ranks = dist.get_process_group_ranks(pg)
-        return cls(pg, config, name=f"torch-group{list(ranks)}")
+        return cls(pg, config, f"torch-group{list(ranks)}", _Session())
 
     @classmethod
     def init_world(cls, launch: LaunchInfo, config: CommConfig) -> TorchCommunicator:
         if dist.is_initialized():
-            return cls(dist.group.WORLD, config, name="world")
+            return cls(dist.group.WORLD, config, "world", _Session())
         timeout = datetime.timedelta(seconds=config.timeout_s)
         # One group serves both devices: collectives on CPU tensors go to gloo, on CUDA to nccl.
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
@@ -48,12 +63,22 @@ class TorchCommunicator(Communicator):
                 world_size=launch.size,
                 timeout=timeout,
             )
-        return cls(dist.group.WORLD, config, name="world", owns_world=True)
+        return cls(dist.group.WORLD, config, "world", _Session(), owns_world=True)
 
     def shutdown(self) -> None:
-        if self._owns_world and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_world = False
+        """The world's (made by init_world) destroys every group of the world and lets go of
+        their ProcessGroup objects: only the object's destructor joins gloo's worker
+        threads, and one of those still running when the interpreter finalizes can abort
+        the process (exit -6, "terminate called without an active exception") after a run
+        that succeeded. Its communicators refuse every call after. A split's: nothing."""
+        if not (self._owns_world and dist.is_initialized()):
+            return
+        dist.destroy_process_group()
+        self._owns_world = False
+        for comm in list(self._session.members):
+            comm.pg = None
+            comm._orphans.clear()
+            comm._retire("its world was shut down (World.shutdown); start a new one with sparta.init()")
 
     def _run(self, start: Callable[[], dist.Work], result: torch.Tensor, op: str) -> Handle[torch.Tensor]:
         """Issue `start` (an async torch.distributed call that fills `result`); its errors,
@@ -104,7 +129,10 @@ class TorchCommunicator(Communicator):
         # Every world rank creates every group, in the same order, so group names and
         # rendezvous keys agree; a rank outside a group gets NON_GROUP_MEMBER back.
         timeout = datetime.timedelta(seconds=config.timeout_s)
-        made = [dist.new_group(g, timeout=timeout) for g in groups]
+        try:
+            made = [dist.new_group(g, timeout=timeout) for g in groups]
+        except RuntimeError as exc:  # a late or lost rank: the store's wait or gloo's connect timed out
+            raise engine_failure(exc, self._op(f"split into groups {groups}")) from exc
         if mine is None:
             return None
-        return TorchCommunicator(made[mine], config, name=f"{self.name}{groups[mine]}")
+        return TorchCommunicator(made[mine], config, f"{self.name}{groups[mine]}", self._session)
