@@ -90,16 +90,19 @@ def test_comm_config_validates() -> None:
         CommConfig(timeout_s=0)
 
 
-def test_world_of_one_runs_every_op() -> None:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_world_of_one_runs_every_op(device: str) -> None:
+    """One body for both devices: on CUDA the rows go through nccl, the checks through gloo."""
     world = sparta.init(backend="torch")
     c = world.comm
     assert (world.rank, world.size, world.num_nodes, world.local_size) == (0, 1, 1, 1)
-    x = torch.arange(6.0).view(3, 2)
-    assert torch.equal(c.all_to_all(x, [3]), x)
-    assert torch.equal(c.all_reduce(x, op="avg"), x)
-    assert torch.equal(c.all_gather(x)[0], x)
-    assert torch.equal(c.reduce_scatter(x), x)
-    assert torch.equal(c.broadcast(x), x)
+    x = torch.arange(6.0, device=device).view(3, 2)
+    for y in (c.all_to_all(x, [3]), c.all_reduce(x, op="avg"), c.all_gather(x)[0], c.reduce_scatter(x), c.broadcast(x)):
+        assert y.device == x.device and torch.equal(y, x)
+    assert torch.equal(c.all_reduce(x.to(torch.bfloat16), async_op=True).wait(), x.to(torch.bfloat16))
     assert c.split([0]) is not None
     with pytest.raises(InputError, match="send_splits sum to 2 but the tensor has 3 rows"):
         c.all_to_all(x, [2])
