@@ -85,11 +85,13 @@ class World:
         the caller's wait() returned; if that moment falls in the interpreter's
         finalization, the release needs the GIL, Python ends the thread with pthread_exit,
         and unwinding through a C++ noexcept frame is std::terminate: exit -6, "terminate
-        called without an active exception", in 10 of 25 clean 4-rank runs measured. The
-        torch engine's shutdown destroys the process groups, whose destructors join those
-        threads; atexit callbacks run before finalization, so a script that simply ends,
-        returns from main or raises is as safe as one that calls this.
-        """
+        called without an active exception". The torch engine's shutdown destroys the
+        process groups and drops its references to them, so that their destructors join
+        those threads there and then; atexit callbacks run before finalization, so a script
+        that simply ends, returns from main or raises is as safe as one that calls this.
+        Measured, 25 4-rank torchrun runs of an MoE step and collectives each: 11 aborted
+        ending in `exit()` and 10 just ending while the groups outlived shutdown; none of
+        either since."""
         atexit.unregister(self.shutdown)
         if self._node_comms is not None:
             for group in self._node_comms:
