@@ -75,7 +75,7 @@ if __name__ == "__main__":
     if world.rank == 0:
         report(0, "dropped handle", True)
         report(0, "failed collective", True)
-        time.sleep(12)  # stay alive so that peers time out rather than see a dead connection
+        time.sleep(15)  # stay alive so that peers time out rather than see a dead connection
     else:
         cases = (("dropped handle", lambda: dropped_case(first)), ("failed collective", lambda: failed_case(second)))
         for name, case in cases:
