@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import re
-import sys
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
