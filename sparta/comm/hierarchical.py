@@ -94,28 +94,37 @@ class HierarchicalAllToAll(Exchange):
         x, problem = checks.as_tensor(x)
         send, problem = self._settle_send(x, send_splits, problem)
         problem = problem or checks.splits_problem(recv_splits, self.size, None, "recv_splits")
-        if check:
-            self.comm.agree_tensor(x, name, InputError(problem) if problem else None, same_dim0=False)
-        elif problem is not None:
+        if problem is not None and recv_splits is not None and not check:  # no step carries it to the peers
             raise InputError(f"{name}: {problem}")
         n_nodes, local = self.num_nodes, self.local_size
         grid = self.grid
         s_mat = torch.tensor([[send[grid[n][lo]] for lo in range(local)] for n in range(n_nodes)], dtype=torch.int64)
-        # c1[ls, n']: rows node peer ls sends me, bound for (n', my local index)
-        c1 = self.intra.all_to_all(s_mat.t().contiguous(), [1] * local, [1] * local, check=False)
+        # Each rank's meta row (dtype, shape, verdict) rides on both count steps, so that after
+        # the second every rank holds every rank's: the check needs no round of its own.
+        meta = torch.tensor(checks.meta_row(x, problem is not None), dtype=torch.int64)
+        # c1[ls, :n_nodes]: rows node peer ls sends me, bound for (n', my local index); then its meta
+        c1_in = torch.cat([s_mat.t(), meta.expand(local, -1)], 1)
+        c1 = self.intra.all_to_all(c1_in, [1] * local, [1] * local, check=False)
         assert isinstance(c1, torch.Tensor)
-        if recv_splits is None or check:
-            # c2[ns, ls]: rows (ns, ls) sends me; the inter peers know them after step 1
-            c2 = self.inter.all_to_all(c1.t().contiguous(), [1] * n_nodes, [1] * n_nodes, check=False)
+        if recv_splits is not None and not check:
+            recv = [int(s) for s in recv_splits]
+        else:
+            # c2[ns, :local]: rows (ns, ls) sends me (the inter peers know them after step 1);
+            # then the metas of node ns's ranks
+            node_metas = c1[:, n_nodes:].reshape(1, -1).expand(n_nodes, -1)
+            c2_in = torch.cat([c1[:, :n_nodes].t(), node_metas], 1)
+            c2 = self.inter.all_to_all(c2_in, [1] * n_nodes, [1] * n_nodes, check=False)
             assert isinstance(c2, torch.Tensor)
+            metas = c2[:, local:].reshape(n_nodes, local, -1)
+            rows = [metas[self.position[r]].tolist() for r in range(self.size)]
+            self.comm.agree(InputError(problem) if problem else None, name, checks.failed_ranks(rows))
+            checks.raise_if_inconsistent(rows, name, same_dim0=False)
             recv = [int(c2[self.position[r]]) for r in range(self.size)]
             if recv_splits is not None:
                 mismatch = checks.recv_problem(recv_splits, recv)
                 self.comm.agree(InputError(mismatch) if mismatch else None, name)
-        else:
-            recv = [int(s) for s in recv_splits]
         c2_list = [[recv[grid[n][lo]] for lo in range(local)] for n in range(n_nodes)]
-        c1_list = c1.tolist()
+        c1_list = c1[:, :n_nodes].tolist()
 
         step1_in = _reorder(x, send, [grid[n][lo] for lo in range(local) for n in range(n_nodes)])
         intra_send = s_mat.sum(0).tolist()

@@ -7,6 +7,7 @@ horovodrun-over-MPI.
 from __future__ import annotations
 
 import torch
+from comm_checks import engine_calls
 from runner import finish, raises, run_checks, start
 
 import sparta
@@ -122,14 +123,17 @@ def check_bad_splits_raise_everywhere(world: World) -> None:
 
 def check_traced_steps(world: World) -> None:
     """Intra and inter steps through TracedExchange (any Exchange will do): the same rows
-    as the flat exchange, each step (counts, then rows) recorded on its own track."""
+    as the flat exchange, each step (counts with every rank's check row, then rows)
+    recorded on its own track."""
     intra, inter = world.node_comms()
     tracer = Tracer()
     h = HierarchicalAllToAll(world.comm, TracedExchange(intra, tracer, "intra"), TracedExchange(inter, tracer, "inter"))
     x, send = payload(world, 3, torch.float32)
     tracer.context = "rows"
     want = world.comm.all_to_all(x, send)
-    assert torch.equal(h.all_to_all(x, send), want)
+    with engine_calls(world.comm) as calls:
+        assert torch.equal(h.all_to_all(x, send), want)
+    assert calls == [], calls  # the check rides on the count steps: no round over the whole group
     assert [s.track for s in tracer.spans] == ["intra", "inter", "intra", "inter"], tracer.spans
     assert tracer.spans[-1].args["rows"] == want.shape[0]  # the inter step delivers every row
 
