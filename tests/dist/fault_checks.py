@@ -2,7 +2,8 @@
 
 lifecycle: the node communicators are made once; handles dropped without wait() never
     pair messages wrongly, and one whose collective fails breaks its communicator with a
-    clear error; a split that a rank joins late times out naming the groups; after
+    clear error; a split that a rank joins late times out naming the groups (late-split:
+    that check alone, for Horovod, where it breaks the whole world); after
     `world.shutdown()` no sparta or gloo thread is left; `world.exit()` runs `finally:` and
     atexit.
 kill: expert-parallel MoE training; rank --victim SIGKILLs itself in the middle of a
@@ -23,9 +24,10 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import torch
-from runner import raises, report, run_checks, start
+from runner import RESULTS_DIR, raises, report, run_checks, start
 
 import sparta
 from sparta.comm import CommConfig, Communicator
@@ -85,8 +87,9 @@ def check_dropped_failed_handle_breaks_its_communicator(world: sparta.World) -> 
 
 
 def check_late_split_times_out_naming_the_groups(world: sparta.World) -> None:
-    """Rank 0 joins a split only after its peers gave up: those in its new group (on MPI,
-    where the split is one collective, every peer) must time out naming the groups."""
+    """Rank 0 joins a split only after its peers gave up: those in its new group (on MPI and
+    Horovod, where the split is one collective of the world, every peer) must time out
+    naming the groups."""
     group = _group(world)
     halves = [list(range(world.size // 2)), list(range(world.size // 2, world.size))]
     if world.rank == 0:
@@ -96,7 +99,7 @@ def check_late_split_times_out_naming_the_groups(world: sparta.World) -> None:
         except CollectiveError:
             pass
         return
-    if world.rank not in halves[0] and world.backend != "mpi":
+    if world.rank not in halves[0] and world.backend == "torch":  # its other groups form without rank 0
         assert group.split_groups(halves) is not None
         return
     with raises(CollectiveTimeoutError, "split.*" + re.escape(str(halves))):
@@ -128,6 +131,17 @@ def native_thread_names() -> list[str]:
         with open(f"/proc/self/task/{task}/comm") as comm:
             names.append(comm.read().strip())
     return names
+
+
+def meet_on_disk(size: int, check: str) -> None:
+    """Wait until every rank has reported `check`, through the results directory: a broken
+    world cannot synchronise, and Horovod aborts a process as soon as a peer leaves."""
+    folder = Path(os.environ[RESULTS_DIR])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if sum(f'"check": "{check}"' in p.read_text() for p in folder.glob("rank-*.jsonl")) == size:
+            return
+        time.sleep(0.1)
 
 
 def shm_files() -> list[str]:
@@ -190,7 +204,7 @@ def after(world: sparta.World) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", choices=("lifecycle", "kill", "after"), required=True)
+    parser.add_argument("--case", choices=("lifecycle", "late-split", "kill", "after"), required=True)
     parser.add_argument("--victim", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=90.0)
     opts, _ = parser.parse_known_args()
@@ -199,6 +213,9 @@ if __name__ == "__main__":
     try:
         if opts.case == "lifecycle":
             code = lifecycle(world)
+        elif opts.case == "late-split":  # alone: on Horovod it breaks the whole world
+            code = run_checks(world, [check_late_split_times_out_naming_the_groups])
+            meet_on_disk(world.size, check_late_split_times_out_naming_the_groups.__name__)
         elif opts.case == "kill":
             code = kill(world, opts.victim % world.size)
         else:

@@ -4,10 +4,18 @@ Horovod's ops are asynchronous handles; polling them turns a stuck collective in
 CollectiveTimeoutError. Sub-communicators are Horovod process sets, which Horovod builds only
 with every rank of the world taking part. Horovod 0.28 wants int32 all-to-all splits and has
 no bfloat16, which the byte-level transport and widened reductions of the base class absorb.
+
+One background loop serves every process set, so a timeout breaks the whole world, and its
+shutdown is skipped (it would wait for the lost op forever); Horovod 0.28's loop then
+aborts its process (an uncaught gloo::IoException) as soon as a peer exits: a failed job
+ends with SIGABRT, after the error was raised and reported.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +25,7 @@ from sparta.comm.communicator import CommConfig, Communicator, require_world_par
 from sparta.comm.engines import import_engine
 from sparta.comm.handle import Handle, engine_failure, poll_until_done
 from sparta.comm.launch import LaunchInfo
-from sparta.errors import CollectiveError
+from sparta.errors import CollectiveError, CollectiveTimeoutError
 
 
 @dataclass
@@ -105,11 +113,36 @@ class HorovodCommunicator(Communicator):
         hvd = self._hvd
         require_world_parent(self, hvd.size(), "Horovod registers a process set with every rank taking part")
         sets = self._session.process_sets
+        op = self._op(f"split into groups {groups}")
         for g in groups:  # Horovod refuses a duplicate set, so reuse one made before
             key = tuple(g)
             if key not in sets:
-                sets[key] = hvd.global_process_set if len(key) == hvd.size() else hvd.add_process_set(list(key))
+                sets[key] = hvd.global_process_set if len(key) == hvd.size() else self._add_process_set(list(key), op)
         if mine is None:
             return None
         members = groups[mine]
         return HorovodCommunicator(self._session, sets[tuple(members)], members, config, f"{self.name}{members}")
+
+    def _add_process_set(self, ranks: list[int], op: str) -> Any:
+        """`hvd.add_process_set`, which waits for every rank of the world, within the
+        timeout: on a thread of its own, as nothing interrupts Horovod's wait. A rank that
+        joins late completes it there, after this rank gave up; the world is broken anyway."""
+        made: Future[Any] = Future()
+
+        def add() -> None:
+            try:
+                made.set_result(self._hvd.add_process_set(ranks))
+            except BaseException as exc:  # handed to the waiting caller, not lost in this thread
+                made.set_exception(exc)
+
+        threading.Thread(target=add, name="sparta-horovod-split", daemon=True).start()
+        try:
+            return made.result(timeout=self.config.timeout_s)
+        except FutureTimeout:
+            failure: CollectiveError = CollectiveTimeoutError(
+                f"{op} did not complete within {self.config.timeout_s:g} s"
+            )
+        except Exception as exc:
+            failure = engine_failure(exc, op)
+        self._break(str(failure))
+        raise failure
