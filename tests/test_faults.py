@@ -100,3 +100,13 @@ def test_rank_killed_mid_step_torchrun_ends_the_job() -> None:
     """torchrun's agent stops the survivors as soon as a rank dies and names the dead one."""
     _, out, _ = _kill("torchrun", VICTIM)
     assert re.search(rf"rank\s*: {VICTIM} \(local_rank: {VICTIM}\)\s*exitcode\s*: -9", out), out[-3000:]
+
+
+def test_rank_killed_mid_step_horovodrun_ends_the_job() -> None:
+    """horovodrun stops the job when a rank dies and names it. The survivors' Horovod loop
+    reports the lost peer at once, so those that report before being stopped must have
+    raised Sparta's error (which of them gets that far is a race)."""
+    _, out, results = _kill("horovodrun", VICTIM)
+    assert f"Process name: {VICTIM}\nExit code: 137" in out, out[-3000:]
+    raised = [rec for (_, check), rec in results.items() if check == "survivor_raised"]
+    assert all(rec["ok"] and any(op in rec["message"] for op in COLLECTIVES) for rec in raised), raised
