@@ -14,6 +14,7 @@ ends with SIGABRT, after the error was raised and reported.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -76,14 +77,21 @@ class HorovodCommunicator(Communicator):
             self._hvd.shutdown()
         self._session.running = False
 
-    def _handle(self, start: Any, op: str, post: Any = None) -> Handle[torch.Tensor]:
+    def _handle(self, start: Callable[[], Any], op: str, post: Any = None) -> Handle[torch.Tensor]:
+        """Issue `start` (a Horovod *_async call) and wait for it by polling; its errors, at
+        issue (a loop already shut down by a lost peer) or at wait, come out as
+        CollectiveError naming the operation."""
         hvd = self._hvd
+        try:
+            handle = start()
+        except Exception as exc:  # HorovodInternalError and friends carry no common base
+            raise engine_failure(exc, op) from exc
 
         def wait() -> torch.Tensor:
             try:
-                poll_until_done(lambda: hvd.poll(start), self.config.timeout_s, lambda: op)
-                out = hvd.synchronize(start)
-            except Exception as exc:  # HorovodInternalError and friends carry no common base
+                poll_until_done(lambda: hvd.poll(handle), self.config.timeout_s, lambda: op)
+                out = hvd.synchronize(handle)
+            except Exception as exc:
                 raise engine_failure(exc, op) if not isinstance(exc, CollectiveError) else exc from exc
             return post(out) if post else out
 
@@ -91,23 +99,29 @@ class HorovodCommunicator(Communicator):
 
     def _all_to_all_bytes(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
         splits = torch.tensor(send, dtype=torch.int32)
-        h = self._hvd.alltoall_async(buf, splits=splits, name=self._name("alltoall"), process_set=self.process_set)
+        name, ps = self._name("alltoall"), self.process_set
         # alltoall returns (tensor, received splits) when splits are given
-        return self._handle(h, op, post=lambda out: out[0] if isinstance(out, tuple) else out)
+        return self._handle(
+            lambda: self._hvd.alltoall_async(buf, splits=splits, name=name, process_set=ps),
+            op,
+            post=lambda out: out[0] if isinstance(out, tuple) else out,
+        )
 
     def _all_gather_bytes(self, buf: torch.Tensor, counts: list[int], op: str) -> Handle[torch.Tensor]:
-        h = self._hvd.allgather_async(buf, name=self._name("allgather"), process_set=self.process_set)
-        return self._handle(h, op)
+        name = self._name("allgather")
+        return self._handle(lambda: self._hvd.allgather_async(buf, name=name, process_set=self.process_set), op)
 
     def _broadcast_bytes(self, buf: torch.Tensor, src: int, op: str) -> Handle[torch.Tensor]:
-        h = self._hvd.broadcast_async(
-            buf, root_rank=self.ranks[src], name=self._name("broadcast"), process_set=self.process_set
+        name, root = self._name("broadcast"), self.ranks[src]
+        return self._handle(
+            lambda: self._hvd.broadcast_async(buf, root_rank=root, name=name, process_set=self.process_set), op
         )
-        return self._handle(h, op)
 
     def _all_reduce(self, x: torch.Tensor, op: str) -> Handle[torch.Tensor]:
-        h = self._hvd.allreduce_async(x, op=self._hvd.Sum, name=self._name("allreduce"), process_set=self.process_set)
-        return self._handle(h, op)
+        name = self._name("allreduce")
+        return self._handle(
+            lambda: self._hvd.allreduce_async(x, op=self._hvd.Sum, name=name, process_set=self.process_set), op
+        )
 
     def _split(self, groups: list[list[int]], mine: int | None, config: CommConfig) -> Communicator | None:
         hvd = self._hvd
