@@ -14,7 +14,8 @@
                   fastest (r=1 unless clearly beaten)
     grad_sync.py  PartitionedAllReduce: those pieces issued through the priority queue in backward
     trace.py      Tracer, TracedExchange, gather, write_chrome_trace, draw_timeline: per-rank
-                  timelines for Perfetto and as a PNG
+                  timelines for Perfetto and as a PNG; ObservedExchange, what the pipeline
+                  tells of its transfers (tracing, the gradient partitioner)
 
 Imports point down only: this package uses sparta.comm and never sparta.moe. The tools that
 drive it from outside (`sparta profile`'s launcher, the emulated cluster of network
@@ -27,7 +28,7 @@ from sparta.scheduling.microbatch import Routed, overlapped_block
 from sparta.scheduling.partition import GradientPartition, partition_gradients
 from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
 from sparta.scheduling.profiler import LinearFit, Profile, ProfileConfig, Profiler
-from sparta.scheduling.trace import TracedExchange, Tracer, draw_timeline, write_chrome_trace
+from sparta.scheduling.trace import ObservedExchange, TracedExchange, Tracer, draw_timeline, write_chrome_trace
 from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "GradientPartition",
     "LayerShape",
     "LinearFit",
+    "ObservedExchange",
     "OnlineTuner",
     "PartitionedAllReduce",
     "PipelineDegrees",
