@@ -51,7 +51,7 @@ setup: horovod
 
 # --- the two commands ----------------------------------------------------------------------
 test: setup
-	$(PY) -m ruff check sparta tests benchmarks examples
+	$(PY) -m ruff check sparta sparta_tools tests benchmarks examples
 	$(PY) -m pytest -q tests
 
 # A GPT-style MoE LM trained on Python's standard library, experts sharded over 4 CPU ranks.
@@ -62,7 +62,7 @@ demo: $(VENV)/.stamp-demo
 
 # --- extras ----------------------------------------------------------------------------------
 lint: $(VENV)/.stamp-deps
-	$(PY) -m ruff check sparta tests benchmarks examples
+	$(PY) -m ruff check sparta sparta_tools tests benchmarks examples
 
 bench: setup
 	$(PY) benchmarks/collectives.py --table
