@@ -21,10 +21,9 @@ from sparta.moe.experts import GroupedExperts
 from sparta.moe.parallel import T, exchange_expert_counts, expert_parallel, fail_together
 from sparta.moe.routers import RouterOutput, build_router
 from sparta.scheduling.cost_model import SchedulePlan
-from sparta.scheduling.pipeline import Exchange
 
 if TYPE_CHECKING:
-    from sparta.comm import Communicator
+    from sparta.comm import Communicator, Exchange
 
 
 @dataclass

@@ -20,10 +20,10 @@ from sparta.comm import all_to_all
 from sparta.comm.dtypes import dtype_code, dtype_name
 from sparta.errors import InputError, SpartaError
 from sparta.moe.experts import GroupedExperts
-from sparta.scheduling.pipeline import Exchange, PipelineDegrees, pipelined_exchange
+from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
 
 if TYPE_CHECKING:
-    from sparta.comm import Communicator
+    from sparta.comm import Communicator, Exchange
 
 
 @dataclass

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sparta.comm import Exchange
 from sparta.errors import InputError
 from sparta.scheduling.pipeline import (
     Compute,
-    Exchange,
     ParamGrads,
     _pipeline,
     check_counts,

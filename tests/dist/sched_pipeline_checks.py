@@ -15,13 +15,13 @@ import torch
 from runner import finish, raises, run_checks, start
 
 import sparta
-from sparta.comm import HierarchicalAllToAll, World
+from sparta.comm import Exchange, HierarchicalAllToAll, World
 from sparta.errors import ConfigError, InputError
 from sparta.scheduling.cost_model import CostModel, LayerShape
 from sparta.scheduling.grad_sync import PartitionedAllReduce
 from sparta.scheduling.microbatch import Routed, overlapped_block
 from sparta.scheduling.partition import GradientPartition
-from sparta.scheduling.pipeline import Compute, Exchange, PipelineDegrees, pipelined_exchange
+from sparta.scheduling.pipeline import Compute, PipelineDegrees, pipelined_exchange
 from sparta.scheduling.profiler import ProfileConfig, Profiler
 from sparta.scheduling.trace import Tracer, gather, write_chrome_trace
 from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
