@@ -1,1 +1,39 @@
-"""sparta.parallel (arrives with its issue)."""
+"""sparta.parallel: the 3D trainer (data x tensor x pipeline, plus expert parallel).
+
+    world = sparta.init()
+    layout = build_layout(ParallelDims(pp=2, dp=2, tp=2, ep=2), world)
+    torch.manual_seed(0); model = Decoder(DecoderConfig())          # same model on every rank
+    pm = parallelize(model, layout, ParallelConfig(schedule="1F1B", microbatches=4, moe=MoESpec(8, 2)))
+    opt = torch.optim.AdamW(pm.parameters(), lr=3e-4)
+    loss = pm.step(ids, targets); pm.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+
+Pieces: dims.py (ParallelDims, Layout), decoder.py (the reference model), pipeline.py (stage
+cuts, schedules and their action lists), data_parallel.py (one piece, four strategies),
+parallelize.py (composes them).
+"""
+
+from sparta.parallel.data_parallel import STRATEGIES, DataParallel
+from sparta.parallel.decoder import Decoder, DecoderConfig
+from sparta.parallel.dims import Layout, ParallelDims, build_layout
+from sparta.parallel.parallelize import MoESpec, ParallelConfig, ParallelModel, ParallelPlan, moe_layers, parallelize
+from sparta.parallel.pipeline import SCHEDULES, ZERO_BUBBLE, format_actions, schedule_actions
+
+__all__ = [
+    "SCHEDULES",
+    "STRATEGIES",
+    "ZERO_BUBBLE",
+    "DataParallel",
+    "Decoder",
+    "DecoderConfig",
+    "Layout",
+    "MoESpec",
+    "ParallelConfig",
+    "ParallelDims",
+    "ParallelModel",
+    "ParallelPlan",
+    "build_layout",
+    "format_actions",
+    "moe_layers",
+    "parallelize",
+    "schedule_actions",
+]

@@ -1,0 +1,138 @@
+"""Sparta's reference decoder: a GPT-style language model laid out for the 3D trainer.
+
+It follows torchtitan's convention, which is what `parallelize` relies on:
+- the top-level children registered before ``layers`` (``tok_emb``, ``pos_emb``) run on the
+  first pipeline stage, those after it (``norm``, ``output``) on the last;
+- ``layers`` is an ``nn.ModuleDict`` keyed "0".."n-1", so a stage that deletes the others
+  keeps the full model's parameter names (checkpoints load under any layout);
+- ``forward`` skips whatever is None, taking ids [B, T] where ``tok_emb`` is present and
+  hidden states [B, T, d_model] otherwise;
+- ``tp_plan`` names, per layer, each module's tensor-parallel style (data, not code); the
+  attention reshapes with -1 heads, so a rank with ``n_heads / tp`` of them runs unchanged.
+Its MLPs are plain ``FeedForward``s; `parallelize` turns them into MoE layers when asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from sparta.errors import ConfigError, InputError
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Shape of the decoder. ``d_ff`` is the MLP's hidden width (each expert's, once MoE)."""
+
+    vocab_size: int = 4096
+    seq_len: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"DecoderConfig.{name}={value!r} must be a positive integer")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"DecoderConfig: d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention. [B, T, d_model] -> [B, T, d_model]."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model)
+        self.wk = nn.Linear(cfg.d_model, cfg.d_model)
+        self.wv = nn.Linear(cfg.d_model, cfg.d_model)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism wq/wk/wv hold this rank's heads only
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """fc1 -> GELU -> fc2. [B, T, d_model] -> [B, T, d_model]."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.LayerNorm(cfg.d_model)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """``forward(ids [B, T]) -> logits [B, T, vocab_size]`` (see the module docstring for
+    what a pipeline stage of it takes and returns).
+
+    Build it after seeding the global RNG identically on every rank: every rank then holds
+    the same full model before `parallelize` cuts it.
+    """
+
+    # module path inside one layer -> tensor-parallel style ("colwise" | "rowwise")
+    tp_plan: dict[str, str] = {
+        "attn.wq": "colwise",
+        "attn.wk": "colwise",
+        "attn.wv": "colwise",
+        "attn.wo": "rowwise",
+        "mlp.fc1": "colwise",
+        "mlp.fc2": "rowwise",
+    }
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb: nn.Module | None = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.Module | None = nn.LayerNorm(cfg.d_model)
+        self.output: nn.Module | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # GPT-2's small normal init
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.tok_emb is not None:
+            if x.dtype not in (torch.int32, torch.int64):
+                raise InputError(f"Decoder first stage takes token ids [B, T] (int64), got {x.dtype}")
+            h = self.tok_emb(x)
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+        else:
+            h = x
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h

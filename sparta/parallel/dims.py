@@ -1,0 +1,168 @@
+"""The layout of a 3D-parallel run: degrees, the DeviceMesh, and each dimension's Communicator.
+
+Ranks are laid out as torchtitan does, tensor parallel innermost (its all-reduces are the
+most frequent, so its ranks are neighbours: one node), then data parallel, then pipeline:
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+Expert parallelism lives inside data parallelism: the ``dp`` ranks of one (pp, tp)
+coordinate split into ``dp / ep`` groups of ``ep`` consecutive ones, each holding every
+expert once; ranks at the same position of those groups are one expert's replicas. So every
+expert-parallel group (and every SparseEmbedding group, which is the dp group) lies inside
+one pipeline stage and one tensor-parallel slice: its ranks run the same pipeline actions
+in the same order, so their all-to-alls line up (a group spanning stages would deadlock).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from sparta.comm import Communicator, World
+from sparta.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of parallelism; their product ``pp * dp * tp`` is the world size.
+
+    pp: pipeline stages' ranks; dp: data-parallel replicas; tp: tensor-parallel ranks;
+    ep: ranks each MoE layer's experts are split over, a divisor of dp (experts shard
+    inside the data-parallel group, whose ranks see different tokens).
+    """
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp", "tp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"ParallelDims.{name}={value!r} must be a positive integer")
+        if self.dp % self.ep:
+            raise ConfigError(
+                f"ParallelDims: ep={self.ep} must divide dp={self.dp}: experts are split over ranks of one "
+                f"data-parallel group; pick ep among {[d for d in range(1, self.dp + 1) if self.dp % d == 0]}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def check(self, world_size: int) -> None:
+        """ConfigError unless the degrees multiply to ``world_size`` (the ranks launched)."""
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"ParallelDims(pp={self.pp}, dp={self.dp}, tp={self.tp}) multiply to {self.world_size} ranks but "
+                f"{world_size} were launched: launch {self.world_size} ranks or change the degrees"
+            )
+
+    def rank_of(self, pp: int, dp: int, tp: int) -> int:
+        """World rank at mesh coordinate (pp, dp, tp)."""
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of world rank ``rank``."""
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+
+    def dp_groups(self) -> list[list[int]]:
+        """World ranks of every data-parallel group (one per (pp, tp) coordinate)."""
+        return [[self.rank_of(p, d, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def ep_groups(self) -> list[list[int]]:
+        """World ranks of every expert-parallel group: ``ep`` consecutive ranks of a dp group."""
+        return [g[i : i + self.ep] for g in self.dp_groups() for i in range(0, self.dp, self.ep)]
+
+    def expert_replica_groups(self) -> list[list[int]]:
+        """World ranks holding the same experts: one per position in an expert-parallel group."""
+        return [g[i :: self.ep] for g in self.dp_groups() for i in range(self.ep)]
+
+
+@dataclass
+class Layout:
+    """This rank's place in the mesh and the groups its layers use (built by `build_layout`).
+
+    dp: the Communicator of this rank's data-parallel group (on the world's engine), which
+        sparse embeddings shard over; ep: the experts' group (None when ep == 1);
+        expert_dp: the replicas of this rank's experts (None when ep == dp).
+    mesh: DeviceMesh with dims ("pp", "dp", "tp") over torch.distributed (pipelining, DTensor
+        and FSDP2 run on it whatever the engine).
+    """
+
+    dims: ParallelDims
+    world: World
+    mesh: DeviceMesh
+    device: torch.device
+    dp: Communicator
+    ep: Communicator | None
+    expert_dp: Communicator | None
+    pp_rank: int = field(init=False)
+    dp_rank: int = field(init=False)
+    tp_rank: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pp_rank, self.dp_rank, self.tp_rank = self.dims.coordinates(self.world.rank)
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("pp")
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.mesh["dp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+
+def build_layout(dims: ParallelDims, world: World, device: str | torch.device = "cpu") -> Layout:
+    """Build the mesh and the groups of ``dims`` over ``world``. Collective: every rank calls it.
+
+    device: "cpu" (gloo) or "cuda" (nccl; this rank takes ``cuda:<local rank>``).
+    Under mpirun or horovodrun, torch.distributed is started beside the engine (gloo or nccl,
+    rendezvous address sent over the engine), since DeviceMesh and torch's pipelining need it.
+    """
+    dims.check(world.size)  # same answer on every rank: nobody has issued a collective yet
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)
+    _start_torch_distributed(world, device)
+    mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+    dp = world.comm.split_groups(dims.dp_groups())
+    ep = world.comm.split_groups(dims.ep_groups()) if dims.ep > 1 else None
+    replicas = world.comm.split_groups(dims.expert_replica_groups()) if dims.ep > 1 and dims.ep < dims.dp else None
+    assert dp is not None  # every rank is in one group of each
+    return Layout(dims=dims, world=world, mesh=mesh, device=device, dp=dp, ep=ep, expert_dp=replicas)
+
+
+def _start_torch_distributed(world: World, device: torch.device) -> None:
+    """torch.distributed's default group over the world, if the engine did not start it."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world.size or dist.get_rank() != world.rank:
+            raise ConfigError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of {dist.get_world_size()}, "
+                f"but the Sparta world is rank {world.rank} of {world.size}: start it once, through sparta.init()"
+            )
+        return
+    address = torch.zeros(2, dtype=torch.int64)
+    if world.rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        host = socket.gethostbyname(socket.gethostname()) if world.num_nodes > 1 else "127.0.0.1"
+        address = torch.tensor([int.from_bytes(socket.inet_aton(host), "big"), port])
+    address = world.comm.broadcast(address, src=0)
+    assert isinstance(address, torch.Tensor)
+    host = socket.inet_ntoa(int(address[0]).to_bytes(4, "big"))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://{host}:{int(address[1])}", rank=world.rank, world_size=world.size
+    )

@@ -1,0 +1,188 @@
+"""The 3D trainer against one process: run under a launcher by tests/parallel/test_trainer_dist.py.
+
+Every check builds the same small decoder (MoE MLPs, a sharded embedding) on every rank,
+trains it for a few SGD steps through `sparta.parallel.parallelize`, and compares each
+step's loss with one process that runs the global batch in the same chunks (dp ranks x
+micro-batches: aux losses and routing are per chunk), summing their gradients and dividing
+by the number of chunks. Layout from the command line: --pp --dp --tp --ep.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+from runner import finish, raises, run_checks, start
+from torch import nn
+
+import sparta
+from sparta.errors import ConfigError, InputError
+from sparta.parallel import (
+    Decoder,
+    DecoderConfig,
+    Layout,
+    MoESpec,
+    ParallelConfig,
+    ParallelDims,
+    build_layout,
+    moe_layers,
+    parallelize,
+    schedule_actions,
+)
+
+MODEL = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=4, d_ff=32)
+MOE = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2)
+STEPS, BATCH, LR, TOL = 10, 4, 0.05, 1e-5  # BATCH: sequences per dp rank per step
+
+
+def batches(dp: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: ids and targets [dp * BATCH, seq_len]."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, MODEL.vocab_size, (dp * BATCH, MODEL.seq_len + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def reference_losses(dp: int, microbatches: int, moe: MoESpec | None) -> list[float]:
+    """One process, the global batch in dp x microbatches chunks, SGD on the chunks' mean."""
+    torch.manual_seed(0)
+    model = Decoder(MODEL)
+    if moe is not None:
+        moe_layers(model, moe, None)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        ids, targets = batches(dp, step)
+        chunks = list(zip(ids.chunk(dp * microbatches), targets.chunk(dp * microbatches), strict=True))
+        total = 0.0
+        for x, y in chunks:
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            total += float(loss.detach())
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= len(chunks)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / len(chunks))
+    return losses
+
+
+def trained_losses(layout: Layout, config: ParallelConfig) -> list[float]:
+    torch.manual_seed(0)
+    model = Decoder(MODEL)
+    pm = parallelize(model, layout, config)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    losses = []
+    try:
+        for step in range(STEPS):
+            ids, targets = batches(layout.dims.dp, step)
+            rows = slice(layout.dp_rank * BATCH, (layout.dp_rank + 1) * BATCH)
+            losses.append(pm.step(ids[rows], targets[rows]))
+            opt.step()
+            opt.zero_grad()
+    finally:
+        pm.close()
+    assert pm.plan.actions == schedule_actions(config.schedule, layout.dims.pp, config.microbatches,
+                                               config.stages_per_rank)  # fmt: skip
+    assert "stage 0:" in str(pm.plan)
+    return losses
+
+
+def compare(layout: Layout, config: ParallelConfig) -> None:
+    got = trained_losses(layout, config)
+    want = reference_losses(layout.dims.dp, config.microbatches, config.moe)
+    gaps = [abs(a - b) for a, b in zip(got, want, strict=True)]
+    assert max(gaps) < TOL, f"{config.schedule}/{config.data_parallel}: losses {got} vs one process {want}"
+    assert want[-1] < want[0], f"the reference did not learn: {want}"
+
+
+def parity(schedule: str, stages_per_rank: int, strategy: str, embedding: str = "sparse") -> Callable:
+    def check(layout: Layout) -> None:
+        split = None if layout.dims.pp * stages_per_rank == 1 else _even_split(layout.dims.pp * stages_per_rank)
+        config = ParallelConfig(
+            schedule=schedule,
+            microbatches=max(2, layout.dims.pp),
+            stages_per_rank=stages_per_rank,
+            split_points=split,
+            data_parallel=strategy,
+            embedding=embedding,
+            moe=MOE,
+        )
+        compare(layout, config)
+
+    check.__name__ = f"parity_{schedule}_{strategy}_{embedding}"
+    return check
+
+
+def _even_split(stages: int) -> tuple[str, ...]:
+    per = MODEL.n_layers // stages
+    return tuple(f"layers.{per * s}" for s in range(1, stages))
+
+
+def bad_inputs(layout: Layout) -> None:
+    dims = layout.dims
+    with raises(ConfigError, "multiply to"):
+        build_layout(ParallelDims(pp=dims.pp, dp=dims.dp, tp=dims.tp * 3), layout.world)
+    with raises(ConfigError, "must divide dp"):
+        ParallelDims(dp=2, ep=4)
+    with raises(ConfigError, "at least as many micro-batches"):
+        parallelize(Decoder(MODEL), layout, ParallelConfig(schedule="Interleaved1F1B", stages_per_rank=2,
+                                                           microbatches=1))  # fmt: skip
+    if dims.pp > 1:
+        with raises(ConfigError, "every stage needs one"):
+            parallelize(Decoder(MODEL), layout, ParallelConfig(schedule="Interleaved1F1B", stages_per_rank=8,
+                                                               microbatches=dims.pp))  # fmt: skip
+        with raises(ConfigError, "name no layer"):
+            parallelize(Decoder(MODEL), layout, ParallelConfig(split_points=("layers.9",), microbatches=2))
+    with raises(ConfigError, "unknown"):
+        ParallelConfig(schedule="Zigzag")
+    with raises(ConfigError, "ddp"):
+        zbv = ParallelConfig(schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=2, data_parallel="ddp")
+        parallelize(Decoder(MODEL), layout, zbv)
+    if dims.ep > 1:
+        with raises(ConfigError, "does not divide over ep"):
+            parallelize(Decoder(MODEL), layout, ParallelConfig(moe=MoESpec(num_experts=3, top_k=1), microbatches=2))
+    # a batch the micro-batches do not divide: refused before the schedule's first send
+    torch.manual_seed(0)
+    split = _even_split(dims.pp) if dims.pp > 1 else None
+    pm = parallelize(Decoder(MODEL), layout, ParallelConfig(microbatches=2, split_points=split, moe=MOE))
+    ids = torch.zeros(3, MODEL.seq_len, dtype=torch.long)
+    with raises(InputError, "does not divide into microbatches"):
+        pm.step(ids, ids)
+    pm.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("pp", "dp", "tp", "ep"):
+        parser.add_argument(f"--{name}", type=int, default=1)
+    parser.add_argument("--checks", default="all")
+    args, _ = parser.parse_known_args()
+    world, _ = start(timeout_s=120.0)
+    layout = build_layout(ParallelDims(pp=args.pp, dp=args.dp, tp=args.tp, ep=args.ep), world)
+    checks = CHECKS[args.checks]
+    failures = run_checks(world, [_bind(check, layout) for check in checks])
+    finish(world, failures)
+
+
+def _bind(check: Callable[[Layout], None], layout: Layout) -> Callable[[sparta.World], None]:
+    def bound(world: sparta.World) -> None:
+        check(layout)
+
+    bound.__name__ = check.__name__
+    return bound
+
+
+CHECKS: dict[str, list[Callable[[Layout], None]]] = {
+    "all": [
+        parity("1F1B", 1, "sparta"),
+        parity("Interleaved1F1B", 2, "fsdp"),
+        parity("ZBVZeroBubble", 2, "sparta"),
+        bad_inputs,
+    ],
+    "quick": [parity("1F1B", 1, "sparta"), bad_inputs],
+}
+
+if __name__ == "__main__":
+    main()
