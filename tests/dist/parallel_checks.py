@@ -128,17 +128,17 @@ def bad_inputs(layout: Layout) -> None:
         ParallelDims(dp=2, ep=4)
     with raises(ConfigError, "at least as many micro-batches"):
         parallelize(Decoder(MODEL), layout, ParallelConfig(schedule="Interleaved1F1B", stages_per_rank=2,
-                                                           microbatches=1))  # fmt: skip
+                                                           microbatches=1, moe=MOE))  # fmt: skip
     if dims.pp > 1:
         with raises(ConfigError, "every stage needs one"):
             parallelize(Decoder(MODEL), layout, ParallelConfig(schedule="Interleaved1F1B", stages_per_rank=8,
-                                                               microbatches=dims.pp))  # fmt: skip
+                                                               microbatches=dims.pp, moe=MOE))  # fmt: skip
         with raises(ConfigError, "name no layer"):
-            parallelize(Decoder(MODEL), layout, ParallelConfig(split_points=("layers.9",), microbatches=2))
+            parallelize(Decoder(MODEL), layout, ParallelConfig(split_points=("layers.9",), microbatches=2, moe=MOE))
     with raises(ConfigError, "unknown"):
         ParallelConfig(schedule="Zigzag")
     with raises(ConfigError, "ddp"):
-        zbv = ParallelConfig(schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=2, data_parallel="ddp")
+        zbv = ParallelConfig(schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=2, data_parallel="ddp", moe=MOE)
         parallelize(Decoder(MODEL), layout, zbv)
     if dims.ep > 1:
         with raises(ConfigError, "does not divide over ep"):
@@ -181,6 +181,9 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("ZBVZeroBubble", 2, "sparta"),
         bad_inputs,
     ],
+    "ddp": [parity("1F1B", 1, "ddp"), parity("GPipe", 1, "sparta", embedding="dense")],
+    "horovod": [parity("1F1B", 1, "horovod")],
+    "sparta": [parity("1F1B", 1, "sparta")],
     "quick": [parity("1F1B", 1, "sparta"), bad_inputs],
 }
 

@@ -1,0 +1,85 @@
+"""Pipeline plans as data, checked without running anything: action lists, stage cuts, the
+balanced split, and the configuration errors raised before any collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparta.errors import ConfigError
+from sparta.parallel import Decoder, DecoderConfig, MoESpec, ParallelConfig, ParallelDims, schedule_actions
+from sparta.parallel.pipeline import ModelParts, check_schedule, split_by_cost, split_by_points, stage_ids, stage_module
+
+CFG = DecoderConfig(vocab_size=300, seq_len=8, d_model=16, n_layers=6, n_heads=2, d_ff=32)
+
+
+def test_action_lists_are_data() -> None:
+    gpipe = schedule_actions("GPipe", pp=2, microbatches=2)
+    assert gpipe[0][:4] == ["0F0", "0F1", "0B0", "0B1"]
+    zbv = schedule_actions("ZBVZeroBubble", pp=2, microbatches=4, stages_per_rank=2)
+    assert set(zbv) == {0, 1}
+    # the V: rank 0 holds stages 0 and 3, and zero-bubble splits backward into I and W
+    assert {a[0] for a in zbv[0]} == {"0", "3"} and any("W" in a for a in zbv[0])
+    interleaved = schedule_actions("Interleaved1F1B", pp=2, microbatches=4, stages_per_rank=2)
+    assert {a[0] for a in interleaved[1]} == {"1", "3"}
+    assert stage_ids("ZBVZeroBubble", 2, 1, 2) == [1, 2] and stage_ids("Interleaved1F1B", 2, 1, 2) == [1, 3]
+
+
+def test_stage_cuts_keep_full_names_and_chain_to_the_whole() -> None:
+    torch.manual_seed(0)
+    model = Decoder(CFG)
+    parts = ModelParts.of(model)
+    assert parts.first == ("tok_emb", "pos_emb") and parts.last == ("norm", "output")
+    stages = split_by_points(parts, 3, ["layers.2", "layers.4"])
+    assert stages == [["layers.0", "layers.1"], ["layers.2", "layers.3"], ["layers.4", "layers.5"]]
+    cuts = [stage_module(model, parts, s, i == 0, i == 2) for i, s in enumerate(stages)]
+    assert "layers.3.attn.wq.weight" in dict(cuts[1].named_parameters())
+    assert "tok_emb.weight" not in dict(cuts[1].named_parameters())
+    ids = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    h = ids
+    for cut in cuts:
+        h = cut(h)
+    torch.testing.assert_close(h, model(ids), rtol=0, atol=0)
+
+
+def test_balanced_split_counts_embedding_and_head() -> None:
+    parts = ModelParts(("emb",), tuple(f"layers.{i}" for i in range(4)), ("head",), ())
+    costs = {"emb": 3.0, "layers.0": 1.0, "layers.1": 1.0, "layers.2": 1.0, "layers.3": 1.0, "head": 0.0}
+    # the embedding's 3 s makes stage 0 the slow one unless it holds a single layer
+    assert split_by_cost(parts, 2, costs) == [["layers.0"], ["layers.1", "layers.2", "layers.3"]]
+    costs["head"] = 3.0
+    assert split_by_cost(parts, 2, costs) == [["layers.0", "layers.1"], ["layers.2", "layers.3"]]
+
+
+def test_bad_plans_raise_config_errors() -> None:
+    parts = ModelParts.of(Decoder(CFG))
+    with pytest.raises(ConfigError, match="name no layer"):
+        split_by_points(parts, 2, ["layers.9"])
+    with pytest.raises(ConfigError, match="increasing order"):
+        split_by_points(parts, 3, ["layers.4", "layers.2"])
+    with pytest.raises(ConfigError, match="every stage needs one"):
+        ParallelConfig(schedule="Interleaved1F1B", stages_per_rank=4, microbatches=2).check(ParallelDims(pp=2), 6)
+    with pytest.raises(ConfigError, match="at least as many micro-batches"):
+        check_schedule("Interleaved1F1B", pp=4, microbatches=2, stages_per_rank=2)
+    with pytest.raises(ConfigError, match="two stages on each rank"):
+        check_schedule("DualPipeV", pp=2, microbatches=4, stages_per_rank=1)
+    with pytest.raises(ConfigError, match="unknown"):
+        ParallelConfig(schedule="1f1b-ish")
+    with pytest.raises(ConfigError, match="zero-bubble"):
+        ParallelConfig(schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=2, data_parallel="ddp").check(
+            ParallelDims(pp=2, dp=2)
+        )
+    with pytest.raises(ConfigError, match="DTensor"):
+        ParallelConfig(data_parallel="ddp").check(ParallelDims(dp=2, tp=2))
+    with pytest.raises(ConfigError, match="horovodrun"):
+        ParallelConfig(data_parallel="horovod").check(ParallelDims(dp=2), backend="torch")
+    with pytest.raises(ConfigError, match="does not divide over ep"):
+        ParallelConfig(moe=MoESpec(num_experts=6)).check(ParallelDims(dp=4, ep=4))
+    with pytest.raises(ConfigError, match="no experts to split"):
+        ParallelConfig().check(ParallelDims(dp=2, ep=2))
+    with pytest.raises(ConfigError, match="multiply to"):
+        ParallelDims(pp=2, dp=2, tp=2).check(4)
+    with pytest.raises(ConfigError, match="must divide dp"):
+        ParallelDims(dp=6, ep=4)
+    with pytest.raises(ConfigError, match="positive integer"):
+        ParallelDims(pp=0)

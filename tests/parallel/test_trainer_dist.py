@@ -1,0 +1,29 @@
+"""The 3D trainer equals one process: real ranks, real engines (tests/dist/parallel_checks.py).
+
+Each launch trains the MoE decoder with a sharded embedding for 10 SGD steps under several
+schedules and data-parallel strategies and compares every step's loss with one process on
+the global batch, within 1e-5 (float32); the 8-rank launch also checks every bad input.
+"""
+
+from __future__ import annotations
+
+import pytest
+from launch import assert_all_ok, launch, require_launcher
+
+from tests.dist.parallel_checks import CHECKS
+
+LAYOUTS = [
+    # launcher, ranks, degrees, check set
+    ("torchrun", 8, ["--pp", "2", "--dp", "2", "--tp", "2", "--ep", "2"], "all"),
+    ("torchrun", 4, ["--dp", "4", "--ep", "2"], "ddp"),
+    ("horovodrun", 4, ["--dp", "4", "--ep", "4"], "horovod"),
+    ("horovodrun", 4, ["--pp", "2", "--dp", "2", "--ep", "2"], "horovod"),
+    ("mpirun", 4, ["--pp", "2", "--dp", "2", "--ep", "2"], "sparta"),
+]
+
+
+@pytest.mark.parametrize(("launcher", "nprocs", "degrees", "checks"), LAYOUTS, ids=lambda v: str(v).replace(" ", ""))
+def test_trainer_equals_one_process(launcher: str, nprocs: int, degrees: list[str], checks: str) -> None:
+    require_launcher(launcher)
+    results = launch(launcher, "parallel_checks.py", nprocs=nprocs, args=[*degrees, "--checks", checks], timeout=600)
+    assert_all_ok(results, nprocs=nprocs, expected_checks=len(CHECKS[checks]))
