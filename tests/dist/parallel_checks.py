@@ -36,14 +36,22 @@ MOE = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2)
 STEPS, BATCH, LR, TOL = 10, 4, 0.05, 1e-5  # BATCH: sequences per dp rank per step
 
 
-def batches(dp: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of ``step``: ids and targets [dp * BATCH, seq_len]."""
+def batches(dp: int, step: int, ragged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: ids and targets [dp * BATCH, T], T = seq_len, or with
+    ``ragged`` a length that changes from step to step."""
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, MODEL.vocab_size, (dp * BATCH, MODEL.seq_len + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
+    length = MODEL.seq_len - (step * 3 % 4) if ragged else MODEL.seq_len
+    return ids[:, :length], ids[:, 1 : length + 1]
 
 
-def reference_losses(dp: int, microbatches: int, moe: MoESpec | None) -> list[float]:
+def padded(ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the trainer documents it does to a short batch: pad ids with 0, targets with -100."""
+    pad = MODEL.seq_len - ids.shape[1]
+    return nn.functional.pad(ids, (0, pad), value=0), nn.functional.pad(targets, (0, pad), value=-100)
+
+
+def reference_losses(dp: int, microbatches: int, moe: MoESpec | None, ragged: bool = False) -> list[float]:
     """One process, the global batch in dp x microbatches chunks, SGD on the chunks' mean."""
     torch.manual_seed(0)
     model = Decoder(MODEL)
@@ -52,7 +60,7 @@ def reference_losses(dp: int, microbatches: int, moe: MoESpec | None) -> list[fl
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
-        ids, targets = batches(dp, step)
+        ids, targets = padded(*batches(dp, step, ragged))
         chunks = list(zip(ids.chunk(dp * microbatches), targets.chunk(dp * microbatches), strict=True))
         total = 0.0
         for x, y in chunks:
@@ -68,15 +76,16 @@ def reference_losses(dp: int, microbatches: int, moe: MoESpec | None) -> list[fl
     return losses
 
 
-def trained_losses(layout: Layout, config: ParallelConfig) -> list[float]:
+def trained_losses(layout: Layout, config: ParallelConfig, ragged: bool = False, balance: bool = False) -> list[float]:
     torch.manual_seed(0)
     model = Decoder(MODEL)
-    pm = parallelize(model, layout, config)
+    sample = batches(1, 0)[0][:2] if balance else None
+    pm = parallelize(model, layout, config, sample=sample)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     losses = []
     try:
         for step in range(STEPS):
-            ids, targets = batches(layout.dims.dp, step)
+            ids, targets = batches(layout.dims.dp, step, ragged)
             rows = slice(layout.dp_rank * BATCH, (layout.dp_rank + 1) * BATCH)
             losses.append(pm.step(ids[rows], targets[rows]))
             opt.step()
@@ -89,17 +98,24 @@ def trained_losses(layout: Layout, config: ParallelConfig) -> list[float]:
     return losses
 
 
-def compare(layout: Layout, config: ParallelConfig) -> None:
-    got = trained_losses(layout, config)
-    want = reference_losses(layout.dims.dp, config.microbatches, config.moe)
+def compare(layout: Layout, config: ParallelConfig, ragged: bool = False, balance: bool = False) -> None:
+    got = trained_losses(layout, config, ragged, balance)
+    want = reference_losses(layout.dims.dp, config.microbatches, config.moe, ragged)
     gaps = [abs(a - b) for a, b in zip(got, want, strict=True)]
     assert max(gaps) < TOL, f"{config.schedule}/{config.data_parallel}: losses {got} vs one process {want}"
     assert want[-1] < want[0], f"the reference did not learn: {want}"
 
 
-def parity(schedule: str, stages_per_rank: int, strategy: str, embedding: str = "sparse") -> Callable:
+def parity(
+    schedule: str, stages_per_rank: int, strategy: str, embedding: str = "sparse", ragged: bool = False,
+    balance: bool = False,
+) -> Callable:
+    """A check: the trainer's losses equal one process's. ragged: batch lengths change from step
+    to step (the trainer pads them); balance: stages cut by measured time, not given points."""
+
     def check(layout: Layout) -> None:
-        split = None if layout.dims.pp * stages_per_rank == 1 else _even_split(layout.dims.pp * stages_per_rank)
+        stages = layout.dims.pp * stages_per_rank
+        split = None if stages == 1 or balance else _even_split(stages)
         config = ParallelConfig(
             schedule=schedule,
             microbatches=max(2, layout.dims.pp),
@@ -108,10 +124,11 @@ def parity(schedule: str, stages_per_rank: int, strategy: str, embedding: str = 
             data_parallel=strategy,
             embedding=embedding,
             moe=MOE,
+            seq_len=MODEL.seq_len,
         )
-        compare(layout, config)
+        compare(layout, config, ragged, balance)
 
-    check.__name__ = f"parity_{schedule}_{strategy}_{embedding}"
+    check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
     return check
 
 
@@ -179,6 +196,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("1F1B", 1, "sparta"),
         parity("Interleaved1F1B", 2, "fsdp"),
         parity("ZBVZeroBubble", 2, "sparta"),
+        parity("1F1B", 1, "sparta", ragged=True, balance=True),
         bad_inputs,
     ],
     "ddp": [parity("1F1B", 1, "ddp"), parity("GPipe", 1, "sparta", embedding="dense")],
