@@ -107,8 +107,13 @@ def compare(layout: Layout, config: ParallelConfig, ragged: bool = False, balanc
 
 
 def parity(
-    schedule: str, stages_per_rank: int, strategy: str, embedding: str = "sparse", ragged: bool = False,
+    schedule: str,
+    stages_per_rank: int,
+    strategy: str,
+    embedding: str = "sparse",
+    ragged: bool = False,
     balance: bool = False,
+    microbatches: int = 2,
 ) -> Callable:
     """A check: the trainer's losses equal one process's. ragged: batch lengths change from step
     to step (the trainer pads them); balance: stages cut by measured time, not given points."""
@@ -118,7 +123,7 @@ def parity(
         split = None if stages == 1 or balance else _even_split(stages)
         config = ParallelConfig(
             schedule=schedule,
-            microbatches=max(2, layout.dims.pp),
+            microbatches=max(microbatches, layout.dims.pp),
             stages_per_rank=stages_per_rank,
             split_points=split,
             data_parallel=strategy,
@@ -196,6 +201,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("1F1B", 1, "sparta"),
         parity("Interleaved1F1B", 2, "fsdp"),
         parity("ZBVZeroBubble", 2, "sparta"),
+        parity("DualPipeV", 2, "fsdp", microbatches=4),  # DualPipeV: micro-batches >= stages
         parity("1F1B", 1, "sparta", ragged=True, balance=True),
         bad_inputs,
     ],
