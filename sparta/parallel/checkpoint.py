@@ -88,7 +88,6 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from sparta.embedding.layer import SparseEmbedding
-from sparta.embedding.optim import HybridOptimizer
 from sparta.errors import ConfigError, SpartaError
 from sparta.moe.experts import GroupedExperts
 
@@ -344,18 +343,12 @@ def _optimizers(
 ) -> list[torch.optim.Optimizer]:
     if optimizer is None:
         return []
-    given = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-    optimizers = []
-    for opt in given:
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    for opt in optimizers:
         if not isinstance(opt, torch.optim.Optimizer):
             raise CheckpointError(
                 f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(opt).__name__}"
             )
-        if isinstance(opt, HybridOptimizer):  # its state lives in its parts
-            opt.flush()
-            optimizers.extend(_optimizers(list(opt.parts.values())))
-        else:
-            optimizers.append(opt)
     return optimizers
 
 
