@@ -57,6 +57,25 @@ def _profile(args: argparse.Namespace) -> int:
     return launch(run)
 
 
+def _train(args: argparse.Namespace) -> int:
+    """Validate the run file and the overrides (before any engine starts), then train."""
+    from sparta.errors import ConfigError
+    from sparta.parallel.config import load_config
+
+    overrides = list(args.set or [])
+    if args.trace:
+        overrides.append(f"output.trace={json.dumps(args.trace)}")
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as e:
+        # Every rank reads the same file and fails alike, before any collective: no hang.
+        print(f"sparta train: {e}", file=sys.stderr, flush=True)
+        return 2
+    from sparta.parallel.train import run
+
+    return run(config, backend=args.backend)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import sparta
 
@@ -90,6 +109,30 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
     prof.add_argument("--worker", default="", help=argparse.SUPPRESS)
     prof.set_defaults(run=_profile)
+    train = sub.add_parser(
+        "train",
+        help="train a model with pipeline x data x tensor (+ expert) parallelism from a TOML or YAML run file",
+        description="Train the run described by --config (sections model, parallel, train, data, checkpoint, "
+        "output; see sparta/parallel/config.py and examples/moe_gpt.toml) on the ranks of the launcher it runs "
+        "under: torchrun, mpirun or horovodrun (the same file on each), or one process without one. Rank 0 shows "
+        "a progress bar and writes output.metrics, one JSON record per step.",
+    )
+    train.add_argument("--config", required=True, help="the run file (.toml, or .yaml/.yml with PyYAML)")
+    train.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override one field, e.g. --set train.steps=20 --set parallel.schedule=GPipe (repeatable; a TOML "
+        "value or a bare string; validated like the file)",
+    )
+    train.add_argument("--trace", default="", help="write a Chrome trace here (output.trace; see output.trace_steps)")
+    train.add_argument(
+        "--backend",
+        choices=("auto", "torch", "mpi", "horovod"),
+        default="auto",
+        help="communication engine; auto picks it from the launcher",
+    )
+    train.set_defaults(run=_train)
     return parser
 
 

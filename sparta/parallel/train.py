@@ -1,0 +1,357 @@
+"""The training loop behind `sparta train`: a `RunConfig` in, a trained model and a metrics file out.
+
+`run(config)` validates the run against the launch (before any engine starts), starts the
+world and calls `train(config, world)`, which:
+
+1. builds the layout (`build_layout`) and the model (`Decoder`, seeded alike on every rank),
+   and hands both to `parallelize` with the run's `ParallelConfig`;
+2. makes AdamW (betas 0.9, 0.95; weight decay on matrices only) and sets the learning rate of
+   every step itself: linear warm-up, then a cosine down to ``lr * min_lr_ratio`` (a pure
+   function of the step, so a resumed run needs no scheduler state);
+3. loads the tokens (`sparta.parallel.data`); the batch of step s is a function of (seed, s),
+   each dp rank taking its slice, tp and pp ranks of one dp rank the same one;
+4. resumes from the newest checkpoint of ``checkpoint.dir`` when there is one, and writes one
+   every ``checkpoint.every`` steps and at the end;
+5. steps: ``loss = pm.step(ids, targets)`` (the mean loss over the global batch, from the last
+   pipeline stage: `ParallelModel.step` broadcasts it, nothing here estimates it), clip the
+   global gradient norm, ``optimizer.step()``; evaluates every ``train.eval_every`` steps.
+
+Rank 0 shows a tqdm bar (loss, tokens/s, MFU, peak memory, expert load) and writes one JSON
+record per step to ``output.metrics``: ``step`` (from 1), ``loss`` (the global batch's, from
+`ParallelModel.step`), ``lr``, ``grad_norm`` (global, before clipping), ``step_s``, ``tokens``
+(per step), ``val_loss`` (on evaluation steps only), and
+
+- ``tokens_per_s``: global-batch tokens of the step over its wall time (data included);
+- ``mfu``: ``6 * N * tokens_per_s / (output.peak_tflops * 1e12)`` with N the parameters one
+  token passes through, embeddings excluded (attention, norms, the router, top_k experts'
+  MLPs, the output head; `active_parameters`); attention's T^2 term is left out, as in
+  Kaplan et al.'s 6N. None unless ``output.peak_tflops`` states the hardware's peak;
+- ``peak_mem_mb``: rank 0's peak: ``torch.cuda.max_memory_allocated`` on CUDA, the process's
+  resident-set high-water mark (``getrusage(RUSAGE_SELF).ru_maxrss``) on CPU;
+- ``expert_load``: max/mean tokens per expert of the most unbalanced MoE layer on rank 0's
+  pipeline stage, from ``MoELayer.last_stats`` (its last micro-batch, summed over the layer's
+  stats group); None for a dense model.
+
+``output.trace`` (``--trace``) records ``output.trace_steps`` steps from ``output.trace_start``
+(counted from 1; each step a region "step <n>") with ``torch.profiler`` and writes its Chrome
+trace (chrome://tracing, ui.perfetto.dev): rank 0 to that path, rank r to the same name with
+``.rank<r>`` before the suffix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import sparta
+from sparta.comm import detect
+from sparta.errors import ConfigError
+from sparta.moe import MoELayer
+
+from .checkpoint import Checkpointer
+from .config import RunConfig
+from .data import TokenBatches, random_tokens, stdlib_tokens
+from .decoder import Decoder, DecoderConfig
+from .dims import Layout, build_layout
+from .parallelize import ParallelConfig, ParallelModel, parallelize
+
+log = logging.getLogger("sparta.parallel.train")
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def learning_rate(config: RunConfig, step: int) -> float:
+    """The learning rate of 0-based ``step``: linear warm-up over ``warmup_steps``, then a
+    cosine from ``lr`` down to ``lr * min_lr_ratio`` at the last step."""
+    t = config.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - 1 - t.warmup_steps)
+    floor = t.lr * t.min_lr_ratio
+    return floor + (t.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def active_parameters(model: DecoderConfig, parallel: ParallelConfig) -> int:
+    """Parameters one token passes through, embeddings excluded (the N of the 6N MFU rule):
+    per layer two LayerNorms, attention's four d x d projections, the MLP (top_k of them and
+    the router's d x num_experts under MoE); then the final norm and the output head."""
+    d, f = model.d_model, model.d_ff
+    norms = 2 * 2 * d
+    attention = 4 * (d * d + d)
+    mlp = d * f + f + f * d + d
+    moe = parallel.moe
+    per_layer = norms + attention + (mlp if moe is None else moe.top_k * mlp + d * moe.num_experts)
+    return model.n_layers * per_layer + 2 * d + d * model.vocab_size
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This process's peak memory in MiB: the CUDA caching allocator's peak on CUDA, the
+    resident-set high-water mark on CPU (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def expert_load(layers: list[MoELayer]) -> tuple[float | None, str]:
+    """Max/mean tokens per expert of the most unbalanced layer, and its counts as a sparkline."""
+    counts = [s.tokens_per_expert for s in (layer.last_stats for layer in layers) if s is not None]
+    if not counts:
+        return None, ""
+    worst = max(counts, key=lambda c: max(c) / max(1, sum(c)))
+    peak, mean = max(worst), sum(worst) / len(worst)
+    spark = "".join(SPARK[min(len(SPARK) - 1, int(c / max(1, peak) * len(SPARK)))] for c in worst)
+    return peak / max(mean, 1e-9), spark
+
+
+def _optimizer(pm: ParallelModel, config: RunConfig) -> torch.optim.AdamW:
+    params = [p for p in pm.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.train.lr,
+        betas=(0.9, 0.95),
+    )
+
+
+def _tokens(config: RunConfig, world: sparta.World, say: Callable[[str], object]) -> torch.Tensor:
+    data = config.data
+    if data.source == "random":
+        return random_tokens(data.random_tokens, config.model.vocab_size, config.train.seed)
+    cache = Path(data.cache_dir).expanduser() if data.cache_dir else None
+    return stdlib_tokens(world.comm, data.corpus_mb, config.model.vocab_size, cache, say)
+
+
+def _trace_path(path: str, rank: int) -> Path:
+    p = Path(path)
+    return p if rank == 0 else p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
+
+
+class _Tracer:
+    """torch.profiler over steps [start, start + steps); writes the Chrome trace when done."""
+
+    def __init__(self, config: RunConfig, rank: int, device: torch.device) -> None:
+        out = config.output
+        self.path = _trace_path(out.trace, rank) if out.trace else None
+        # 0-based steps [start, stop): trace_start counts from 1, as the metrics do
+        self.start, self.stop = out.trace_start - 1, out.trace_start - 1 + out.trace_steps
+        self.device = device
+        self.profiler: torch.profiler.profile | None = None
+
+    def before(self, step: int) -> None:
+        if self.path is not None and step == self.start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=False)
+            self.profiler.start()
+
+    def region(self, step: int) -> Any:
+        return torch.profiler.record_function(f"step {step + 1}") if self.profiler is not None else nullcontext()
+
+    def after(self, step: int, last: bool) -> None:
+        if self.profiler is not None and (step + 1 == self.stop or last):
+            self.profiler.stop()
+            assert self.path is not None
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.profiler.export_chrome_trace(str(self.path))
+            self.profiler = None
+
+
+class _Metrics:
+    """Rank 0's JSONL file: one record per step, flushed as written (a killed run keeps its lines)."""
+
+    def __init__(self, path: str | None, rank: int, resume_step: int) -> None:
+        self.file = None
+        if path is not None and rank == 0:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a" if resume_step else "w")  # noqa: SIM115 - closed by close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def evaluate(pm: ParallelModel, batches: TokenBatches, config: RunConfig, layout: Layout) -> float:
+    """Mean validation loss over ``train.eval_batches`` fixed global batches (the same value
+    on every rank)."""
+    losses = []
+    pm.train(False)
+    for index in range(config.train.eval_batches):
+        ids, targets = batches.val_batch(
+            index, config.train.eval_batches, config.train.global_batch, layout.dp_rank, layout.dims.dp
+        )
+        losses.append(pm.evaluate(ids.to(layout.device), targets.to(layout.device)))
+    pm.train(True)
+    return sum(losses) / len(losses)
+
+
+def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
+    """Train ``config`` on ``world``; returns the summary rank 0 prints (the same keys on
+    every rank; the losses are the global batch's, equal everywhere)."""
+    started = time.perf_counter()
+    t = config.train
+    config.check(world.size)
+    say: Callable[[str], object] = _say if world.rank == 0 else (lambda _: None)
+    layout = build_layout(config.dims, world, device=t.device)
+    tokens = _tokens(config, world, say)
+    batches = TokenBatches(tokens, config.model.seq_len, t.seed)
+    torch.manual_seed(t.seed)  # same seed on every rank: one full model, then cut
+    # one micro-batch, for balancing the stages by measured time when no split points are given
+    sample = batches.train_batch(0, t.global_batch, 0, config.dims.dp * config.parallel.microbatches)[0]
+    pm = parallelize(Decoder(config.model), layout, config.parallel, sample=sample)
+    if world.rank == 0:
+        log.info("plan:\n%s", pm.plan)
+    optimizer = _optimizer(pm, config)
+    layers = pm.moe_layers()
+    n_active = active_parameters(config.model, config.parallel)
+    tokens_per_step = t.global_batch * config.model.seq_len
+    peak_flops = config.output.peak_tflops * 1e12 if config.output.peak_tflops else None
+    d = config.dims
+    say(
+        f"{world.size} ranks ({world.backend}): pp{d.pp} x dp{d.dp} x tp{d.tp}, ep{d.ep}, {config.parallel.schedule} "
+        f"x {config.parallel.microbatches} micro-batches; {n_active / 1e6:.2f}M parameters per token; "
+        f"{len(batches.train):,} training tokens, {tokens_per_step:,} per step"
+    )
+
+    ckpt = config.checkpoint
+    checkpointer = Checkpointer(ckpt.dir, keep=ckpt.keep) if ckpt.dir is not None else None
+    start_step = 0
+    if checkpointer is not None:
+        extra = checkpointer.load(pm.parts, optimizer)
+        if extra is not None:
+            start_step = int(extra["step"])
+            say(f"resumed from step {start_step} of {ckpt.dir}")
+            if extra.get("seed") != t.seed or extra.get("global_batch") != t.global_batch:
+                say(f"warning: the checkpoint was trained with {extra}; this run's batches differ from its")
+    metrics = _Metrics(config.output.metrics, world.rank, start_step)
+    tracer = _Tracer(config, world.rank, layout.device)
+    bar = _bar(world.rank == 0, t.steps, start_step)
+    losses: list[float] = []
+    initial_val = val_loss = None if start_step else evaluate(pm, batches, config, layout)
+    if initial_val is not None:
+        say(f"step 0: val loss {initial_val:.3f}")
+    train_seconds = 0.0
+    try:
+        for step in range(start_step, t.steps):
+            tracer.before(step)
+            begin = time.perf_counter()
+            with tracer.region(step):
+                lr = learning_rate(config, step)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                ids, targets = batches.train_batch(step, t.global_batch, layout.dp_rank, d.dp)
+                loss = pm.step(ids.to(layout.device), targets.to(layout.device))
+                grad_norm = pm.clip_grad_norm_(t.grad_clip if t.grad_clip > 0 else math.inf)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            elapsed = time.perf_counter() - begin
+            tracer.after(step, step + 1 == t.steps)
+            train_seconds += elapsed
+            losses.append(loss)
+            record: dict[str, Any] = {
+                "step": step + 1,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "step_s": elapsed,
+                "tokens": tokens_per_step,
+                "tokens_per_s": tokens_per_step / elapsed,
+                "mfu": 6 * n_active * tokens_per_step / elapsed / peak_flops if peak_flops else None,
+                "peak_mem_mb": peak_memory_mb(layout.device),
+                "expert_load": None,
+            }
+            balance, spark = expert_load(layers)
+            record["expert_load"] = balance
+            last = step + 1 == t.steps
+            if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
+                val_loss = evaluate(pm, batches, config, layout)
+                record["val_loss"] = val_loss
+                say(f"step {step + 1}: train loss {loss:.3f}, val loss {val_loss:.3f}")
+            if checkpointer is not None and ((ckpt.every and (step + 1) % ckpt.every == 0) or last):
+                # the data position is the step: batches are a function of (seed, step)
+                checkpointer.save(step + 1, pm.parts, optimizer, {"seed": t.seed, "global_batch": t.global_batch})
+            metrics.write(record)
+            bar.set_postfix_str(_postfix(record, spark), refresh=False)
+            bar.update(1)
+    finally:
+        bar.close()
+        metrics.close()
+        pm.close()
+    tail = losses[-min(10, len(losses)) :] if losses else []
+    return {
+        "steps": t.steps,
+        "ranks": world.size,
+        "backend": world.backend,
+        "initial_loss": losses[0] if losses else None,
+        "initial_val_loss": initial_val,
+        "final_loss": sum(tail) / len(tail) if tail else None,
+        "val_loss": val_loss,
+        "tokens_per_s": tokens_per_step * len(losses) / train_seconds if train_seconds else None,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def _say(message: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(message)  # above the bar, not through it
+
+
+def _bar(show: bool, total: int, initial: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not show, unit="step", mininterval=0.5, dynamic_ncols=True)
+
+
+def _postfix(record: dict[str, Any], spark: str) -> str:
+    parts = [f"loss {record['loss']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
+    if record["mfu"] is not None:
+        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    parts.append(f"peak {record['peak_mem_mb']:,.0f} MiB")
+    if record["expert_load"] is not None:
+        parts.append(f"load max/mean {record['expert_load']:.2f} {spark}")
+    return " | ".join(parts)
+
+
+def _threads(local_size: int) -> int:
+    # Several ranks on one host share its cores: more threads each than their share only contend.
+    return max(1, (os.cpu_count() or 1) // max(1, local_size))
+
+
+def run(config: RunConfig, backend: str = "auto") -> int:
+    """`sparta train`: check ``config`` against the launch, start the world, train, print the
+    summary (rank 0, last line, JSON). Returns the exit code."""
+    launch = detect()
+    try:
+        config.check(launch.size)  # before any engine starts: every rank fails alike
+    except ConfigError as e:
+        print(f"sparta train: {e}", file=sys.stderr, flush=True)
+        return 2
+    if config.train.device == "cpu":
+        torch.set_num_threads(_threads(launch.local_size))
+    # Launchers pipe stdout: flush each line, so that the log keeps pace with the bar.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+    world = sparta.init(backend=backend)
+    summary = train(config, world)
+    if world.rank == 0:
+        print(json.dumps(summary), flush=True)
+    world.shutdown()
+    return 0
