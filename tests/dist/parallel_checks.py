@@ -180,9 +180,10 @@ def main() -> None:
     for name in ("pp", "dp", "tp", "ep"):
         parser.add_argument(f"--{name}", type=int, default=1)
     parser.add_argument("--checks", default="all")
+    parser.add_argument("--device", default="cpu")
     args, _ = parser.parse_known_args()
     world, _ = start(timeout_s=120.0)
-    layout = build_layout(ParallelDims(pp=args.pp, dp=args.dp, tp=args.tp, ep=args.ep), world)
+    layout = build_layout(ParallelDims(pp=args.pp, dp=args.dp, tp=args.tp, ep=args.ep), world, args.device)
     checks = CHECKS[args.checks]
     failures = run_checks(world, [_bind(check, layout) for check in checks])
     finish(world, failures)
@@ -209,6 +210,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
     "horovod": [parity("1F1B", 1, "horovod")],
     "sparta": [parity("1F1B", 1, "sparta")],
     "quick": [parity("1F1B", 1, "sparta"), bad_inputs],
+    "one": [parity("1F1B", 1, "sparta", embedding="dense"), parity("1F1B", 1, "ddp"), parity("GPipe", 1, "fsdp")],
 }
 
 if __name__ == "__main__":

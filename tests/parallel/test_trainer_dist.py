@@ -8,12 +8,16 @@ the global batch, within 1e-5 (float32); the 8-rank launch also checks every bad
 from __future__ import annotations
 
 import pytest
+import torch
 from launch import assert_all_ok, launch, require_launcher
 
 from tests.dist.parallel_checks import CHECKS
 
 LAYOUTS = [
     # launcher, ranks, degrees, check set
+    ("torchrun", 1, [], "one"),
+    # the same code on a GPU, where there is one: CPU runs list no test they cannot run
+    *([("torchrun", 1, ["--device", "cuda"], "one")] if torch.cuda.is_available() else []),
     ("torchrun", 8, ["--pp", "2", "--dp", "2", "--tp", "2", "--ep", "2"], "all"),
     ("torchrun", 4, ["--dp", "4", "--ep", "2"], "ddp"),
     ("horovodrun", 4, ["--dp", "4", "--ep", "4"], "horovod"),
