@@ -136,7 +136,10 @@ def build_layout(dims: ParallelDims, world: World, device: str | torch.device = 
         torch.cuda.set_device(device)
     _start_torch_distributed(world, device)
     mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
-    dp = world.comm.split_groups(dims.dp_groups())
+    if world.backend == "torch":  # the mesh's own group: no second one over the same ranks
+        dp: Communicator | None = Communicator.from_process_group(mesh.get_group("dp"), world.comm.config)
+    else:
+        dp = world.comm.split_groups(dims.dp_groups())
     ep = world.comm.split_groups(dims.ep_groups()) if dims.ep > 1 else None
     replicas = world.comm.split_groups(dims.expert_replica_groups()) if dims.ep > 1 and dims.ep < dims.dp else None
     assert dp is not None  # every rank is in one group of each
