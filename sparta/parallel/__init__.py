@@ -9,31 +9,45 @@
 
 Pieces: dims.py (ParallelDims, Layout), decoder.py (the reference model), pipeline.py (stage
 cuts, schedules and their action lists), data_parallel.py (one piece, four strategies),
-parallelize.py (composes them).
+parallelize.py (composes them), checkpoint.py (DCP, any layout to any other), hf.py (Hugging
+Face Llama and GPT-2 in the Decoder's layout), config.py + train.py (`sparta train`).
 """
 
+from sparta.parallel.checkpoint import Checkpointer, CheckpointError
+from sparta.parallel.config import RunConfig, load_config
 from sparta.parallel.data_parallel import STRATEGIES, DataParallel
 from sparta.parallel.decoder import Decoder, DecoderConfig
 from sparta.parallel.dims import Layout, ParallelDims, build_layout
+from sparta.parallel.hf import HFGPT2, HFDecoder, HFLlama, from_hf
 from sparta.parallel.parallelize import MoESpec, ParallelConfig, ParallelModel, ParallelPlan, moe_layers, parallelize
 from sparta.parallel.pipeline import SCHEDULES, ZERO_BUBBLE, format_actions, schedule_actions
+from sparta.parallel.train import train
 
 __all__ = [
+    "HFGPT2",
     "SCHEDULES",
     "STRATEGIES",
     "ZERO_BUBBLE",
+    "CheckpointError",
+    "Checkpointer",
     "DataParallel",
     "Decoder",
     "DecoderConfig",
+    "HFDecoder",
+    "HFLlama",
     "Layout",
     "MoESpec",
     "ParallelConfig",
     "ParallelDims",
     "ParallelModel",
     "ParallelPlan",
+    "RunConfig",
     "build_layout",
     "format_actions",
+    "from_hf",
+    "load_config",
     "moe_layers",
     "parallelize",
     "schedule_actions",
+    "train",
 ]
