@@ -54,11 +54,12 @@ test: setup
 	$(PY) -m ruff check sparta sparta_tools tests benchmarks examples
 	$(PY) -m pytest -q tests
 
-# A GPT-style MoE LM trained on Python's standard library, experts sharded over 4 CPU ranks.
-# It needs neither MPI nor Horovod, so it does not wait for them.
+# `sparta train` on examples/moe_gpt.toml: a GPT-style MoE LM trained on Python's standard
+# library with pipeline x data x tensor parallelism and experts split over the data ranks
+# (pp2 x dp2 x tp2, ep2: 8 CPU ranks). It needs neither MPI nor Horovod, so it does not wait for them.
 demo: $(VENV)/.stamp-demo
-	$(PY) -m torch.distributed.run --nproc-per-node=4 --master-addr=127.0.0.1 --master-port=$$(( 20000 + $$$$ % 20000 )) \
-	  examples/train_moe_lm.py
+	$(PY) -m torch.distributed.run --nproc-per-node=8 --master-addr=127.0.0.1 --master-port=$$(( 20000 + $$$$ % 20000 )) \
+	  --no-python $(VENV)/bin/sparta train --config examples/moe_gpt.toml
 
 # --- extras ----------------------------------------------------------------------------------
 lint: $(VENV)/.stamp-deps

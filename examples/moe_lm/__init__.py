@@ -1,1 +1,0 @@
-"""The pieces of examples/train_moe_lm.py: data, model, training loop."""
