@@ -295,16 +295,20 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
         metrics.close()
         pm.close()
     tail = losses[-min(10, len(losses)) :] if losses else []
+
+    def rounded(value: float | None, digits: int) -> float | None:
+        return None if value is None else round(value, digits)
+
     return {
         "steps": t.steps,
         "ranks": world.size,
         "backend": world.backend,
-        "initial_loss": losses[0] if losses else None,
-        "initial_val_loss": initial_val,
-        "final_loss": sum(tail) / len(tail) if tail else None,
-        "val_loss": val_loss,
-        "tokens_per_s": tokens_per_step * len(losses) / train_seconds if train_seconds else None,
-        "wall_s": time.perf_counter() - started,
+        "initial_loss": rounded(losses[0] if losses else None, 4),
+        "initial_val_loss": rounded(initial_val, 4),
+        "final_loss": rounded(sum(tail) / len(tail) if tail else None, 4),  # the last 10 steps' mean
+        "val_loss": rounded(val_loss, 4),
+        "tokens_per_s": rounded(tokens_per_step * len(losses) / train_seconds if train_seconds else None, 1),
+        "wall_s": rounded(time.perf_counter() - started, 1),
     }
 
 
