@@ -21,7 +21,9 @@ What the adapters change, and why:
   any other implementation is refused. No padding mask: every sequence is full length.
 - Positions are ``0..T-1`` for every sequence, as HF computes them without a cache.
 - Llama's rotary embedding (``rotary``: buffers only, no parameters) feeds every block, so it
-  must be on every pipeline stage that has layers: it is listed in ``every_stage``.
+  must be on every pipeline stage that has layers; the cut keeps every parameter-free child on
+  every stage (``sparta.parallel.pipeline.ModelParts``), which covers it and GPT-2's
+  embedding dropout ``emb_drop``.
 - Tied LM head (GPT-2's default ``tie_word_embeddings=True``): the embedding runs on the
   first pipeline stage and the head on the last, so one shared weight cannot stay shared.
   The adapter refuses it (ConfigError) unless built with ``untie=True``, which gives the head
@@ -96,14 +98,12 @@ class HFDecoder(nn.Module):
     """Base of the adapters: the decoder layout over a Hugging Face causal LM's modules.
 
     Read by `parallelize` and ``moeify``: ``tp_plan`` (class attribute: module path inside
-    one layer -> "colwise" | "rowwise"), ``every_stage`` (class attribute: top-level children,
-    without parameters, that every pipeline stage with layers keeps), ``check_tp(tp)`` (raises
-    ConfigError where the plan cannot shard this model over tp ranks) and ``mlp_class`` (the
-    dense MLP class, ``match=`` for ``moeify``).
+    one layer -> "colwise" | "rowwise"), ``check_tp(tp)`` (raises ConfigError where the plan
+    cannot shard this model over tp ranks) and ``mlp_class`` (the dense MLP class, ``match=``
+    for ``moeify``).
     """
 
     tp_plan: ClassVar[dict[str, str]] = {}
-    every_stage: ClassVar[tuple[str, ...]] = ()
 
     tok_emb: nn.Module | None
     layers: nn.ModuleDict
@@ -162,7 +162,6 @@ class HFLlama(HFDecoder):
         "mlp.up_proj": "colwise",
         "mlp.down_proj": "rowwise",
     }
-    every_stage: ClassVar[tuple[str, ...]] = ("rotary",)
 
     def __init__(self, model: nn.Module, *, untie: bool = False) -> None:
         from transformers import LlamaForCausalLM
@@ -203,8 +202,8 @@ class HFLlama(HFDecoder):
     def _blocks(self, h: Tensor) -> Tensor:
         if self.rotary is None:
             raise ConfigError(
-                "HFLlama stage has layers but no rotary embedding: the pipeline split must keep the children "
-                f"named in every_stage={self.every_stage} on every stage"
+                "HFLlama stage has layers but no rotary embedding: a pipeline cut must keep the parameter-free "
+                "`rotary` on every stage (as sparta.parallel.pipeline.stage_module does)"
             )
         cos_sin = self.rotary(h, _positions(h))
         for layer in self.layers.values():
