@@ -319,6 +319,23 @@ def _loss(logits: Tensor, targets: Tensor) -> Tensor:
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
 
 
+def _replicas(p: nn.Parameter, dims: ParallelDims, experts: set[nn.Parameter], shards: set[nn.Parameter]) -> int:
+    """How many ranks of one stage hold the same values as this rank's ``p`` (dp x tp of them
+    hold copies of a replicated value)."""
+    if p in experts:
+        split = dims.ep
+    elif p in shards:
+        split = dims.dp
+    elif isinstance(p, DTensor):
+        split = 1
+        for size, placement in zip(p.device_mesh.shape, p.placements, strict=True):
+            # any placement but Replicate splits (Shard, and FSDP2's _StridedShard under TP)
+            split *= 1 if placement.is_replicate() else size
+    else:
+        split = 1
+    return dims.dp * dims.tp // split
+
+
 class ParallelModel:
     """This rank's part of the model and the step that trains it (built by `parallelize`).
 
@@ -419,9 +436,10 @@ class ParallelModel:
         once) is at most ``max_norm``; returns the norm before clipping. Collective."""
         params = [p for p in self.parameters() if p.grad is not None]
         square = torch.zeros((), dtype=torch.float64, device=self.layout.device)
+        experts, shards = set(self.data_parallel.experts), set(self.data_parallel.shards)
         for p in params:
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            square += grad.double().square().sum() / self.data_parallel.replicas(p)
+            square += grad.double().square().sum() / _replicas(p, self.layout.dims, experts, shards)
         total = self.layout.world.comm.all_reduce(square.reshape(1), op="sum")
         norm = math.sqrt(float(total))  # type: ignore[arg-type]
         if norm > max_norm:

@@ -34,6 +34,7 @@ from sparta.parallel import (
 MODEL = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=4, d_ff=32)
 MOE = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2)
 STEPS, BATCH, LR, TOL = 10, 4, 0.05, 1e-5  # BATCH: sequences per dp rank per step
+NORM_CAP = 0.5  # gradients are clipped to this global norm: clipping must agree too
 
 
 def batches(dp: int, step: int, ragged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,8 +52,11 @@ def padded(ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torc
     return nn.functional.pad(ids, (0, pad), value=0), nn.functional.pad(targets, (0, pad), value=-100)
 
 
-def reference_losses(dp: int, microbatches: int, moe: MoESpec | None, ragged: bool = False) -> list[float]:
-    """One process, the global batch in dp x microbatches chunks, SGD on the chunks' mean."""
+def reference_losses(
+    dp: int, microbatches: int, moe: MoESpec | None, ragged: bool = False
+) -> list[tuple[float, float]]:
+    """One process, the global batch in dp x microbatches chunks, SGD on the chunks' mean,
+    gradients clipped to NORM_CAP. Returns (loss, gradient norm before clipping) per step."""
     torch.manual_seed(0)
     model = Decoder(MODEL)
     if moe is not None:
@@ -70,13 +74,16 @@ def reference_losses(dp: int, microbatches: int, moe: MoESpec | None, ragged: bo
         for p in model.parameters():
             if p.grad is not None:
                 p.grad /= len(chunks)
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), NORM_CAP))
         opt.step()
         opt.zero_grad()
-        losses.append(total / len(chunks))
+        losses.append((total / len(chunks), norm))
     return losses
 
 
-def trained_losses(layout: Layout, config: ParallelConfig, ragged: bool = False, balance: bool = False) -> list[float]:
+def trained_losses(
+    layout: Layout, config: ParallelConfig, ragged: bool = False, balance: bool = False
+) -> list[tuple[float, float]]:
     torch.manual_seed(0)
     model = Decoder(MODEL)
     sample = batches(1, 0)[0][:2] if balance else None
@@ -87,7 +94,8 @@ def trained_losses(layout: Layout, config: ParallelConfig, ragged: bool = False,
         for step in range(STEPS):
             ids, targets = batches(layout.dims.dp, step, ragged)
             rows = slice(layout.dp_rank * BATCH, (layout.dp_rank + 1) * BATCH)
-            losses.append(pm.step(ids[rows], targets[rows]))
+            loss = pm.step(ids[rows], targets[rows])
+            losses.append((loss, pm.clip_grad_norm_(NORM_CAP)))
             opt.step()
             opt.zero_grad()
     finally:
@@ -101,9 +109,12 @@ def trained_losses(layout: Layout, config: ParallelConfig, ragged: bool = False,
 def compare(layout: Layout, config: ParallelConfig, ragged: bool = False, balance: bool = False) -> None:
     got = trained_losses(layout, config, ragged, balance)
     want = reference_losses(layout.dims.dp, config.microbatches, config.moe, ragged)
-    gaps = [abs(a - b) for a, b in zip(got, want, strict=True)]
+    gaps = [abs(a[0] - b[0]) for a, b in zip(got, want, strict=True)]
     assert max(gaps) < TOL, f"{config.schedule}/{config.data_parallel}: losses {got} vs one process {want}"
-    assert want[-1] < want[0], f"the reference did not learn: {want}"
+    # the global gradient norm counts every value once, however it is sharded or replicated
+    norms = [abs(a[1] - b[1]) / b[1] for a, b in zip(got, want, strict=True)]
+    assert max(norms) < 1e-4, f"{config.schedule}/{config.data_parallel}: grad norms {got} vs one process {want}"
+    assert want[-1][0] < want[0][0], f"the reference did not learn: {want}"
 
 
 def parity(
