@@ -218,6 +218,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         bad_inputs,
     ],
     "ddp": [parity("1F1B", 1, "ddp"), parity("GPipe", 1, "sparta", embedding="dense")],
+    "ddp_pp": [parity("1F1B", 1, "ddp", microbatches=4)],
     "horovod": [parity("1F1B", 1, "horovod")],
     "sparta": [parity("1F1B", 1, "sparta")],
     "quick": [parity("1F1B", 1, "sparta"), bad_inputs],

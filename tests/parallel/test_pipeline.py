@@ -69,8 +69,12 @@ def test_bad_plans_raise_config_errors() -> None:
         ParallelConfig(schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=2, data_parallel="ddp").check(
             ParallelDims(pp=2, dp=2)
         )
-    with pytest.raises(ConfigError, match="every forward runs before any backward"):
+    with pytest.raises(ConfigError, match="fails inside torch DDP"):
         ParallelConfig(schedule="GPipe", microbatches=2, data_parallel="ddp").check(ParallelDims(dp=2))
+    with pytest.raises(ConfigError, match="fails inside torch DDP"):
+        ParallelConfig(schedule="Interleaved1F1B", stages_per_rank=2, microbatches=2, data_parallel="ddp").check(
+            ParallelDims(pp=2, dp=2)
+        )
     with pytest.raises(ConfigError, match="DTensor"):
         ParallelConfig(data_parallel="ddp").check(ParallelDims(dp=2, tp=2))
     with pytest.raises(ConfigError, match="horovodrun"):

@@ -20,6 +20,7 @@ LAYOUTS = [
     *([("torchrun", 1, ["--device", "cuda"], "one")] if torch.cuda.is_available() else []),
     ("torchrun", 8, ["--pp", "2", "--dp", "2", "--tp", "2", "--ep", "2"], "all"),
     ("torchrun", 4, ["--dp", "4", "--ep", "2"], "ddp"),
+    ("torchrun", 4, ["--pp", "2", "--dp", "2", "--ep", "2"], "ddp_pp"),
     ("horovodrun", 4, ["--dp", "4", "--ep", "4"], "horovod"),
     ("horovodrun", 4, ["--pp", "2", "--dp", "2", "--ep", "2"], "horovod"),
     ("mpirun", 4, ["--pp", "2", "--dp", "2", "--ep", "2"], "sparta"),
