@@ -87,7 +87,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from sparta.comm.launch import detect
 from sparta.embedding.layer import SparseEmbedding
+from sparta.embedding.vocab_parallel import VocabParallelHead
 from sparta.errors import ConfigError, SpartaError
 from sparta.moe.experts import GroupedExperts
 
@@ -373,9 +375,16 @@ def _model_slots(parts: list[nn.Module]) -> list[_Slot]:
             if isinstance(module, FSDPModule):  # FSDP2: parameters back to their sharded DTensors
                 module.reshard()
         special: dict[str, _Slot] = {}
-        for path, module in root.named_modules():
+        # every path of a shared module (a table tied to a head is under both), as state_dict does
+        for path, module in root.named_modules(remove_duplicate=False):
             prefix = f"{path}." if path else ""
-            if isinstance(module, SparseEmbedding):
+            if isinstance(module, VocabParallelHead) and not hasattr(module, "tied"):
+                _refuse_dtensor(module.weight, prefix + "weight")
+                layout = module.layout
+                size = (layout.num_embeddings, layout.embedding_dim)
+                offsets = (layout.row_range(layout.rank)[0], 0)
+                special[prefix + "weight"] = _Slot(prefix + "weight", module.weight, offsets=offsets, size=size)
+            elif isinstance(module, SparseEmbedding):
                 _refuse_dtensor(module.weight, prefix + "weight")
                 layout = module.layout
                 offsets = (layout.row_range(layout.rank)[0], layout.col_range(layout.rank)[0])
@@ -627,6 +636,14 @@ class _Group:
     def __init__(self, pg: dist.ProcessGroup | None) -> None:
         self.pg = pg
         self.on = dist.is_available() and dist.is_initialized()
+        launched = detect().size
+        if not self.on and (pg is not None or launched > 1):
+            # every rank would take itself for the only one and write the same files
+            raise CheckpointError(
+                f"this process is one of {launched} launched ranks but torch.distributed is not initialised: "
+                "build the layout first (sparta.parallel.build_layout starts it), or "
+                "torch.distributed.init_process_group"
+            )
         self.rank = dist.get_rank(pg) if self.on else 0
         self.size = dist.get_world_size(pg) if self.on else 1
 

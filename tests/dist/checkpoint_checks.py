@@ -39,7 +39,7 @@ from runner import raises, report, run_checks, start
 from torch import nn
 
 import sparta
-from sparta.embedding import SparseEmbedding
+from sparta.embedding import SparseEmbedding, VocabParallelHead
 from sparta.parallel import (
     Decoder,
     DecoderConfig,
@@ -230,16 +230,38 @@ def four(layout: Layout, base: Path) -> list[Callable[[], None]]:
         close(train(pm, opt, range(3, 5)), want["steps"], STEPS_TOL, "steps 3 and 4, 8 ranks -> 4")
         pm.close()
 
-    def a_column_sharded_table_reloads_row_sharded() -> None:
+    def sharded_tables_reload_in_other_cuts() -> None:
+        """A column-sharded table reloads row-sharded; a vocabulary-parallel head's row shards
+        and a table tied to a head are saved as whole tables too."""
         torch.manual_seed(5)
-        cols = SparseEmbedding(10, 8, comm=layout.dp, sharding="column")
-        full = cols.full_weight()
-        Checkpointer(base / "C").save(0, cols)
-        rows = SparseEmbedding(10, 8, comm=layout.dp, sharding="row")
-        Checkpointer(base / "C").load(rows)
-        assert torch.equal(rows.full_weight(), full)
+        tied = SparseEmbedding(10, 8, comm=layout.dp)
+        saved = nn.ModuleDict(
+            {
+                "table": SparseEmbedding(10, 8, comm=layout.dp, sharding="column"),
+                "head": VocabParallelHead(8, 10, layout.dp),
+                "tied": tied,
+                "tied_head": VocabParallelHead(8, 10, layout.dp, tie=tied),
+            }
+        )
+        full = {"table": saved["table"].full_weight(), "tied": tied.full_weight()}
+        full["head"] = torch.cat(layout.dp.all_gather(saved["head"].weight.detach()))
+        Checkpointer(base / "C").save(0, saved)
+        torch.manual_seed(6)
+        other = SparseEmbedding(10, 8, comm=layout.dp)
+        loaded = nn.ModuleDict(
+            {
+                "table": SparseEmbedding(10, 8, comm=layout.dp, sharding="row"),
+                "head": VocabParallelHead(8, 10, layout.dp),
+                "tied": other,
+                "tied_head": VocabParallelHead(8, 10, layout.dp, tie=other),
+            }
+        )
+        Checkpointer(base / "C").load(loaded)
+        assert torch.equal(loaded["table"].full_weight(), full["table"])
+        assert torch.equal(torch.cat(layout.dp.all_gather(loaded["head"].weight.detach())), full["head"])
+        assert torch.equal(other.full_weight(), full["tied"])
         if rank == 0:
-            torch.save(full, base / "table.pt")
+            torch.save(full, base / "tables.pt")
 
     def resumes_the_crashed_run_exactly() -> None:
         run = Checkpointer(base / "run", keep=2)
@@ -259,7 +281,7 @@ def four(layout: Layout, base: Path) -> list[Callable[[], None]]:
 
     return [
         loads_the_eight_rank_checkpoint,
-        a_column_sharded_table_reloads_row_sharded,
+        sharded_tables_reload_in_other_cuts,
         resumes_the_crashed_run_exactly,
     ]
 
@@ -311,12 +333,19 @@ def one_process(base: Path) -> list[Callable[[], None]]:
             assert float(opt_a.state[p]["step"]) == 3
         close([chunked(a, opt_a, s) for s in (3, 4)], want["steps"], STEPS_TOL, "steps 3 and 4, 8 ranks -> 1")
 
-    def loads_the_column_sharded_table() -> None:
-        table = nn.Embedding(10, 8)
-        Checkpointer(base / "C").load(table)
-        assert torch.equal(table.weight, torch.load(base / "table.pt"))
+    def loads_the_sharded_tables_as_plain_modules() -> None:
+        tied = nn.Embedding(10, 8)
+        head = nn.Linear(8, 10, bias=False)
+        model = nn.ModuleDict({"table": nn.Embedding(10, 8), "head": head, "tied": tied})
+        model.tied_head = nn.Module()
+        model.tied_head.tied = tied  # the head's key of the tied table: tied_head.tied.weight
+        Checkpointer(base / "C").load(model)
+        full = torch.load(base / "tables.pt")
+        assert torch.equal(model["table"].weight, full["table"])
+        assert torch.equal(head.weight, full["head"])
+        assert torch.equal(tied.weight, full["tied"])
 
-    return [loads_both_without_a_process_group, loads_the_column_sharded_table]
+    return [loads_both_without_a_process_group, loads_the_sharded_tables_as_plain_modules]
 
 
 def main() -> None:

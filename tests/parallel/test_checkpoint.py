@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -186,6 +188,24 @@ def test_an_unwritable_directory_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_checkpoint_error_is_a_sparta_error() -> None:
     assert issubclass(CheckpointError, SpartaError)
+
+
+def test_a_launched_rank_without_a_process_group_is_refused(tmp_path: Path) -> None:
+    """Ranks that each took themselves for the only one would write the same files."""
+    script = (
+        "import torch, sys\n"
+        "from sparta.parallel.checkpoint import Checkpointer, CheckpointError\n"
+        "try:\n"
+        f"    Checkpointer({str(tmp_path)!r}).save(1, torch.nn.Linear(2, 2))\n"
+        "except CheckpointError as e:\n"
+        "    print(e); sys.exit(0)\n"
+        "sys.exit(3)\n"
+    )
+    env = dict(os.environ, HOROVOD_RANK="1", HOROVOD_SIZE="2")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "one of 2 launched ranks but torch.distributed is not initialised" in done.stdout, done.stdout
+    assert not any(tmp_path.iterdir())
 
 
 def test_checkpoints_across_layouts_crashes_and_bad_input() -> None:
