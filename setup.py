@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["sparta", "sparta.*", "sparta_tools"]),
+    packages=find_packages(include=["sparta", "sparta.*", "sparta_tools", "sparta_tools.*"]),
     # torch is deliberately a lower bound only: a pinned or open range would let pip pull a
     # multi-GB CUDA build over the user's own torch.
     install_requires=["torch>=2.4", "numpy"],

@@ -133,10 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="communication engine; auto picks it from the launcher",
     )
     train.set_defaults(run=_train)
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="microbenchmarks: collectives, alltoallv, ... (nccl-tests' flags; `sparta bench --help`)",
+    )  # parsed by sparta_tools.bench, which main() hands every argument after "bench"
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # suites with flags of their own (nccl-tests' -b -e -f ...)
+        from sparta_tools.bench import main as bench
+
+        return bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):

@@ -1,0 +1,111 @@
+"""`sparta bench`: Sparta's microbenchmark suite, for tuning a cluster and choosing between implementations.
+
+    sparta bench collectives -b 4K -e 64M -f 4 -n 20 -w 5 -J run.jsonl     # every op, every engine
+    sparta bench alltoallv --patterns uniform,zipf,moe -b 64K -e 16M -J v.jsonl
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m sparta.cli bench collectives --expect-nodes 2
+    sparta bench compare base.jsonl new.jsonl      # refuses runs of different shape without --force
+    sparta bench plot run.jsonl -o run.png
+
+Suites (SUITES): collectives, alltoallv, and the folded scripts (moe-layer, dispatch,
+pipeline, embedding; trainer once benchmarks/trainer.py lands). Without a launcher a suite
+starts its own local ranks, one job per engine (runner.drive); under torchrun, mpirun or
+horovodrun each rank runs it directly (runner.worker). Output: JSON lines, a header first
+(records.py says what every field means), and a table on stdout.
+
+A suite is a `Suite`: its flags, a check of them (ConfigError, before any rank starts), and
+`run(ctx)` on every rank (runner.BenchContext: time_points checks each variant against an
+oracle, times the variants alternately and emits one record per variant). To add one,
+append a Suite to SUITES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from sparta.errors import ConfigError
+from sparta_tools.bench.options import add_common, options_from
+from sparta_tools.bench.runner import Suite
+
+COMMON_DESTS = frozenset(
+    ("minbytes", "maxbytes", "stepfactor", "iters", "warmup_iters", "check", "datatype", "average", "output",
+     "engines", "nprocs", "device", "seed", "bind", "timeout", "expect_ranks", "expect_nodes", "peak", "_worker",
+     "plant_wrong", "command", "suite")
+)  # fmt: skip
+
+
+def _collectives() -> list[Suite]:
+    from sparta_tools.bench import collectives as c
+    from sparta_tools.bench.peers import run_peers
+
+    return [
+        Suite("collectives", "every collective on every engine: Sparta's Communicator beside the engine's own call",
+              c.add_collectives_arguments, c.check_collectives_options, c.run_collectives,
+              lambda opts, extra: run_peers(opts, c._subset(str(extra["ops"]), c.OPS, "--ops"))),
+        Suite("alltoallv", "uneven all-to-all: uniform, Zipf, a byte-matrix file, or a real MoE router's counts",
+              c.add_alltoallv_arguments, c.check_alltoallv_options, c.run_alltoallv,
+              lambda opts, extra: run_peers(opts, ["alltoallv"])),
+    ]  # fmt: skip
+
+
+def suites() -> dict[str, Suite]:
+    from sparta_tools.bench.suites import folded
+
+    return {s.name: s for s in [*_collectives(), *folded()]}
+
+
+def build_parser(all_suites: dict[str, Suite]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparta bench",
+        description="Sparta's microbenchmarks (nccl-tests' flags where the concept is the same). "
+        "Without a launcher each suite starts --nprocs local ranks per engine; under torchrun, mpirun or "
+        "horovodrun it runs on the launched ranks. JSON lines with -J (a header first), a table on stdout; "
+        "exit 1 when any result differs from the seeded oracle.",
+    )
+    sub = parser.add_subparsers(dest="suite", metavar="SUITE")
+    for suite in all_suites.values():
+        p = sub.add_parser(suite.name, help=suite.help, description=suite.help)
+        add_common(p)
+        suite.add_arguments(p)
+    from sparta_tools.bench import compare, plot
+
+    compare.add_parser(sub)
+    plot.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`sparta bench ...`; returns the exit status (2: bad flags, 1: wrong values or a failed launch)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    all_suites = suites()
+    parser = build_parser(all_suites)
+    args = parser.parse_args(argv)
+    if args.suite is None:
+        parser.print_help()
+        return 0
+    if args.suite in ("compare", "plot"):
+        return int(args.run(args))
+    suite = all_suites[args.suite]
+    extra = {k: v for k, v in vars(args).items() if k not in COMMON_DESTS}
+    if args.plant_wrong:
+        extra["plant_wrong"] = True
+    try:
+        opts = options_from(args, suite.name, extra)
+        suite.check(extra)
+    except ConfigError as exc:
+        parser.exit(2, f"sparta bench {suite.name}: error: {exc}\n")
+    from sparta.comm.launch import detect
+    from sparta_tools.bench import runner
+
+    command = json.loads(args.command) if args.command else ["sparta", "bench", *argv]
+    if args._worker or detect().launcher != "none":
+        try:
+            return runner.worker(opts, suite.run, command, standalone=not args._worker)
+        except ConfigError as exc:
+            print(f"sparta bench {suite.name}: error: {exc}", file=sys.stderr, flush=True)
+            return 2
+    engines = opts.engines or suite.engines
+    peers = (lambda o: suite.peers(o, extra)) if suite.peers else None
+    return runner.drive(opts, argv, command, engines, peers)

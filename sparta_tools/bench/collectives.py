@@ -1,0 +1,309 @@
+"""Suites `collectives` (every op, every engine) and `alltoallv` (uneven traffic).
+
+Variants of each point, timed alternately in one launch:
+    raw            the engine's own call as its users write it: torch.distributed
+                   (all_reduce, all_gather_single, reduce_scatter_single, all_to_all_single,
+                   broadcast), Horovod (allreduce, allgather, reducescatter, alltoall,
+                   broadcast), mpi4py (Allreduce, Allgather, Reduce_scatter_block, Alltoall(v),
+                   Bcast on numpy views). In-place all-reduces refill their buffer from the
+                   input first (that copy is timed: Sparta's returns a new tensor too).
+    sparta         sparta's Communicator with its input checks off (what tuned code runs);
+                   alltoallv is given the receive splits
+    sparta+check   the Communicator as it comes: agreed input checks; alltoallv exchanges
+                   the receive splits itself, as an MoE layer's forward does
+Before timing, each variant's result is compared with the seeded oracle (oracle.py), and
+so is its last timed call's; reductions are sums, broadcast's root is rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from sparta.errors import ConfigError
+from sparta_tools.bench import records, traffic
+from sparta_tools.bench.options import human_size
+from sparta_tools.bench.oracle import Oracle
+from sparta_tools.bench.runner import BenchContext
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+VARIANTS = ("raw", "sparta", "sparta+check")
+REDUCING = ("all_reduce", "reduce_scatter")
+
+
+def add_collectives_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
+
+
+def add_alltoallv_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--patterns", default="uniform,zipf,moe", help=f"comma-separated subset of {','.join(traffic.PATTERNS)}"
+    )
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
+    parser.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of the receivers' skew")
+    parser.add_argument("--matrix", default="", help="JSON n x n bytes matrix (pattern 'file')")
+    parser.add_argument("--moe-experts", type=int, default=0, help="experts of the routed layer (default 4 per rank)")
+    parser.add_argument("--moe-top-k", type=int, default=2)
+    parser.add_argument("--moe-tokens", type=int, default=1024, help="tokens each rank routes")
+    parser.add_argument("--moe-d-model", type=int, default=64, help="the router's input width")
+    parser.add_argument("--moe-counts", default="", help="JSON rows per global expert recorded on each rank")
+
+
+def _subset(text: str, known: tuple[str, ...], flag: str) -> list[str]:
+    chosen = [t for t in text.split(",") if t]
+    bad = [t for t in chosen if t not in known]
+    if bad or not chosen:
+        raise ConfigError(f"{flag} {text!r}: use a comma-separated subset of {','.join(known)}")
+    return chosen
+
+
+def check_collectives_options(extra: dict[str, Any]) -> None:
+    _subset(str(extra["ops"]), OPS, "--ops")
+    _subset(str(extra["variants"]), VARIANTS, "--variants")
+
+
+def check_alltoallv_options(extra: dict[str, Any]) -> None:
+    patterns = _subset(str(extra["patterns"]), traffic.PATTERNS, "--patterns")
+    _subset(str(extra["variants"]), VARIANTS, "--variants")
+    if "file" in patterns and not extra["matrix"]:
+        raise ConfigError("--patterns file needs --matrix FILE (JSON n x n bytes)")
+    if extra["matrix"] and "file" not in patterns:
+        patterns.append("file")
+        extra["patterns"] = ",".join(patterns)
+    if float(str(extra["zipf_s"])) <= 0:
+        raise ConfigError(f"--zipf-s {extra['zipf_s']}: give an exponent > 0 (about 1.1 for token ids)")
+
+
+# ------------------------------------------------------------------------------ raw calls
+def raw_unsupported(engine: str, op: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the engine's own call cannot run this point here (a `skipped` record), or None."""
+    if engine == "horovod" and dtype == torch.bfloat16 and op in REDUCING:
+        return "Horovod sums no bfloat16 (Sparta sums it in float32)"
+    if engine == "mpi":
+        if device.type == "cuda":
+            return "raw MPI on CUDA tensors needs a CUDA-aware MPI; Sparta stages them through host memory"
+        if op in REDUCING and dtype in (torch.bfloat16, torch.float16):
+            return f"MPI has no {dtype} sum on numpy buffers (Sparta sums it in float32)"
+    return None
+
+
+def _mpi_view(t: torch.Tensor) -> Any:
+    """A numpy view MPI can move (bfloat16 as int16 bits: moved, never summed)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def raw_call(ctx: BenchContext, op: str, x: torch.Tensor, send: list[int] | None = None,
+             recv: list[int] | None = None) -> Callable[[], torch.Tensor]:  # fmt: skip
+    """The engine's own `op` on this rank's input `x`; returns a call giving the output."""
+    n = ctx.size
+    if ctx.engine == "torch":
+        import torch.distributed as dist
+
+        g = ctx.comm.pg
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        if op == "all_reduce":
+            buf = x.clone()
+            return lambda: (buf.copy_(x), dist.all_reduce(buf, group=g))[0]
+        if op == "all_gather":
+            out = x.new_empty(x.numel() * n)
+            return lambda: (gather(out, x, group=g), out)[1]
+        if op == "reduce_scatter":
+            out = x.new_empty(x.numel() // n)
+            return lambda: (scatter(out, x, group=g), out)[1]
+        if op == "all_to_all":
+            out = torch.empty_like(x)
+            return lambda: (dist.all_to_all_single(out, x, group=g), out)[1]
+        if op == "broadcast":
+            buf = x.clone()
+            return lambda: (dist.broadcast(buf, group_src=0, group=g), buf)[1]
+        assert send is not None and recv is not None
+        outv = x.new_empty(sum(recv))
+        return lambda: (dist.all_to_all_single(outv, x, recv, send, group=g), outv)[1]
+    if ctx.engine == "horovod":
+        import horovod.torch as hvd
+
+        if x.dtype == torch.bfloat16 and op not in REDUCING:  # moved as its int16 bits, as Horovod has no bf16
+            bits = raw_call(ctx, op, x.view(torch.int16), send, recv)
+            return lambda: bits().view(torch.bfloat16)
+
+        if op == "all_reduce":
+            return lambda: hvd.allreduce(x, op=hvd.Sum)
+        if op == "all_gather":
+            return lambda: hvd.allgather(x)
+        if op == "reduce_scatter":
+            return lambda: hvd.reducescatter(x, op=hvd.Sum)
+        if op == "all_to_all":
+            return lambda: hvd.alltoall(x)
+        if op == "broadcast":
+            return lambda: hvd.broadcast(x, root_rank=0)
+        splits = torch.tensor(send, dtype=torch.int32)
+        return lambda: hvd.alltoall(x, splits=splits)[0]
+    from mpi4py import MPI
+
+    c = ctx.comm.mpi
+    src = _mpi_view(x)
+    if op == "all_reduce":
+        out = torch.empty_like(x)
+        return lambda: (c.Allreduce(src, out.numpy(), op=MPI.SUM), out)[1]
+    if op == "all_gather":
+        out = x.new_empty(x.numel() * n)
+        return lambda: (c.Allgather(src, _mpi_view(out)), out)[1]
+    if op == "reduce_scatter":
+        out = x.new_empty(x.numel() // n)
+        return lambda: (c.Reduce_scatter_block(src, out.numpy(), op=MPI.SUM), out)[1]
+    if op == "all_to_all":
+        out = torch.empty_like(x)
+        return lambda: (c.Alltoall(src, _mpi_view(out)), out)[1]
+    if op == "broadcast":
+        buf = x.clone()
+        return lambda: (c.Bcast(_mpi_view(buf), root=0), buf)[1]
+    assert send is not None and recv is not None
+    outv = x.new_empty(sum(recv))
+    sdispl = [sum(send[:i]) for i in range(n)]
+    rdispl = [sum(recv[:i]) for i in range(n)]
+    return lambda: (c.Alltoallv([src, (send, sdispl)], [_mpi_view(outv), (recv, rdispl)]), outv)[1]
+
+
+def sparta_call(comm: Any, op: str, x: torch.Tensor, send: list[int] | None = None,
+                recv: list[int] | None = None) -> Callable[[], Any]:  # fmt: skip
+    if op == "all_reduce":
+        return lambda: comm.all_reduce(x)
+    if op == "all_gather":
+        return lambda: comm.all_gather(x)
+    if op == "reduce_scatter":
+        return lambda: comm.reduce_scatter(x)
+    if op == "all_to_all":
+        return lambda: comm.all_to_all(x)
+    if op == "broadcast":
+        return lambda: comm.broadcast(x, src=0)
+    if comm.config.check_inputs:  # the receive splits exchanged (and checked) by the call, as in an MoE layer
+        return lambda: comm.all_to_all(x, send)
+    return lambda: comm.all_to_all(x, send, recv)
+
+
+def flat(result: Any) -> torch.Tensor:
+    """One tensor from an op's result (Sparta's all_gather gives a list per rank)."""
+    if isinstance(result, (list, tuple)):
+        return torch.cat([t.reshape(-1) for t in result])
+    return result.reshape(-1)
+
+
+def build_calls(ctx: BenchContext, op: str, x: torch.Tensor, variants: list[str], send: list[int] | None = None,
+                recv: list[int] | None = None) -> dict[str, Callable[[], Any]]:  # fmt: skip
+    calls: dict[str, Callable[[], Any]] = {}
+    for variant in variants:
+        if variant == "raw":
+            why = raw_unsupported(ctx.engine, op, x.dtype, ctx.device)
+            if why:
+                ctx.skip(why, op=op, variant="raw", dtype=ctx.opts.dtype)
+                continue
+            calls[variant] = raw_call(ctx, op, x, send, recv)
+        else:
+            calls[variant] = sparta_call(ctx.fast if variant == "sparta" else ctx.comm, op, x, send, recv)
+    return calls
+
+
+# ------------------------------------------------------------------------------ suites
+def shapes(op: str, size: int, elem: int, n: int) -> tuple[int, int]:
+    """(elements in this rank's input, nccl-tests' size in bytes) for `op` at `size`."""
+    count = max(1, size // elem)
+    if op in ("all_reduce", "broadcast"):
+        return count, count * elem
+    if op == "all_gather":  # size is the gathered output
+        chunk = max(1, count // n)
+        return chunk, chunk * n * elem
+    total = max(n, count // n * n)  # reduce_scatter input / all_to_all send buffer, whole blocks
+    return total, total * elem
+
+
+def expected(oracle: Oracle, op: str, count: int, rank: int, n: int) -> torch.Tensor:
+    if op == "all_reduce":
+        return oracle.summed(0, count)
+    if op == "broadcast":
+        return oracle.buffer(0, count)
+    if op == "all_gather":
+        return oracle.gathered([(r, 0, count) for r in range(n)])
+    block = count // n
+    if op == "reduce_scatter":
+        return oracle.summed(rank * block, block)
+    return oracle.gathered([(r, rank * block, block) for r in range(n)])  # all_to_all
+
+
+def run_collectives(ctx: BenchContext) -> None:
+    opts, n = ctx.opts, ctx.size
+    ops = _subset(str(opts.extra["ops"]), OPS, "--ops")
+    variants = _subset(str(opts.extra["variants"]), VARIANTS, "--variants")
+    oracle = Oracle(opts.seed, n, opts.torch_dtype, ctx.device)
+    elem = torch.empty((), dtype=opts.torch_dtype).element_size()
+    for size in opts.sizes():
+        for op in ops:
+            count, nbytes = shapes(op, size, elem, n)
+            x = oracle.buffer(ctx.rank, count)
+            calls = build_calls(ctx, op, x, variants)
+            if not calls:
+                continue
+            want = expected(oracle, op, count, ctx.rank, n)
+            matrix = records.collective_matrix(op, nbytes, n)
+            ctx.time_points(
+                {"op": op, "bytes": nbytes, "count": count, "dtype": opts.dtype, "size": human_size(nbytes)},
+                calls,
+                lambda _v, result, want=want: ctx.count_wrong(flat(result), want),
+                lambda seconds, op=op, nbytes=nbytes, matrix=matrix: records.bandwidth(
+                    op, nbytes, matrix, ctx.node_of, seconds, opts.peak_gbps
+                ),
+            )
+
+
+def pattern_matrix(ctx: BenchContext, pattern: str, count: int, elem: int) -> list[list[int]]:
+    """Elements M[i][j] rank i sends rank j for `pattern`, with about `count` per rank."""
+    extra, n = ctx.opts.extra, ctx.size
+    if pattern == "uniform":
+        return traffic.uniform(n, count)
+    if pattern == "zipf":
+        return traffic.zipf(n, count, float(str(extra["zipf_s"])), ctx.opts.seed)
+    if pattern == "file":
+        return traffic.matrix_file(str(extra["matrix"]), n, elem)
+    if extra["moe_counts"]:
+        rows = traffic.counts_file(str(extra["moe_counts"]), n)
+    else:
+        experts = int(str(extra["moe_experts"])) or 4 * n
+        rows = traffic.moe_rows(n, experts, int(str(extra["moe_top_k"])), int(str(extra["moe_tokens"])),
+                                int(str(extra["moe_d_model"])), ctx.opts.seed)  # fmt: skip
+    return traffic.scaled_rows(rows, count)
+
+
+def run_alltoallv(ctx: BenchContext) -> None:
+    opts, n, me = ctx.opts, ctx.size, ctx.rank
+    patterns = _subset(str(opts.extra["patterns"]), traffic.PATTERNS, "--patterns")
+    variants = _subset(str(opts.extra["variants"]), VARIANTS, "--variants")
+    oracle = Oracle(opts.seed, n, opts.torch_dtype, ctx.device)
+    elem = torch.empty((), dtype=opts.torch_dtype).element_size()
+    for pattern in patterns:
+        for size in [0] if pattern == "file" else opts.sizes():
+            m = pattern_matrix(ctx, pattern, max(1, size // elem), elem)
+            send = m[me]
+            recv = [m[i][me] for i in range(n)]
+            x = oracle.buffer(me, sum(send))
+            calls = build_calls(ctx, "alltoallv", x, variants, send, recv)
+            if not calls:
+                continue
+            want = oracle.gathered([(i, sum(m[i][:me]), m[i][me]) for i in range(n)])
+            mbytes = [[v * elem for v in row] for row in m]
+            nbytes = round(sum(map(sum, mbytes)) / n)
+            base: dict[str, Any] = {"op": "alltoallv", "pattern": pattern, "bytes": nbytes, "dtype": opts.dtype,
+                                    "size": human_size(nbytes)}  # fmt: skip
+            if n <= 16:
+                base["matrix_bytes"] = mbytes
+            ctx.time_points(
+                base,
+                calls,
+                lambda _v, result, want=want: ctx.count_wrong(flat(result), want),
+                lambda seconds, mbytes=mbytes, nbytes=nbytes: records.bandwidth(
+                    "alltoallv", nbytes, mbytes, ctx.node_of, seconds, opts.peak_gbps
+                ),
+            )
