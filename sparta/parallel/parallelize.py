@@ -33,6 +33,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from sparta.comm import HierarchicalAllToAll
 from sparta.embedding import swap_embeddings
 from sparta.errors import ConfigError, InputError
 from sparta.moe import ROUTERS, MoELayer, moeify
@@ -68,8 +69,15 @@ class MoESpec:
     aux_loss_coef: float = 1e-2
     every: int = 1
     seed: int = 0
+    # the co-scheduler: row exchanges cut into chunks that overlap the experts' compute
+    # (an int, or (forward, backward) degrees), and the two-level all-to-all over the
+    # world's nodes (intra-node first, one message per node across)
+    pipeline_degree: int | tuple[int, ...] = 1
+    hierarchical: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.pipeline_degree, list):
+            object.__setattr__(self, "pipeline_degree", tuple(self.pipeline_degree))
         for name in ("num_experts", "top_k", "every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -184,10 +192,13 @@ def plan_stages(
     return split_by_cost(parts, num_stages, costs)
 
 
-def moe_layers(module: nn.Module, spec: MoESpec, layout: Layout | None) -> list[str]:
+def moe_layers(
+    module: nn.Module, spec: MoESpec, layout: Layout | None, exchange: HierarchicalAllToAll | None = None
+) -> list[str]:
     """Turn the MLP of every ``spec.every``-th layer of ``module.layers`` into an MoELayer,
     in place; each is seeded from ``spec.seed`` and the layer's name, so any stage cut and
-    the one-process model (``layout=None``) build equal experts and routers."""
+    the one-process model (``layout=None``) build equal experts and routers. ``exchange``:
+    the rows' two-level all-to-all over ``layout.ep`` (see `hierarchical_ep`), or None (flat)."""
     ep = layout.ep if layout is not None else None
     replaced = []
     for key, layer in module.layers.items():  # type: ignore[union-attr, operator]
@@ -205,9 +216,33 @@ def moe_layers(module: nn.Module, spec: MoESpec, layout: Layout | None) -> list[
                 router=spec.router,
                 capacity_factor=spec.capacity_factor,
                 aux_loss_coef=spec.aux_loss_coef,
+                pipeline_degree=spec.pipeline_degree,
             )
+        for path in paths:
+            layer.get_submodule(path).set_exchange(exchange)
         replaced += [f"layers.{key}.{p}" for p in paths]
     return replaced
+
+
+def hierarchical_ep(layout: Layout) -> HierarchicalAllToAll:
+    """A two-level all-to-all over this rank's expert-parallel group, nodes as the world's.
+    Collective over the world (every rank builds its group's)."""
+    world, dims = layout.world, layout.dims
+    intra_groups, inter_groups = [], []
+    for group in dims.ep_groups():
+        by_node = [[r for r in group if r in node] for node in world.node_ranks]
+        by_node = [ranks for ranks in by_node if ranks]
+        if len({len(ranks) for ranks in by_node}) != 1:
+            raise ConfigError(
+                f"MoESpec.hierarchical: the expert-parallel group {group} has {[len(r) for r in by_node]} ranks on its "
+                "nodes; the two-level all-to-all needs as many on each (launch equal ranks per node, or set it False)"
+            )
+        intra_groups += by_node
+        inter_groups += [list(column) for column in zip(*by_node, strict=True)]
+    intra = world.comm.split_groups(intra_groups)
+    inter = world.comm.split_groups(inter_groups)
+    assert layout.ep is not None and intra is not None and inter is not None
+    return HierarchicalAllToAll(layout.ep, intra, inter)
 
 
 def tp_plan_of(module: nn.Module, tp: int) -> dict[str, str]:
@@ -284,10 +319,11 @@ def parallelize(
     data_parallel = DataParallel(layout, config.data_parallel, config.microbatches, zero_bubble, config.bucket_mb)
     tp_plan: dict[str, str] = {}
     modules, pipeline_stages = [], []
+    moe_exchange = hierarchical_ep(layout) if config.moe is not None and config.moe.hierarchical and layout.ep else None
     for index in mine:
         module = stage_module(model, parts, stages[index], index == 0, index == num_stages - 1).to(layout.device)
         if config.moe is not None:
-            moe_layers(module, config.moe, layout)
+            moe_layers(module, config.moe, layout, moe_exchange)
         if config.embedding == "sparse" and index == 0:
             swap_embeddings(module, layout.dp)
         if config.tensor_parallel and dims.tp > 1:

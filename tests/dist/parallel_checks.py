@@ -33,6 +33,8 @@ from sparta.parallel import (
 
 MODEL = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=4, d_ff=32)
 MOE = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2)
+# the co-scheduler on: rows pipelined in 2 chunks over the two-level all-to-all (nodes of 2 ranks)
+COSCHEDULED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degree=2, hierarchical=True)
 STEPS, BATCH, LR, TOL = 10, 4, 0.05, 1e-5  # BATCH: sequences per dp rank per step
 NORM_CAP = 0.5  # gradients are clipped to this global norm: clipping must agree too
 
@@ -125,6 +127,7 @@ def parity(
     ragged: bool = False,
     balance: bool = False,
     microbatches: int = 2,
+    moe: MoESpec = MOE,
 ) -> Callable:
     """A check: the trainer's losses equal one process's. ragged: batch lengths change from step
     to step (the trainer pads them); balance: stages cut by measured time, not given points."""
@@ -139,12 +142,13 @@ def parity(
             split_points=split,
             data_parallel=strategy,
             embedding=embedding,
-            moe=MOE,
+            moe=moe,
             seq_len=MODEL.seq_len,
         )
         compare(layout, config, ragged, balance)
 
     check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
+    check.__name__ += "_coscheduled" * (moe is COSCHEDULED)
     return check
 
 
@@ -192,8 +196,9 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=1)
     parser.add_argument("--checks", default="all")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--ranks-per-node", type=int, default=None, help="pose as nodes of this many ranks")
     args, _ = parser.parse_known_args()
-    world, _ = start(timeout_s=120.0)
+    world, _ = start(timeout_s=120.0, ranks_per_node=args.ranks_per_node)
     layout = build_layout(ParallelDims(pp=args.pp, dp=args.dp, tp=args.tp, ep=args.ep), world, args.device)
     checks = CHECKS[args.checks]
     failures = run_checks(world, [_bind(check, layout) for check in checks])
@@ -221,6 +226,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
     "ddp_pp": [parity("1F1B", 1, "ddp", microbatches=4)],
     "horovod": [parity("1F1B", 1, "horovod")],
     "sparta": [parity("1F1B", 1, "sparta")],
+    "coscheduled": [parity("1F1B", 1, "sparta", moe=COSCHEDULED)],
     "quick": [parity("1F1B", 1, "sparta"), bad_inputs],
     "one": [parity("1F1B", 1, "sparta", embedding="dense"), parity("1F1B", 1, "ddp"), parity("GPipe", 1, "fsdp")],
 }

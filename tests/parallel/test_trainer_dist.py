@@ -21,6 +21,8 @@ LAYOUTS = [
     ("torchrun", 8, ["--pp", "2", "--dp", "2", "--tp", "2", "--ep", "2"], "all"),
     ("torchrun", 4, ["--dp", "4", "--ep", "2"], "ddp"),
     ("torchrun", 4, ["--pp", "2", "--dp", "2", "--ep", "2"], "ddp_pp"),
+    # the co-scheduler inside the trainer: pipelined rows over a two-level all-to-all, 2 nodes of 2
+    ("torchrun", 4, ["--dp", "4", "--ep", "4", "--ranks-per-node", "2"], "coscheduled"),
     ("horovodrun", 4, ["--dp", "4", "--ep", "4"], "horovod"),
     ("horovodrun", 4, ["--pp", "2", "--dp", "2", "--ep", "2"], "horovod"),
     ("mpirun", 4, ["--pp", "2", "--dp", "2", "--ep", "2"], "sparta"),
