@@ -18,7 +18,7 @@ from sparta_tools.bench.records import read_records
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plot", help="PNG: busbw vs size and latency bands per variant, the header underneath",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("run", help="a run's JSON lines (-J)")
+    p.add_argument("file", metavar="run.jsonl", help="a run's JSON lines (-J)")
     p.add_argument("-o", "--out", default="", help="the PNG to write (default: the run's name with .png)")
     p.set_defaults(run=run)
 
@@ -101,18 +101,18 @@ def draw(records: list[dict[str, Any]], out: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        records = read_records(args.run)
+        records = read_records(args.file)
     except (OSError, ValueError) as exc:
         print(f"sparta bench plot: {exc}", file=sys.stderr)
         return 2
-    out = args.out or (args.run.rsplit(".", 1)[0] + ".png")
+    out = args.out or (args.file.rsplit(".", 1)[0] + ".png")
     try:
         draw(records, out)
     except ImportError:
         print("sparta bench plot: needs matplotlib (pip install 'sparta[bench]')", file=sys.stderr)
         return 2
     except ValueError as exc:
-        print(f"sparta bench plot: {args.run}: {exc}", file=sys.stderr)
+        print(f"sparta bench plot: {args.file}: {exc}", file=sys.stderr)
         return 2
     print(out)
     return 0
