@@ -105,8 +105,8 @@ class Block(torch.nn.Module):
 def worker(args: argparse.Namespace) -> None:
     import sparta
     from sparta.comm import HierarchicalAllToAll
+    from sparta.parallel import DataParallel, ParallelDims, build_layout
     from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape
-    from sparta.scheduling.grad_sync import PartitionedAllReduce
     from sparta.scheduling.partition import GradientPartition, bucketed_exposed_s, partition_gradients
     from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
     from sparta.scheduling.profiler import ProfileConfig, Profiler
@@ -129,7 +129,11 @@ def worker(args: argparse.Namespace) -> None:
     block = Block(D_MODEL)
     # each token's top_k rows, sorted by expert (what dispatch produces)
     block.perm, counts = block.route(tokens)
-    ddp = torch.nn.parallel.DistributedDataParallel(block)  # default 25 MiB buckets
+    # data parallelism over all ranks: DDP's default 25 MiB buckets, or (partitioned) the
+    # cost model's pieces released into the backward's gaps, both through sparta.parallel.DataParallel
+    layout = build_layout(ParallelDims(dp=world.size), world)
+    buckets = DataParallel(layout, "ddp", microbatches=1, zero_bubble=False)
+    ddp = buckets.wrap(block)
 
     def experts_mlp(x: torch.Tensor, chunk_counts: torch.Tensor) -> torch.Tensor:
         # rows come grouped by (source, local expert): regroup by expert, run, restore order
@@ -165,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
     dense_bytes = sum(p.numel() * 4 for p in block.ready_order())
     ar = profile.fit("all_reduce", "world")
     dense_s = profile.fit("expert_fwd", "dense")(TOKENS) + profile.fit("expert_bwd", "dense")(TOKENS)
-    syncs: dict[Choice, PartitionedAllReduce] = {}
+    syncs: dict[Choice, DataParallel] = {}
 
     def partition_of(choice: Choice) -> tuple[GradientPartition, tuple[int, ...]]:
         """The pieces for `choice`'s backward gaps, and the transfers after which each gap opens."""
@@ -173,10 +177,13 @@ def worker(args: argparse.Namespace) -> None:
         part = partition_gradients(dense_bytes, [e - b for b, e in line.idle_network()], ar, 4096, element_bytes=4)
         return part, line.gap_openings()
 
-    def partitioned(choice: Choice) -> PartitionedAllReduce:
-        # collective (its communicator is split off): only from step(), which every rank runs
+    def partitioned(choice: Choice) -> DataParallel:
+        # wrap() broadcasts the dense weights (collective): only from step(), which every rank
+        # runs. Each choice's hooks act only between its own start() and finish().
         if choice not in syncs:
-            syncs[choice] = PartitionedAllReduce(world.comm, block.ready_order(), *partition_of(choice))
+            part, openings = partition_of(choice)
+            syncs[choice] = DataParallel(layout, "sparta", 1, False, partition=part, openings=openings)
+            syncs[choice].wrap(block)  # its ready order (reverse registration) is block.ready_order()
         return syncs[choice]
 
     def parts(choice: Choice, partition: bool) -> tuple[float, float]:
@@ -211,8 +218,9 @@ def worker(args: argparse.Namespace) -> None:
         world.comm.barrier()
         begin = time.perf_counter()
         if sync is None:
-            y = ddp(tokens)
-            y.square().mean().backward()
+            buckets.start()
+            ddp(tokens).square().mean().backward()
+            buckets.finish()
         else:
             y = block(tokens)
             sync.start()

@@ -1,8 +1,9 @@
-"""Data parallelism for the 3D trainer: one piece, four strategies, three kinds of parameter.
+"""Data parallelism: one piece, four strategies, three kinds of parameter. The only owner of
+gradient hooks in Sparta.
 
-After a pipeline step every rank holds, for each of its parameters, the sum over its
-micro-batches of the gradient of each micro-batch's mean loss. `DataParallel.finish` turns
-that into the gradient of the mean loss over the global batch (dp ranks x micro-batches):
+After a step every rank holds, for each of its parameters, the sum over its micro-batches of
+the gradient of each micro-batch's mean loss. `DataParallel.finish` turns that into the
+gradient of the mean loss over the global batch (dp ranks x micro-batches):
 
 - dense parameters (replicated on the dp ranks; under TP, each rank's shard): averaged over
   the dp group, divided by the micro-batches;
@@ -10,31 +11,72 @@ that into the gradient of the mean loss over the global batch (dp ranks x micro-
   gradients of every rank of the expert-parallel group, so they are summed over the
   expert's replicas only (``dp / ep`` ranks, never all dp: averaging them with other
   experts is the bug of pytorch/pytorch#160285) and divided by ``dp x micro-batches``;
-- SparseEmbedding shards: their all-to-all already averaged over the dp group; divided by
-  the micro-batches.
+- shards of SparseEmbeddings and VocabParallelHeads: their all-to-all already averaged over
+  the dp group; divided by the micro-batches.
+
+`wrap` refuses (ConfigError) an expert-parallel MoE layer whose group is not the layout's
+``ep`` and a sharded table or head whose group is not its ``dp``: their gradients would be
+scaled for another group than the one they were summed over, i.e. silently averaged with
+other experts' or other shards' (a Hugging Face GPT-2 moeified over one group and
+data-parallel over another trained 2.6e-3 away from one process in 5 steps that way).
 
 Strategies (for the dense parameters; experts and shards are always handled as above):
-- "ddp": torch DistributedDataParallel around each stage module, the experts and shards
-  excluded from its buckets. Its reduction runs in AccumulateGrad hooks, which zero-bubble
-  schedules bypass, and it takes no DTensor: so it refuses those schedules and tp > 1.
-- "fsdp": FSDP2 (``fully_shard``) on each layer and the stage, over the dp mesh, experts and
+- "ddp": torch DistributedDataParallel around each module, the experts and shards excluded
+  from its buckets. Its reduction runs in AccumulateGrad hooks, which zero-bubble schedules
+  bypass, and it takes no DTensor: so it refuses those schedules and tp > 1.
+- "fsdp": FSDP2 (``fully_shard``) on each layer and the module, over the dp mesh, experts and
   shards ignored; torch's pipelining drives its reduce-scatter. Under zero-bubble schedules
   ``reshard_after_forward=False`` (with the default, their W gradients come out wrong:
   pytorch/pytorch#164756).
-- "horovod": Horovod's grouped all-reduce over the dp process set after the step (the
+- "horovod": Horovod's grouped all-reduce over the dp process set at `finish` (the
   DistributedOptimizer's hooks would fire once per micro-batch, and not at all for
   zero-bubble W gradients). Needs the Horovod engine (horovodrun).
-- "sparta": buckets of ``bucket_mb`` sent by the world's engine (any engine, MPI included)
-  as soon as backward has accumulated every micro-batch into all of a bucket's parameters,
-  so they overlap the rest of backward; buckets go in a fixed order (the reverse of the
-  model's), and whatever hooks never completed (zero-bubble W gradients) goes at `finish`.
+- "sparta": buckets of ``bucket_mb`` on the world's engine (any engine, MPI included), each
+  sent as soon as backward has accumulated every micro-batch into all of its parameters, so
+  they overlap the rest of backward; whatever hooks never completed (zero-bubble W
+  gradients, a parameter no loss used) goes at `finish`. With ``queue=True`` (the default)
+  the buckets are tasks of a `sparta.comm.PriorityQueue` over the dp group (EmbRace's 2D
+  scheduling: keyed by their position in the next forward, chunked by ``queue_config``), and
+  with ``microbatches == 1`` the SparseEmbeddings' row exchanges are tasks of the same queue
+  (`SparseEmbedding.defer_gradients`): backward hands them over and goes on, and the rows,
+  first in the next forward, overtake every dense chunk not yet issued. ``queue=False``
+  sends the buckets straight to the engine in backward order and exchanges the rows inside
+  backward. ``partition`` (a `sparta.scheduling.GradientPartition`) replaces the buckets by
+  the cost model's pieces, released into the network gaps of an MoE layer's pipelined
+  backward (`sparta.scheduling.GapRelease`; give the layer ``dp.watch(exchange)``).
 
-`DataParallel` owns its hooks; `close()` removes them.
+Without a pipeline, in a plain training loop (any model; a Communicator per group from
+`build_layout`):
+
+    layout = build_layout(ParallelDims(dp=world.size, ep=4), world)
+    moeify(model, 8, 2, comm=layout.ep, ep_size=4)            # experts over 4 ranks
+    swap_embeddings(model, layout.dp)                          # tables sharded over dp
+    dp = DataParallel(layout, "sparta", microbatches=1, zero_bubble=False)
+    model = dp.wrap(model)                                     # DDP-wrapped for "ddp"
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)      # a plain torch optimizer
+    for ids, targets in data:                                  # this rank's share of the batch
+        dp.start(); loss = loss_fn(model(ids), targets); loss.backward(); dp.finish()
+        opt.step(); opt.zero_grad()                            # = one process on the global batch
+    dp.close()
+
+With gradient accumulation pass ``microbatches=N`` and run N forward/backward pairs between
+`start` and `finish` (under "ddp", `model.no_sync()` spares the first N-1 all-reduces).
+
+What went, and why (issue 23): the deferred dense step (each dense module stepped in the
+next forward's pre-hook, so that the lookups overlapped the last dense all-reduces). What it
+can hide is the dense all-reduce still running when backward ends, and with the queue
+issuing chunks during backward that was little: on the embedding benchmark's model (2
+ranks, vocabulary 50,000, 8 x 512 Zipf ids, a 512-512-512 block, 256 KiB chunks) the wait
+for the dense gradients after backward took 1.3 ms (median of 24 steps; max 32 ms) of a
+0.3-1.1 s step, on this shared 2-core machine. Against that: a pre-hook on every module,
+stale weights for code reading them between steps, ``.grad`` holding the local gradient,
+no LBFGS, and nothing to defer in the trainer at all, whose global-norm clipping reads
+every reduced gradient before any step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +84,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from sparta.comm import Handle
-from sparta.embedding import SparseEmbedding
-from sparta.errors import ConfigError
+from sparta.comm.priority import PriorityQueue, QueueConfig, TaskKey
+from sparta.embedding import SparseEmbedding, VocabParallelHead
+from sparta.errors import ConfigError, InputError
 from sparta.moe import MoELayer
 from sparta.parallel.dims import Layout
+from sparta.scheduling.grad_sync import GapRelease
+from sparta.scheduling.partition import GradientPartition
+from sparta.scheduling.trace import ObservedExchange
 
 STRATEGIES = ("ddp", "fsdp", "horovod", "sparta")
 
@@ -57,9 +103,10 @@ def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def shard_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The shards of ``module``'s SparseEmbeddings that are sharded over a group."""
-    tables = [m for m in module.modules() if isinstance(m, SparseEmbedding) and m.comm is not None]
-    return [p for m in tables for p in m.parameters()]
+    """The shards of ``module``'s SparseEmbeddings and VocabParallelHeads sharded over a
+    group (a tied head's shard is its table's, listed once)."""
+    tables = [m for m in module.modules() if isinstance(m, (SparseEmbedding, VocabParallelHead)) and m.comm is not None]
+    return list(dict.fromkeys(p for m in tables for p in m.parameters()))
 
 
 def check_strategy(strategy: str, zero_bubble: bool, tp: int, backend: str | None = None) -> None:
@@ -83,45 +130,123 @@ def check_strategy(strategy: str, zero_bubble: bool, tp: int, backend: str | Non
         )
 
 
+def check_groups(module: nn.Module, layout: Layout) -> None:
+    """ConfigError unless every expert-parallel MoE layer of ``module`` shards over the
+    ranks of ``layout.ep`` and every sharded table or head over those of ``layout.dp``
+    (what `finish`'s scaling assumes). Pure: call it before any collective."""
+    ep = tuple(layout.ep.ranks) if layout.ep is not None else None
+    dp = tuple(layout.dp.ranks)
+    for path, m in module.named_modules():
+        if isinstance(m, MoELayer) and m.comm is not None and tuple(m.comm.ranks) != ep:
+            raise ConfigError(
+                f"MoE layer {path or m.name!r} splits its experts over world ranks {list(m.comm.ranks)}, but the "
+                f"layout's expert-parallel group is {list(ep) if ep else 'none (ep=1)'}: data parallelism would sum "
+                "and scale its expert gradients for another group, i.e. average them with other experts'. Build the "
+                f"layers with comm=layout.ep (ParallelDims(ep={m.comm.size}))"
+            )
+        if isinstance(m, (SparseEmbedding, VocabParallelHead)) and m.comm is not None and tuple(m.comm.ranks) != dp:
+            raise ConfigError(
+                f"{type(m).__name__} {path!r} is sharded over world ranks {list(m.comm.ranks)}, but the layout's "
+                f"data-parallel group is {list(dp)}: its gradient is averaged over its own group only, so data "
+                "parallelism over another would mix shards. Shard it over layout.dp (swap_embeddings(model, layout.dp))"
+            )
+
+
 @dataclass
-class _Bucket:
-    params: list[nn.Parameter]
+class _Task:
+    """One dense all-reduce: element slices (parameter, first, end) of the flat local gradients."""
+
+    key: TaskKey
+    spans: list[tuple[nn.Parameter, int, int]]
     handle: Handle[torch.Tensor] | None = None
 
 
 class DataParallel:
     """Gradient reduction over ``layout``'s data-parallel groups (see the module docstring).
 
-    Call `wrap` on each stage module before building its PipelineStage, `start` before each
-    step, `finish` after it (collective over the dp group: every rank of it calls it).
+    microbatches: forward/backward pairs per step (the pipeline's micro-batches, or
+        gradient accumulation); zero_bubble: the schedule computes weight gradients apart
+        (hooks never see them). bucket_mb: "sparta"'s bucket size in MiB.
+    queue: "sparta" sends through a PriorityQueue (True) or straight to the engine (False);
+        queue_config: its chunking and schedule. partition / openings: "sparta" sends the
+        dense gradients in these pieces, released in an MoE layer's backward gaps (see
+        `watch`), instead of buckets.
+    Call `wrap` on each module that trains (each pipeline stage) before its first forward,
+    `start` before each step's backward, `finish` after it (collective over the dp group:
+    every rank of it calls it), `close` at the end.
     """
 
     def __init__(
-        self, layout: Layout, strategy: str, microbatches: int, zero_bubble: bool, bucket_mb: float = 25.0
+        self,
+        layout: Layout,
+        strategy: str,
+        microbatches: int,
+        zero_bubble: bool,
+        bucket_mb: float = 25.0,
+        *,
+        queue: bool = True,
+        queue_config: QueueConfig | None = None,
+        partition: GradientPartition | None = None,
+        openings: Sequence[int] = (),
     ) -> None:
         check_strategy(strategy, zero_bubble, layout.dims.tp, layout.world.backend)
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise ConfigError(f"DataParallel(microbatches={microbatches!r}): use a positive integer")
+        if not bucket_mb > 0:
+            raise ConfigError(f"DataParallel(bucket_mb={bucket_mb!r}): use a positive size in MiB")
+        if strategy != "sparta" and (partition is not None or queue_config is not None or not queue):
+            raise ConfigError(
+                f"queue, queue_config and partition choose how data_parallel='sparta' sends; with {strategy!r} "
+                "leave them out, or pass strategy 'sparta'"
+            )
+        if partition is not None and (zero_bubble or microbatches > 1):
+            raise ConfigError(
+                "partition= releases gradient pieces into one backward's network gaps: it needs microbatches=1 and "
+                "no zero-bubble schedule; leave it out (buckets) for pipelines"
+            )
         self.layout, self.strategy, self.microbatches = layout, strategy, microbatches
         self.zero_bubble, self.bucket_bytes = zero_bubble, int(bucket_mb * 2**20)
         self.experts: list[nn.Parameter] = []
         self.shards: list[nn.Parameter] = []
         self.dense: list[nn.Parameter] = []
-        self._buckets: list[_Bucket] = []
-        self._bucket_of: dict[nn.Parameter, int] = {}
-        self._arrivals: dict[nn.Parameter, int] = {}
-        self._issued = 0
+        self._expert_set: set[nn.Parameter] = set()
+        self._shard_set: set[nn.Parameter] = set()
+        self._names: dict[nn.Parameter, str] = {}
+        self._order: dict[nn.Parameter, int] = {}  # position in the forward, over every wrapped module
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._started = False
+        # "sparta"
+        self.queue = PriorityQueue(layout.dp, queue_config) if strategy == "sparta" and queue else None
+        self.tables: list[tuple[SparseEmbedding, TaskKey]] = []
+        self.release = GapRelease(partition, openings) if partition is not None else None
+        self._tasks: list[_Task] = []  # in ready order (backward's)
+        self._task_of: dict[nn.Parameter, list[int]] = {}
+        self._ready_index: dict[nn.Parameter, int] = {}
+        self._layout_stale = True
+        self._arrivals: dict[nn.Parameter, int] = {}
+        self._missing: list[int] = []  # per task: parameters not complete yet
+        self._sent = 0  # tasks sent, in order (queue=False keeps every rank's order)
 
+    # ------------------------------------------------------------------ setup
     def wrap(self, module: nn.Module) -> nn.Module:
-        """Take charge of ``module``'s gradients; returns the module the stage should run."""
+        """Take charge of ``module``'s gradients; returns the module to run (DDP-wrapped
+        under "ddp"). Checks first (ConfigError), then, under "sparta" and "horovod", sets
+        the dense parameters to the dp group's first rank's (DDP does the same)."""
+        check_groups(module, self.layout)
         experts, shards = expert_parameters(module), shard_parameters(module)
         special = set(experts) | set(shards)
         self.experts += experts
         self.shards += shards
+        self._expert_set.update(experts)
+        self._shard_set.update(shards)
+        for name, p in module.named_parameters():
+            self._names.setdefault(p, name)
+            self._order.setdefault(p, len(self._order))
         if self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
             names = [n for n, p in module.named_parameters() if p in special]
-            # the one way DDP takes parameters it must not reduce (as sparta.embedding.parallelize does)
+            # the one way DDP takes parameters it must not reduce
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
             module = DistributedDataParallel(
                 module, process_group=self.layout.mesh.get_group("dp"), broadcast_buffers=False
@@ -136,69 +261,181 @@ class DataParallel:
         # after wrapping: FSDP2 replaces the parameters by sharded ones
         dense = [p for p in module.parameters() if p.requires_grad and p not in special]
         self.dense += dense
+        if self.strategy in ("sparta", "horovod"):
+            self._broadcast(dense)
         if self.strategy == "sparta":
-            self._add_buckets(dense)
+            self._hooks += [p.register_post_accumulate_grad_hook(self._arrived) for p in dense]
+            self._layout_stale = True
+            if self.queue is not None and self.microbatches == 1:
+                for path, m in module.named_modules():
+                    if isinstance(m, SparseEmbedding) and m.comm is not None and m.weight.requires_grad:
+                        key = TaskKey(self._order[m.weight], f"table {len(self.tables)} {path}")
+                        m.defer_gradients(self.queue, key)
+                        self.tables.append((m, key))
         return module
 
-    def _add_buckets(self, params: list[nn.Parameter]) -> None:
-        # backward produces the last layers' gradients first: bucket in reverse order
-        current: list[nn.Parameter] = []
-        size = 0
-        for p in reversed(params):
-            current.append(p)
-            size += _local(p).numel() * p.element_size()
-            if size >= self.bucket_bytes:
-                self._buckets.append(_Bucket(current))
-                current, size = [], 0
-        if current:
-            self._buckets.append(_Bucket(current))
-        for index, bucket in enumerate(self._buckets):
-            for p in bucket.params:
-                self._bucket_of[p] = index
-        self._hooks += [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
+    @torch.no_grad()
+    def _broadcast(self, params: list[nn.Parameter]) -> None:
+        if self.layout.dims.dp == 1 or not params:
+            return
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            group = [p for p in params if p.dtype == dtype]
+            flat = torch.cat([_local(p.detach()).reshape(-1) for p in group])
+            got = self.layout.dp.broadcast(flat, src=0)
+            assert isinstance(got, torch.Tensor)
+            _unflatten(got, [(_local(p.data), 0, _local(p).numel()) for p in group])
 
+    def _plan(self) -> None:
+        """The dense tasks (buckets or pieces), in ready order: the reverse of the forward."""
+        ready = sorted(self.dense, key=lambda p: -self._order[p])
+        self._ready_index = {p: i for i, p in enumerate(ready)}
+        spans: list[list[tuple[nn.Parameter, int, int]]] = []
+        if self.release is not None:
+            sizes = {p.element_size() for p in ready}
+            if len(sizes) != 1:
+                dtypes = sorted({str(p.dtype) for p in ready})
+                raise ConfigError(f"partition= needs dense parameters of one dtype, got {dtypes}")
+            self.release.bind([_local(p).numel() for p in ready], sizes.pop())
+            spans = [[(ready[i], lo, hi) for i, lo, hi in self.release.spans(k)] for k in range(len(self.release))]
+        else:
+            current: list[tuple[nn.Parameter, int, int]] = []
+            size = 0
+            for p in ready:
+                n = _local(p).numel()
+                current.append((p, 0, n))
+                size += n * p.element_size()
+                if size >= self.bucket_bytes:
+                    spans.append(current)
+                    current, size = [], 0
+            if current:
+                spans.append(current)
+        # priority: the task's earliest parameter in the forward (the next forward needs it first)
+        self._tasks = [
+            _Task(TaskKey(min(self._order[p] for p, _, _ in s), f"dense {i}"), s) for i, s in enumerate(spans)
+        ]
+        self._task_of = {}
+        for index, task in enumerate(self._tasks):
+            for p, _, _ in task.spans:
+                self._task_of.setdefault(p, []).append(index)
+        self._layout_stale = False
+
+    def watch(self, exchange: object) -> ObservedExchange:
+        """``exchange`` (the MoE layer's, any sparta.comm.Exchange) reporting its transfers to
+        the partition's release: hand the layer / pipeline this instead (needs partition=)."""
+        if self.release is None:
+            raise ConfigError("DataParallel.watch needs partition= (the pieces released into the exchange's gaps)")
+        return self.release.watch(exchange)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------- step
     def start(self) -> None:
-        """Begin a step (before the schedule runs)."""
+        """Begin a step (before its backward runs; its forward may come before or after)."""
+        self._started = True
+        if self.strategy != "sparta":
+            return
+        if self._layout_stale:
+            self._plan()
         self._arrivals = {}
-        self._issued = 0
-        for bucket in self._buckets:
-            bucket.handle = None
+        self._missing = [len({p for p, _, _ in t.spans}) for t in self._tasks]
+        self._sent = 0
+        for task in self._tasks:
+            task.handle = None
+        if self.queue is not None:
+            keys = [t.key for t in self._tasks] + [key for _, key in self.tables]
+            # declared ready as backward makes them: the last layers' first, the tables' last
+            ready = sorted(keys, key=lambda k: (-k.priority, k.name))
+            self.queue.expect(keys, ready)
+        if self.release is not None:
+            self.release.start(self._send)
 
     def _arrived(self, p: torch.Tensor) -> None:
-        self._arrivals[p] = self._arrivals.get(p, 0) + 1  # type: ignore[index]
-        # buckets leave in index order on every rank, as soon as each is complete
-        while self._issued < len(self._buckets) and all(
-            self._arrivals.get(q, 0) == self.microbatches for q in self._buckets[self._issued].params
-        ):
-            self._issue(self._buckets[self._issued])
-            self._issued += 1
+        if not self._started:
+            return  # a backward outside start() / finish() is not ours to reduce
+        n = self._arrivals[p] = self._arrivals.get(p, 0) + 1  # type: ignore[index]
+        if n > self.microbatches:
+            raise InputError(
+                f"{self._names[p]} received gradients from {n} backward passes in one step of "  # type: ignore[index]
+                f"microbatches={self.microbatches}: its reduction may have left already. Pass "
+                "DataParallel(microbatches=<backwards per step>), or call start()/finish() around each"
+            )
+        if n == self.microbatches:
+            self._complete(p)  # type: ignore[arg-type]
 
-    def _issue(self, bucket: _Bucket) -> None:
-        flat = torch.cat([_local_grad(p).reshape(-1) for p in bucket.params])
-        bucket.handle = self.layout.dp.all_reduce(flat, op="sum", async_op=True)  # type: ignore[assignment]
+    def _complete(self, p: nn.Parameter) -> None:
+        if self.release is not None:
+            self.release.ready(self._ready_index[p])
+            return
+        for index in self._task_of[p]:
+            self._missing[index] -= 1
+            if self._missing[index] == 0:
+                self._ready_task(index)
+
+    def _ready_task(self, index: int) -> None:
+        if self.queue is not None:
+            self._send(index)
+            return
+        # straight to the engine: in ready order on every rank, whatever order they complete in
+        while self._sent < len(self._tasks) and self._missing[self._sent] == 0:
+            self._send(self._sent)
+
+    def _send(self, index: int) -> None:
+        task = self._tasks[index]
+        flat = torch.cat([_local_grad(p).reshape(-1)[lo:hi] for p, lo, hi in task.spans])
+        if self.queue is not None:
+            task.handle = self.queue.submit(task.key, flat, reduce="sum")
+        else:
+            task.handle = self.layout.dp.all_reduce(flat, op="sum", async_op=True)  # type: ignore[assignment]
+        self._sent += 1
 
     def finish(self) -> None:
-        """Complete this step's reductions and scale every gradient to the global-batch mean."""
+        """Complete this step's reductions and scale every gradient to the global-batch mean.
+        Collective over the dp group (and the experts' replicas)."""
+        if not self._started:
+            raise InputError("DataParallel.finish() without start(); call start() before each step's backward")
+        self._started = False
         dims, mb = self.layout.dims, self.microbatches
         with torch.no_grad():
+            # a parameter no loss reached counts zero, so that every rank sends the same tensors
+            for p in (*self.dense, *self.experts):
+                if p.grad is None and self.strategy in ("sparta", "horovod"):
+                    p.grad = torch.zeros_like(p)
+            experts = self._start_experts()
             if self.strategy == "sparta":
-                for bucket in self._buckets[self._issued :]:
-                    self._issue(bucket)
-                self._issued = len(self._buckets)
-                for bucket in self._buckets:
-                    assert bucket.handle is not None
-                    _scatter(bucket.handle.wait(), bucket.params, 1.0 / (dims.dp * mb))
+                self._finish_sparta(1.0 / (dims.dp * mb))
             elif self.strategy == "horovod":
                 self._horovod_all_reduce([p for p in self.dense if p.grad is not None], 1.0 / (dims.dp * mb))
             else:  # ddp, fsdp: torch averaged over dp
                 _scale([p for p in self.dense if p.grad is not None], 1.0 / mb)
-            experts = [p for p in self.experts if p.grad is not None]
-            if self.layout.expert_dp is not None and experts:
-                flat = torch.cat([_local_grad(p).reshape(-1) for p in experts])
-                _scatter(self.layout.expert_dp.all_reduce(flat, op="sum"), experts, 1.0 / (dims.dp * mb))  # type: ignore[arg-type]
-            else:
-                _scale(experts, 1.0 / (dims.dp * mb))
+            if experts is not None:
+                params, handle = experts
+                _unflatten(handle.wait(), [(_local_grad(p), 0, _local_grad(p).numel()) for p in params])
+            _scale([p for p in self.experts if p.grad is not None], 1.0 / (dims.dp * mb))
             _scale([p for p in self.shards if p.grad is not None], 1.0 / mb)
+
+    def _start_experts(self) -> tuple[list[nn.Parameter], Handle[torch.Tensor]] | None:
+        """The experts' sum over their replicas, issued (None where they have none)."""
+        experts = [p for p in self.experts if p.grad is not None]
+        if self.layout.expert_dp is None or not experts:
+            return None
+        flat = torch.cat([_local_grad(p).reshape(-1) for p in experts])
+        return experts, self.layout.expert_dp.all_reduce(flat, op="sum", async_op=True)  # type: ignore[return-value]
+
+    def _finish_sparta(self, scale: float) -> None:
+        for p in self.dense:  # what hooks never completed: zero-bubble W gradients, unused parameters
+            if self._arrivals.get(p, 0) < self.microbatches:
+                self._arrivals[p] = self.microbatches
+                self._complete(p)
+        if self.release is not None:
+            self.release.finish()
+        for table, key in self.tables:
+            if self.queue is not None and self.queue.expects(key):  # no lookup this step: an empty exchange
+                empty = table.weight.new_zeros(0, table.embedding_dim)
+                zeros = [0] * self.layout.dp.size
+                self.queue.submit(key, empty, op="all_to_all", send_splits=zeros, recv_splits=zeros)
+        for task in self._tasks:
+            assert task.handle is not None
+            _unflatten(task.handle.wait(), [(_local_grad(p), lo, hi) for p, lo, hi in task.spans], scale)
+        for table, _ in self.tables:
+            table.finish_gradients()
 
     def _horovod_all_reduce(self, params: list[nn.Parameter], scale: float) -> None:
         import horovod.torch as hvd
@@ -209,12 +446,13 @@ class DataParallel:
         for grad, value in zip(grads, reduced, strict=True):
             grad.copy_(value)
 
+    # ---------------------------------------------------------------- queries
     def replicas(self, p: nn.Parameter) -> int:
         """How many ranks of this stage hold the same values as this rank's ``p`` (for norms)."""
         dims = self.layout.dims
-        if p in set(self.experts):
+        if p in self._expert_set:
             split = dims.ep
-        elif p in set(self.shards):
+        elif p in self._shard_set:
             split = dims.dp
         elif isinstance(p, DTensor):
             split = 1
@@ -225,29 +463,38 @@ class DataParallel:
         return dims.dp * dims.tp // split
 
     def close(self) -> None:
-        """Remove the gradient hooks (the "sparta" strategy's)."""
+        """Remove the gradient hooks and hand the tables' exchanges back to their backward."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for table, _ in self.tables:
+            table.defer_gradients(None)
+        self.tables = []
+        self._started = False
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _local_grad(p: nn.Parameter) -> torch.Tensor:
+def _local_grad(p: torch.Tensor) -> torch.Tensor:
     assert p.grad is not None
     return _local(p.grad)
 
 
 def _scale(params: Iterable[nn.Parameter], factor: float) -> None:
+    if factor == 1.0:
+        return
     for p in params:
         _local_grad(p).mul_(factor)
 
 
-def _scatter(flat: torch.Tensor, params: list[nn.Parameter], factor: float) -> None:
+def _unflatten(flat: torch.Tensor, spans: list[tuple[torch.Tensor, int, int]], factor: float = 1.0) -> None:
+    """Copy consecutive pieces of ``flat`` into elements [first, end) of each tensor, times ``factor``."""
     offset = 0
-    for p in params:
-        grad = _local_grad(p)
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad)).mul_(factor)
-        offset += grad.numel()
+    for t, lo, hi in spans:
+        piece = t.view(-1)[lo:hi]
+        piece.copy_(flat[offset : offset + hi - lo])
+        if factor != 1.0:
+            piece.mul_(factor)
+        offset += hi - lo

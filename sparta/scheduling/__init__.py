@@ -12,7 +12,8 @@
     partition.py  partition_gradients: dense all-reduce pieces sized to the backward's network gaps
     tuner.py      OnlineTuner, Choice: try the model's best plans and r=1 on real steps, keep the
                   fastest (r=1 unless clearly beaten)
-    grad_sync.py  PartitionedAllReduce: those pieces issued through the priority queue in backward
+    grad_sync.py  GapRelease: when each of those pieces may leave in backward (no hooks of its own:
+                  sparta.parallel.DataParallel(partition=...) owns them and sends the pieces)
     trace.py      Tracer, TracedExchange, gather, write_chrome_trace, draw_timeline: per-rank
                   timelines for Perfetto and as a PNG; ObservedExchange, what the pipeline
                   tells of its transfers (tracing, the gradient partitioner)
@@ -23,7 +24,7 @@ namespaces) live beside the package, in `sparta_tools`.
 """
 
 from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape, Prediction, SchedulePlan, Timeline
-from sparta.scheduling.grad_sync import PartitionedAllReduce
+from sparta.scheduling.grad_sync import GapRelease
 from sparta.scheduling.microbatch import Routed, overlapped_block
 from sparta.scheduling.partition import GradientPartition, partition_gradients
 from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
@@ -36,12 +37,12 @@ __all__ = [
     "Calibration",
     "Choice",
     "CostModel",
+    "GapRelease",
     "GradientPartition",
     "LayerShape",
     "LinearFit",
     "ObservedExchange",
     "OnlineTuner",
-    "PartitionedAllReduce",
     "PipelineDegrees",
     "Prediction",
     "Profile",

@@ -1,145 +1,163 @@
-"""Adaptive gradient partitioning, issued: the dense gradients' all-reduce in pieces that travel
-in the network gaps of an MoE layer's pipelined backward.
+"""Adaptive gradient partitioning, released: when each of the dense all-reduce's pieces may
+leave during an MoE layer's pipelined backward.
 
-`partition_gradients` (partition.py) sizes the pieces from the cost model's gaps; this sends
-them. The dense gradients are laid end to end in the order they become ready in backward
-(the layers after the MoE layer first), cut at the partition's byte boundaries, and each piece
-is a task of a sparta.comm PriorityQueue. A piece is released once its gradients are all
-accumulated and the transfers before its gap are issued: the pipeline tells the exchange of
-each transfer it issues (`issued`), and gap g opens after `openings[g]` backward transfers
-(Timeline.gap_openings). A released piece is sent once the last of those transfers has
-completed, not at once: the cost model's link carries one transfer at a time, but gloo would
-run the piece's all-reduce beside the chunk still in flight and slow it, delaying the whole
-pipeline. Completion is seen where the pipeline waits for that transfer (it waits for every
-one, in order), so pieces go from the thread running backward and nothing waits on another
-thread: a piece may leave later than the transfer's true end, by the compute the pipeline
-does before it waits. Pieces planned for no gap (-1), and any whose gap never came (a
-backward with fewer chunks than planned), go at `finish()`.
+`partition_gradients` (partition.py) sizes the pieces from the cost model's network gaps;
+`GapRelease` decides the moment each one goes. It owns no gradient hook and sends nothing:
+the data-parallel piece that owns the hooks (`sparta.parallel.DataParallel(...,
+partition=part, openings=...)`, strategy "sparta") tells it which gradients are in
+(`ready`) and gets each released piece through the `send` callback it passed to `start`,
+which it puts on its priority queue. One owner of hooks, one queue; this module is the policy.
 
-The pieces travel on their own communicator (a split of `comm` over all its ranks): the
-helper thread's issue time depends on this rank's timing, and collectives on one
-communicator must come in the same order on every rank. On their own one they do (the plan
-fixes the pieces' order), whatever the interleaving with the exchange's transfers.
+The dense gradients are laid end to end in the order they become ready in backward (the
+layers after the MoE layer first) and cut at the partition's byte boundaries. A piece is
+released once its gradients are all in and the transfers before its gap are issued: the
+pipeline tells the watched exchange (`watch`) of each transfer it issues, and gap g opens
+after `openings[g]` backward transfers (`Timeline.gap_openings`). A released piece is sent
+once the last of those transfers has completed, not at once: the cost model's link carries
+one transfer at a time, but gloo would run the piece's all-reduce beside the chunk still in
+flight and slow it, delaying the whole pipeline. Completion is seen where the pipeline waits
+for that transfer (it waits for every one, in order), so pieces go from the thread running
+backward, at the same point of every rank's program: nothing waits on another thread, and
+a backward that raises leaves nothing behind. Pieces planned for no gap (-1), and any whose
+gap never came (a backward with fewer chunks than planned), go at `finish`.
 
-    sync = PartitionedAllReduce(world.comm, dense_params_in_ready_order, part, model_tl.gap_openings())
-    exchange = sync.watch(hier)                  # give the MoE layer / pipeline this exchange
-    sync.start(); loss.backward(); sync.finish() # p.grad now holds the average over ranks
-    sync.close()                                 # at the end of training: the gradient hooks go
+    release = GapRelease(part, openings=timeline.gap_openings())
+    release.bind([p.numel() for p in ready_order], element_size=4)
+    exchange = release.watch(hier)            # give the MoE layer / pipeline this exchange
+    release.start(send)                       # send(k) puts piece k on the wire
+    ... release.ready(i) as each gradient arrives (ready order) ...; release.finish()
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from sparta.comm.communicator import Communicator
 from sparta.comm.exchange import Exchange, PendingAllToAll
 from sparta.comm.handle import Handle
-from sparta.comm.priority import PriorityQueue, QueueConfig, TaskKey
 from sparta.errors import ConfigError, InputError
 from sparta.scheduling.partition import GradientPartition
 from sparta.scheduling.trace import ObservedExchange
 
 
-class PartitionedAllReduce:
-    """Averages the gradients of `params` over `comm` in the pieces of `partition`.
+class GapRelease:
+    """When piece k of `partition` may leave (see the module docstring).
 
-    params: the dense parameters in the order their gradients become ready in backward (the
-        same on every rank); one dtype. partition: pieces in bytes summing to their size.
-    openings: for each gap index, the backward transfers after which it opens.
-    Not thread-safe: one training loop drives it (a context manager: `close()` at exit).
+    openings: for each gap index, the backward transfers after which it opens. `bind` gives
+    the gradients' sizes before the first `start`.
+    `released` counts the pieces sent this step. Not thread-safe: one training loop drives it.
     """
 
-    def __init__(
-        self,
-        comm: Communicator,
-        params: Sequence[torch.Tensor],
-        partition: GradientPartition,
-        openings: Sequence[int] = (),
-    ) -> None:
-        dtypes = {p.dtype for p in params}
-        if not params or len(dtypes) != 1:
-            raise ConfigError(f"PartitionedAllReduce: give one or more parameters of one dtype, got dtypes {dtypes}")
-        size = next(iter(dtypes)).itemsize
-        total = sum(p.numel() for p in params) * size
-        if sum(partition.pieces) != total or any(n % size for n in partition.pieces):
+    def __init__(self, partition: GradientPartition, openings: Sequence[int]) -> None:
+        if len(partition.gaps) != len(partition.pieces) or any(g >= len(openings) for g in partition.gaps):
             raise ConfigError(
-                f"PartitionedAllReduce: the pieces {list(partition.pieces)} must sum to the parameters' "
-                f"{total} bytes in whole {size}-byte elements; partition_gradients(total_bytes={total}, ...)"
+                f"the gradient pieces use gaps {sorted(set(partition.gaps))} but openings has {len(openings)} "
+                "entries; pass Timeline.gap_openings() of the timeline the gaps came from"
             )
-        if any(g >= len(openings) for g in partition.gaps):
+        self.partition, self.openings = partition, tuple(openings)
+        self.numels: list[int] = []
+        self.ends: list[int] = []
+        self.bounds: list[int] = []
+        self.released = 0
+        self._send: Callable[[int], None] | None = None
+        self._ready: list[bool] = []
+        self._prefix = 0
+        self._transfers: list[_Transfer] = []
+
+    def bind(self, numels: Sequence[int], element_size: int) -> None:
+        """The gradients the pieces cut: elements of each, in the order backward makes them
+        (the same on every rank), and bytes per element (one dtype for all). ConfigError
+        unless the pieces cover them exactly in whole elements."""
+        total = sum(numels) * element_size
+        pieces = self.partition.pieces
+        if not numels or sum(pieces) != total or any(n % element_size for n in pieces):
             raise ConfigError(
-                f"PartitionedAllReduce: pieces use gaps {sorted(set(partition.gaps))} but openings has "
-                f"{len(openings)}; pass Timeline.gap_openings() of the timeline the gaps came from"
+                f"the gradient pieces {list(pieces)} must sum to the dense parameters' {total} bytes in whole "
+                f"{element_size}-byte elements; partition_gradients(total_bytes={total}, ..., "
+                f"element_bytes={element_size})"
             )
-        pieces_comm = comm.split(list(range(comm.size)))
-        assert pieces_comm is not None  # every rank is in it
-        self.comm, self.params, self.partition = pieces_comm, list(params), partition
-        self.openings = tuple(openings)
-        ends = torch.cumsum(torch.tensor([p.numel() for p in params]), 0).tolist()
-        self._param_ends = ends  # flat end of each parameter, in ready order
-        self._bounds = [0, *torch.cumsum(torch.tensor(partition.pieces) // size, 0).tolist()]
-        self._keys = [TaskKey(k, f"dense.{k}") for k in range(len(partition.pieces))]
-        # one piece per queue chunk: the partition already sized them
-        self.queue = PriorityQueue(pieces_comm, QueueConfig(chunk_bytes=max(partition.pieces), chunks_per_ready=1))
-        self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
-        self._started = False
+        self.numels = [int(n) for n in numels]
+        self.ends = torch.cumsum(torch.tensor(self.numels), 0).tolist()  # flat end of each gradient
+        self.bounds = [0, *torch.cumsum(torch.tensor(pieces) // element_size, 0).tolist()]
 
-    def __enter__(self) -> PartitionedAllReduce:
-        return self
+    def __len__(self) -> int:
+        return len(self.partition.pieces)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def spans(self, k: int) -> list[tuple[int, int, int]]:
+        """Piece k as (gradient index, first element, end element) slices, in order."""
+        lo, hi = self.bounds[k], self.bounds[k + 1]
+        out = []
+        for i in range(bisect.bisect_right(self.ends, lo), len(self.numels)):
+            start = self.ends[i] - self.numels[i]
+            out.append((i, max(lo, start) - start, min(hi, self.ends[i]) - start))
+            if self.ends[i] >= hi:
+                break
+        return out
 
     def watch(self, exchange: Exchange) -> ObservedExchange:
         """`exchange` (a Communicator, HierarchicalAllToAll, TracedExchange...) as the pipeline
         should get it: the same transfers, with this object told of each."""
         return _Watched(exchange, self)
 
-    def start(self) -> None:
-        """Begin a step: call before its backward, on every rank. A step whose backward
-        raised before any piece left starts over here."""
-        self.queue.expect(self._keys, ready_order=self._keys)
-        self._ready = [False] * len(self.params)
-        self._prefix = 0  # leading parameters (ready order) whose gradients are in
-        self._transfers: list[_Transfer] = []  # this backward's transfers, in issue order
-        self._next = 0  # pieces sent
-        self._handles: list[Handle[torch.Tensor]] = []
-        self._started = True
+    @property
+    def active(self) -> bool:
+        return self._send is not None
 
-    def _grad_ready(self, p: torch.Tensor) -> None:
-        if not self._started:
+    def start(self, send: Callable[[int], None]) -> None:
+        """Begin a step (before its backward, on every rank); `send(k)` puts piece k on the
+        wire, called in piece order. A step whose backward raised starts over here."""
+        if not self.bounds:
+            raise InputError("GapRelease.start before bind(); give it the gradients' sizes first")
+        self._send = send
+        self._ready = [False] * len(self.numels)
+        self._prefix = 0  # leading gradients (ready order) that are in
+        self._transfers = []  # this backward's transfers, in issue order
+        self.released = 0
+
+    def ready(self, index: int) -> None:
+        """Gradient `index` (ready order) is complete for this step."""
+        if not self.active:
             return
-        self._ready[self._index[id(p)]] = True
+        self._ready[index] = True
         while self._prefix < len(self._ready) and self._ready[self._prefix]:
             self._prefix += 1
         self._pump(final=False)
 
     def issued(self, name: str, transfer: _Transfer) -> None:
         """The pipeline issued `transfer`, named `name` ("bwd out 2", ...)."""
-        if self._started and name.startswith("bwd"):
+        if self.active and name.startswith("bwd"):
             self._transfers.append(transfer)
             self._pump(final=False)
 
     def completed(self) -> None:
         """A watched transfer's wait returned: pieces waiting behind it may go."""
-        if self._started:
+        if self.active:
             self._pump(final=False)
 
+    def finish(self) -> None:
+        """Release every piece not released yet (each after the transfer before its gap);
+        the gradients must all be `ready` (InputError otherwise) or made so by the caller."""
+        if not self.active:
+            raise InputError("GapRelease.finish without start(); call start() before backward")
+        try:
+            self._pump(final=True)
+        finally:
+            self._send, self._transfers = None, []
+
     def _pump(self, final: bool) -> None:
-        ready_elems = self._param_ends[self._prefix - 1] if self._prefix else 0
-        while self._next < len(self._keys):
-            k = self._next
+        assert self._send is not None
+        ready_elems = self.ends[self._prefix - 1] if self._prefix else 0
+        while self.released < len(self):
+            k = self.released
             gap = self.partition.gaps[k]
-            if self._bounds[k + 1] > ready_elems:
+            if self.bounds[k + 1] > ready_elems:
                 if final:
                     missing = [i for i, r in enumerate(self._ready) if not r]
                     raise InputError(
-                        f"PartitionedAllReduce.finish: parameters {missing} (ready order) got no gradient "
-                        "this step; every rank must back-propagate into every dense parameter"
+                        f"gradients {missing} (ready order) are not in at the end of the step; every rank must "
+                        "back-propagate into every dense parameter"
                     )
                 return
             if not final and (gap < 0 or len(self._transfers) < self.openings[gap]):
@@ -150,44 +168,8 @@ class PartitionedAllReduce:
                 if not final:
                     return  # completed() comes back here once the pipeline has waited for it
                 after.handle.wait()
-            self._handles.append(self.queue.submit(self._keys[k], self._piece(k), reduce="avg"))
-            self._next += 1
-
-    def _piece(self, k: int) -> torch.Tensor:
-        """Elements [bounds[k], bounds[k+1]) of the gradients laid end to end."""
-        lo, hi = self._bounds[k], self._bounds[k + 1]
-        first = bisect.bisect_right(self._param_ends, lo)
-        parts, at = [], lo
-        for i in range(first, len(self.params)):
-            start = self._param_ends[i] - self.params[i].numel()
-            grad = self.params[i].grad
-            assert grad is not None
-            parts.append(grad.reshape(-1)[at - start : min(hi, self._param_ends[i]) - start])
-            at = min(hi, self._param_ends[i])
-            if at == hi:
-                break
-        return torch.cat(parts)
-
-    def finish(self) -> None:
-        """Send what is left, wait for every piece, write the averages into the gradients."""
-        if not self._started:
-            raise InputError("PartitionedAllReduce.finish without start(); call start() before backward")
-        try:
-            self._pump(final=True)
-        finally:
-            self._transfers = []
-        flat = torch.cat([h.wait() for h in self._handles])
-        for p, end in zip(self.params, self._param_ends, strict=True):
-            assert p.grad is not None
-            p.grad.copy_(flat[end - p.numel() : end].view_as(p.grad))
-        self._started = False
-
-    def close(self) -> None:
-        """Remove the gradient hooks (idempotent); the parameters train on without it."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self._started = False
+            self.released += 1
+            self._send(k)
 
 
 class _Transfer:
@@ -199,10 +181,10 @@ class _Transfer:
 
 class _Watched(ObservedExchange):
     """`inner` (any Exchange, e.g. a TracedExchange, which still traces) whose transfers are
-    reported to a PartitionedAllReduce: each one as it is issued, and when its wait returns."""
+    reported to a GapRelease: each one as it is issued, and when its wait returns."""
 
-    def __init__(self, inner: Exchange, sync: PartitionedAllReduce) -> None:
-        self.inner, self.sync = inner, sync
+    def __init__(self, inner: Exchange, release: GapRelease) -> None:
+        self.inner, self.release = inner, release
         self.size, self.rank, self.ranks = inner.size, inner.rank, inner.ranks
         self.tracer = inner.tracer if isinstance(inner, ObservedExchange) else None
         self._last: _Transfer | None = None
@@ -224,7 +206,7 @@ class _Watched(ObservedExchange):
         def wait() -> torch.Tensor:
             got = transfer.handle.wait()
             transfer.done = True
-            self.sync.completed()
+            self.release.completed()
             return got
 
         return PendingAllToAll(Handle(wait), started.send_splits, started.recv_splits)
@@ -233,4 +215,4 @@ class _Watched(ObservedExchange):
         if isinstance(self.inner, ObservedExchange):
             self.inner.issued(name)
         assert self._last is not None, "the pipeline reports only transfers it started on this exchange"
-        self.sync.issued(name, self._last)
+        self.release.issued(name, self._last)

@@ -17,8 +17,8 @@ from runner import finish, raises, run_checks, start
 import sparta
 from sparta.comm import Exchange, HierarchicalAllToAll, World
 from sparta.errors import ConfigError, InputError
+from sparta.parallel import DataParallel, ParallelDims, build_layout
 from sparta.scheduling.cost_model import CostModel, LayerShape
-from sparta.scheduling.grad_sync import PartitionedAllReduce
 from sparta.scheduling.microbatch import Routed, overlapped_block
 from sparta.scheduling.partition import GradientPartition
 from sparta.scheduling.pipeline import Compute, PipelineDegrees, pipelined_exchange
@@ -173,20 +173,29 @@ def check_tuner_agrees_on_the_slowest_rank(world: World) -> None:
     assert tuner.chosen == UNPIPELINED and tuner.current == UNPIPELINED
 
 
-def check_partitioned_gradients_equal_all_reduce(world: World) -> None:
-    """Dense layers around the pipelined exchange; their gradients averaged in pieces that
-    cross parameter boundaries, two of them sent during backward, equal a plain all-reduce."""
-    rows, counts, (w, b) = problem(world, 0, torch.float32)
-    g = torch.Generator().manual_seed(5 + world.rank)
-    dense = [torch.randn(D_IN, D_IN, generator=g), torch.randn(D_OUT, 7, generator=g), torch.randn(7, generator=g)]
-    order = [2, 1, 0]  # ready order: the layer after the exchange first
+class DenseParams(torch.nn.Module):
+    """Tensors as the parameters of a module (registered in forward order), for DataParallel."""
 
-    def run(ex: Exchange, sync: PartitionedAllReduce | None, params: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.params = torch.nn.ParameterList(torch.nn.Parameter(t.clone()) for t in tensors)
+
+
+def check_partitioned_gradients_equal_all_reduce(world: World) -> None:
+    """Dense layers around the pipelined exchange; their gradients averaged by DataParallel in
+    pieces that cross parameter boundaries, two of them sent during backward, equal a plain
+    all-reduce; pieces that do not cover the parameters are refused at the first step."""
+    rows, counts, (w, b) = problem(world, 0, torch.float32)
+    g = torch.Generator().manual_seed(5)  # replicated, as data parallelism keeps them (wrap broadcasts rank 0's)
+    dense = [torch.randn(D_IN, D_IN, generator=g), torch.randn(D_OUT, 7, generator=g), torch.randn(7, generator=g)]
+    layout = build_layout(ParallelDims(dp=world.size), world)
+
+    def run(ex: Exchange, dp: DataParallel | None, params: list[torch.Tensor]) -> None:
         pre, post_w, post_b = params
         y = pipelined_exchange(rows @ pre, counts, slot_mlp(w, b, world.size), ex, PipelineDegrees(2, 3), [w, b])
         loss = (torch.tanh(y @ post_w) + post_b).square().sum()
-        if sync is not None:
-            sync.start()
+        if dp is not None:
+            dp.start()
         loss.backward()
 
     want = [t.clone().requires_grad_() for t in dense]
@@ -195,17 +204,23 @@ def check_partitioned_gradients_equal_all_reduce(world: World) -> None:
     total = sum(t.numel() for t in dense) * 4
     part = GradientPartition(pieces=(12, 4 * 9, total - 48), gaps=(0, 1, -1), exposed_s=0.0)
     for ex in exchanges(world):
-        got = [t.clone().requires_grad_() for t in dense]
-        sync = PartitionedAllReduce(world.comm, [got[i] for i in order], part, openings=(1, 3))
-        run(sync.watch(ex), sync, got)
-        assert sync._next == 2, f"{sync._next} pieces went during backward; want the 2 planned for its gaps"
-        sync.finish()
-        sync.close()
-        for p, ref in zip(got, oracle, strict=True):
+        model = DenseParams(dense)  # ready order: the layer after the exchange first (post_b, post_w, pre)
+        dp = DataParallel(layout, "sparta", 1, False, partition=part, openings=(1, 3))
+        dp.wrap(model)
+        run(dp.watch(ex), dp, list(model.params))
+        assert dp.release is not None and dp.release.released == 2, (
+            f"{dp.release.released} pieces went during backward; want the 2 planned for its gaps"
+        )
+        dp.finish()
+        dp.close()
+        for p, ref in zip(model.params, oracle, strict=True):
             torch.testing.assert_close(p.grad, ref, rtol=1e-6, atol=1e-6)
-        assert [k.priority for k, _ in sync.queue.issue_log] == [0, 1, 2]
-    with raises(ConfigError, r"must sum to the parameters' 240 bytes"):
-        PartitionedAllReduce(world.comm, dense, GradientPartition((8,), (-1,), 0.0))
+        assert dp.queue is not None and [k.name for k, _ in dp.queue.issue_log] == ["dense 0", "dense 1", "dense 2"]
+    wrong = DataParallel(layout, "sparta", 1, False, partition=GradientPartition((8,), (-1,), 0.0))
+    wrong.wrap(DenseParams(dense))
+    with raises(ConfigError, r"must sum to the dense parameters' 240 bytes"):
+        wrong.start()
+    wrong.close()
 
 
 def moe_block(world: World, params: list[torch.Tensor]) -> tuple[Callable[..., Routed], Callable[..., torch.Tensor]]:

@@ -18,7 +18,7 @@ from runner import finish, run_checks, start  # noqa: E402
 from sparta.comm import Exchange, HierarchicalAllToAll, PendingAllToAll, World  # noqa: E402
 from sparta.comm.handle import Handle  # noqa: E402
 from sparta.moe import MoELayer, tune_schedule  # noqa: E402
-from sparta.scheduling.grad_sync import PartitionedAllReduce  # noqa: E402
+from sparta.parallel import DataParallel, ParallelDims, build_layout  # noqa: E402
 from sparta.scheduling.partition import GradientPartition  # noqa: E402
 from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange  # noqa: E402
 
@@ -98,20 +98,26 @@ class _Recorded(Exchange):
         return replace(started, handle=Handle(wait))
 
 
+class _Dense(torch.nn.Module):
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__()
+        self.dense = torch.nn.Parameter(value.clone())
+
+
 def check_pieces_leave_after_the_transfer_before_their_gap(world: World) -> None:
     """A piece planned for the gap after backward transfer 2 is released when that transfer
     is issued but sent only once it has completed; the averages are right."""
     g = torch.Generator().manual_seed(world.rank)
     counts = torch.full((world.size * 2,), 3)
     rows = torch.randn(int(counts.sum()), 4, generator=g)
-    dense0 = torch.randn(64, generator=g)
+    dense0 = torch.randn(64, generator=torch.Generator().manual_seed(99))  # replicated, as data parallelism keeps it
 
-    def run(exchange: Any, dense: torch.Tensor, sync: PartitionedAllReduce | None) -> None:
+    def run(exchange: Any, dense: torch.Tensor, dp: DataParallel | None) -> None:
         y = pipelined_exchange(rows, counts, lambda r, c: r * 2.0, exchange, PipelineDegrees(1, 3))
         # dense after the exchange: its gradient is in before the exchange's backward starts
         loss = torch.tanh(y @ dense.view(4, 16)).square().sum()
-        if sync is not None:
-            sync.start()
+        if dp is not None:
+            dp.start()
         loss.backward()
 
     rows.requires_grad_()
@@ -119,25 +125,28 @@ def check_pieces_leave_after_the_transfer_before_their_gap(world: World) -> None
     run(world.comm, plain, None)
     want = world.comm.all_reduce(plain.grad, op="avg")
 
-    dense = dense0.clone().requires_grad_()
+    model = _Dense(dense0)
     part = GradientPartition(pieces=(128, 128), gaps=(0, -1), exposed_s=0.0)
     recorded = _Recorded(world)
-    sync = PartitionedAllReduce(world.comm, [dense], part, openings=(2,))
+    dp = DataParallel(build_layout(ParallelDims(dp=world.size), world), "sparta", 1, False, partition=part,
+                      openings=(2,))  # fmt: skip
+    dp.wrap(model)
     sent_after: list[bool] = []
-    submit = sync.queue.submit
+    assert dp.queue is not None
+    submit = dp.queue.submit
 
     def checked_submit(key: Any, *args: Any, **kwargs: Any) -> Any:
         # transfers: the counts exchange, forward out 0 and back 0 (degree 1), then backward out 0, out 1, ...
-        sent_after.append(key.priority > 0 or recorded.done[3 + 1])
+        sent_after.append(key.name != "dense 0" or recorded.done[3 + 1])
         return submit(key, *args, **kwargs)
 
-    sync.queue.submit = checked_submit  # type: ignore[method-assign]
-    run(sync.watch(recorded), dense, sync)
-    assert sync._next == 1, f"{sync._next} pieces released during backward; want 1"
-    sync.finish()
-    sync.close()
+    dp.queue.submit = checked_submit  # type: ignore[method-assign]
+    run(dp.watch(recorded), model.dense, dp)
+    assert dp.release is not None and dp.release.released == 1, f"{dp.release.released} pieces released; want 1"
+    dp.finish()
+    dp.close()
     assert sent_after == [True, True], sent_after
-    torch.testing.assert_close(dense.grad, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model.dense.grad, want, rtol=1e-6, atol=1e-6)
 
 
 CHECKS = [
