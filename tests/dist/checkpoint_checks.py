@@ -114,9 +114,17 @@ def train(
     return losses
 
 
+GAPS: dict[str, float] = {}  # what -> largest gap seen, written to gaps-<phase>.json by rank 0
+
+
 def close(values: list[float], want: list[float], tol: float, what: str) -> None:
     gaps = [abs(a - b) for a, b in zip(values, want, strict=True)]
+    GAPS[what] = max(gaps)
     assert max(gaps) <= tol, f"{what}: {values} vs {want} (gaps {gaps})"
+
+
+def write_gaps(base: Path, phase: str) -> None:
+    (base / f"gaps-{phase}.json").write_text(json.dumps(GAPS))
 
 
 # ------------------------------------------------------------------------ eight
@@ -364,11 +372,14 @@ def main() -> None:
                 report(0, check.__name__, False, traceback.format_exc()[-2000:])
             else:
                 report(0, check.__name__, True)
+        write_gaps(args.dir, args.phase)
         sys.exit(1 if failures else 0)
     world, _ = start(timeout_s=120.0)
     layout = build_layout(LAYOUTS[args.phase], world)
     checks = {"eight": eight, "crash": crash, "four": four}[args.phase](layout, args.dir)
     failures = run_checks(world, [_bound(check) for check in checks])
+    if world.rank == 0:
+        write_gaps(args.dir, args.phase)
     world.shutdown()
     # DeviceMesh's process groups outlive the world's shutdown; their destructors at
     # interpreter exit can abort a clean run (see World.shutdown), so leave without them.

@@ -228,5 +228,7 @@ def test_checkpoints_across_layouts_crashes_and_bad_input() -> None:
 
         results = launch("env", "checkpoint_checks.py", nprocs=1, args=["--phase", "one", *common], timeout=120)
         assert_all_ok(results, nprocs=1, expected_checks=2)
+        for phase in ("eight", "four", "one"):  # the measured gaps, for the log (-s shows them)
+            print(phase, (Path(base) / f"gaps-{phase}.json").read_text())
     finally:
         shutil.rmtree(base, ignore_errors=True)
