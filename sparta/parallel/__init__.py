@@ -9,8 +9,9 @@
 
 Pieces: dims.py (ParallelDims, Layout), decoder.py (the reference model), pipeline.py (stage
 cuts, schedules and their action lists), data_parallel.py (one piece, four strategies),
-parallelize.py (composes them), checkpoint.py (DCP, any layout to any other), hf.py (Hugging
-Face Llama and GPT-2 in the Decoder's layout), config.py + train.py (`sparta train`).
+experts.py (MoESpec), parallelize.py (composes them), model.py (ParallelModel: the step),
+checkpoint.py (DCP, any layout to any other), hf.py (Hugging Face Llama and GPT-2 in the
+Decoder's layout), config.py + train.py (`sparta train`).
 """
 
 from sparta.parallel.checkpoint import Checkpointer, CheckpointError
@@ -18,8 +19,10 @@ from sparta.parallel.config import RunConfig, load_config
 from sparta.parallel.data_parallel import STRATEGIES, DataParallel
 from sparta.parallel.decoder import Decoder, DecoderConfig
 from sparta.parallel.dims import Layout, ParallelDims, build_layout
+from sparta.parallel.experts import MoESpec, moe_layers
 from sparta.parallel.hf import HFGPT2, HFDecoder, HFLlama, from_hf
-from sparta.parallel.parallelize import MoESpec, ParallelConfig, ParallelModel, ParallelPlan, moe_layers, parallelize
+from sparta.parallel.model import ParallelModel
+from sparta.parallel.parallelize import ParallelConfig, ParallelPlan, parallelize
 from sparta.parallel.pipeline import SCHEDULES, ZERO_BUBBLE, format_actions, schedule_actions
 from sparta.parallel.train import train
 

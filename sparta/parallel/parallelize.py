@@ -22,23 +22,21 @@ aux loss), so prefer batches of the full length.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from sparta.comm import HierarchicalAllToAll
 from sparta.embedding import swap_embeddings
-from sparta.errors import ConfigError, InputError
-from sparta.moe import ROUTERS, MoELayer, moeify
+from sparta.errors import ConfigError
+from sparta.moe import MoELayer
 from sparta.parallel.data_parallel import DataParallel, check_strategy
 from sparta.parallel.dims import Layout, ParallelDims
+from sparta.parallel.experts import MoESpec, hierarchical_ep, moe_layers
+from sparta.parallel.model import ParallelModel, loss_fn
 from sparta.parallel.pipeline import (
     ZERO_BUBBLE,
     ModelParts,
@@ -54,40 +52,6 @@ from sparta.parallel.pipeline import (
 
 EMBEDDINGS = ("dense", "sparse")
 TP_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    """Which MLPs become MoE layers and how: every layer's (``every=1``) or every k-th one's.
-    The new experts start from their own seeded initialisation (not copies of the MLP)."""
-
-    num_experts: int = 8
-    top_k: int = 2
-    router: str = "topk"
-    capacity_factor: float | None = None
-    aux_loss_coef: float = 1e-2
-    every: int = 1
-    seed: int = 0
-    # the co-scheduler: row exchanges cut into chunks that overlap the experts' compute
-    # (an int, or (forward, backward) degrees), and the two-level all-to-all over the
-    # world's nodes (intra-node first, one message per node across)
-    pipeline_degree: int | tuple[int, ...] = 1
-    hierarchical: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.pipeline_degree, list):
-            object.__setattr__(self, "pipeline_degree", tuple(self.pipeline_degree))
-        for name in ("num_experts", "top_k", "every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"MoESpec.{name}={value!r} must be a positive integer")
-        if self.top_k > self.num_experts:
-            raise ConfigError(f"MoESpec.top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        if self.router not in ROUTERS:
-            raise ConfigError(f"MoESpec.router={self.router!r} is unknown: choose one of {', '.join(ROUTERS)}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ConfigError(f"MoESpec.capacity_factor={self.capacity_factor} must be > 0, or None for dropless")
 
 
 @dataclass(frozen=True)
@@ -192,59 +156,6 @@ def plan_stages(
     return split_by_cost(parts, num_stages, costs)
 
 
-def moe_layers(
-    module: nn.Module, spec: MoESpec, layout: Layout | None, exchange: HierarchicalAllToAll | None = None
-) -> list[str]:
-    """Turn the MLP of every ``spec.every``-th layer of ``module.layers`` into an MoELayer,
-    in place; each is seeded from ``spec.seed`` and the layer's name, so any stage cut and
-    the one-process model (``layout=None``) build equal experts and routers. ``exchange``:
-    the rows' two-level all-to-all over ``layout.ep`` (see `hierarchical_ep`), or None (flat)."""
-    ep = layout.ep if layout is not None else None
-    replaced = []
-    for key, layer in module.layers.items():  # type: ignore[union-attr, operator]
-        if int(key) % spec.every:
-            continue
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.seed * 1_000_003 + int(key))
-            paths = moeify(
-                layer,
-                spec.num_experts,
-                spec.top_k,
-                upcycle=False,
-                comm=ep,
-                ep_size=ep.size if ep is not None else 1,
-                router=spec.router,
-                capacity_factor=spec.capacity_factor,
-                aux_loss_coef=spec.aux_loss_coef,
-                pipeline_degree=spec.pipeline_degree,
-            )
-        for path in paths:
-            layer.get_submodule(path).set_exchange(exchange)
-        replaced += [f"layers.{key}.{p}" for p in paths]
-    return replaced
-
-
-def hierarchical_ep(layout: Layout) -> HierarchicalAllToAll:
-    """A two-level all-to-all over this rank's expert-parallel group, nodes as the world's.
-    Collective over the world (every rank builds its group's)."""
-    world, dims = layout.world, layout.dims
-    intra_groups, inter_groups = [], []
-    for group in dims.ep_groups():
-        by_node = [[r for r in group if r in node] for node in world.node_ranks]
-        by_node = [ranks for ranks in by_node if ranks]
-        if len({len(ranks) for ranks in by_node}) != 1:
-            raise ConfigError(
-                f"MoESpec.hierarchical: the expert-parallel group {group} has {[len(r) for r in by_node]} ranks on its "
-                "nodes; the two-level all-to-all needs as many on each (launch equal ranks per node, or set it False)"
-            )
-        intra_groups += by_node
-        inter_groups += [list(column) for column in zip(*by_node, strict=True)]
-    intra = world.comm.split_groups(intra_groups)
-    inter = world.comm.split_groups(inter_groups)
-    assert layout.ep is not None and intra is not None and inter is not None
-    return HierarchicalAllToAll(layout.ep, intra, inter)
-
-
 def tp_plan_of(module: nn.Module, tp: int) -> dict[str, str]:
     """The model's per-layer ``tp_plan`` expanded to this module's linear layers (those not
     inside an MoE layer), checked to divide by ``tp``. Pure."""
@@ -335,9 +246,9 @@ def parallelize(
         pipeline_stages.append(PipelineStage(module, index, num_stages, layout.device, group=layout.pp_group))
     cls = get_schedule_class(config.schedule)
     if issubclass(cls, PipelineScheduleSingle):
-        schedule = cls(pipeline_stages[0], config.microbatches, loss_fn=_loss, scale_grads=False)
+        schedule = cls(pipeline_stages[0], config.microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
-        schedule = cls(pipeline_stages, config.microbatches, loss_fn=_loss, scale_grads=False)
+        schedule = cls(pipeline_stages, config.microbatches, loss_fn=loss_fn, scale_grads=False)
     plan = ParallelPlan(
         stages=tuple(tuple(s) for s in stages),
         first=parts.first,
@@ -351,140 +262,3 @@ def parallelize(
                          has_last=num_stages - 1 in mine)  # fmt: skip
 
 
-def _loss(logits: Tensor, targets: Tensor) -> Tensor:
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-
-
-def _replicas(p: nn.Parameter, dims: ParallelDims, experts: set[nn.Parameter], shards: set[nn.Parameter]) -> int:
-    """How many ranks of one stage hold the same values as this rank's ``p`` (dp x tp of them
-    hold copies of a replicated value)."""
-    if p in experts:
-        split = dims.ep
-    elif p in shards:
-        split = dims.dp
-    elif isinstance(p, DTensor):
-        split = 1
-        for size, placement in zip(p.device_mesh.shape, p.placements, strict=True):
-            # any placement but Replicate splits (Shard, and FSDP2's _StridedShard under TP)
-            split *= 1 if placement.is_replicate() else size
-    else:
-        split = 1
-    return dims.dp * dims.tp // split
-
-
-class ParallelModel:
-    """This rank's part of the model and the step that trains it (built by `parallelize`).
-
-    parts: this rank's stage modules (names as in the full model; possibly DDP/FSDP-wrapped).
-    plan: the ParallelPlan (data). schedule: the torch pipelining schedule.
-    """
-
-    def __init__(
-        self,
-        layout: Layout,
-        config: ParallelConfig,
-        parts: list[nn.Module],
-        schedule: object,
-        data_parallel: DataParallel,
-        plan: ParallelPlan,
-        has_first: bool,
-        has_last: bool,
-    ) -> None:
-        self.layout, self.config, self.parts, self.schedule = layout, config, parts, schedule
-        self.data_parallel, self.plan = data_parallel, plan
-        self.has_first, self.has_last = has_first, has_last
-        self.seq_len = config.seq_len
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters, each once (for the optimizer)."""
-        seen: set[nn.Parameter] = set()
-        for module in self.parts:
-            for p in module.parameters():
-                if p not in seen:
-                    seen.add(p)
-                    yield p
-
-    def moe_layers(self) -> list[MoELayer]:
-        """This rank's MoE layers (for expert-load logging)."""
-        return [m for module in self.parts for m in module.modules() if isinstance(m, MoELayer)]
-
-    def train(self, mode: bool = True) -> ParallelModel:
-        for module in self.parts:
-            module.train(mode)
-        return self
-
-    def step(self, ids: Tensor, targets: Tensor) -> float:
-        """Forward and backward over this rank's batch: ids, targets [B, T] int64, the same on
-        the ranks of one data-parallel rank (pp and tp peers). Leaves in ``.grad`` the
-        gradient of the mean loss over the global batch (every dp rank's B sequences) and
-        returns that loss, from the last stage, on every rank. Does not step an optimizer."""
-        ids, targets = self._padded(ids, targets)
-        self.data_parallel.start()
-        losses: list[Tensor] = []
-        args = (ids.to(self.layout.device),) if self.has_first else ()
-        kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, **kwargs)  # type: ignore[attr-defined]
-        self.data_parallel.finish()
-        return self._global_mean(losses)
-
-    @torch.no_grad()
-    def evaluate(self, ids: Tensor, targets: Tensor) -> float:
-        """Forward only over this rank's batch (as `step` takes it); the mean loss over the
-        global batch, from the last stage, on every rank. Touches no gradient."""
-        ids, targets = self._padded(ids, targets)
-        losses: list[Tensor] = []
-        args = (ids.to(self.layout.device),) if self.has_first else ()
-        kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
-        self.schedule.eval(*args, **kwargs)  # type: ignore[attr-defined]
-        return self._global_mean(losses)
-
-    def _global_mean(self, losses: list[Tensor]) -> float:
-        """The mean over the global batch of the last stage's micro-batch losses (one all-reduce)."""
-        local = torch.stack(losses).detach().float().mean() if losses else torch.zeros((), device=self.layout.device)
-        total = self.layout.world.comm.all_reduce(local.reshape(1), op="sum")
-        dims = self.layout.dims
-        return float(total) / (dims.dp * dims.tp)  # type: ignore[arg-type]
-
-    def _padded(self, ids: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        if ids.dim() != 2 or ids.shape != targets.shape:
-            raise InputError(f"ids {tuple(ids.shape)} and targets {tuple(targets.shape)} must both be [B, T]")
-        batch, length = ids.shape
-        if batch % self.config.microbatches:
-            raise InputError(
-                f"a batch of {batch} sequences does not divide into microbatches={self.config.microbatches}: "
-                f"give each rank a multiple of {self.config.microbatches}"
-            )
-        if self.seq_len is None:
-            self.seq_len = length
-        if length > self.seq_len:
-            raise InputError(
-                f"a batch of length {length} exceeds the pipeline's sequence length {self.seq_len} (fixed at the "
-                "first step, or by ParallelConfig.seq_len): cut it, or set seq_len to the longest"
-            )
-        pad = self.seq_len - length
-        if pad:
-            ids = nn.functional.pad(ids, (0, pad), value=0)
-            targets = nn.functional.pad(targets, (0, pad), value=IGNORE_INDEX)
-        return ids, targets
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale every gradient so that their global norm (over all ranks, each value counted
-        once) is at most ``max_norm``; returns the norm before clipping. Collective."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        square = torch.zeros((), dtype=torch.float64, device=self.layout.device)
-        experts, shards = set(self.data_parallel.experts), set(self.data_parallel.shards)
-        for p in params:
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            square += grad.double().square().sum() / _replicas(p, self.layout.dims, experts, shards)
-        total = self.layout.world.comm.all_reduce(square.reshape(1), op="sum")
-        norm = math.sqrt(float(total))  # type: ignore[arg-type]
-        if norm > max_norm:
-            factor = max_norm / (norm + 1e-6)
-            for p in params:
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                grad.mul_(factor)
-        return norm
-
-    def close(self) -> None:
-        """Remove the data-parallel hooks."""
-        self.data_parallel.close()

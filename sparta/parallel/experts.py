@@ -1,0 +1,100 @@
+"""Experts in the 3D trainer: which MLPs become expert-parallel MoE layers, seeded so that
+any layout builds the same experts as one process, and the co-scheduler's exchange."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sparta.comm import HierarchicalAllToAll
+from sparta.errors import ConfigError
+from sparta.moe import ROUTERS, moeify
+from sparta.parallel.dims import Layout
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Which MLPs become MoE layers and how: every layer's (``every=1``) or every k-th one's.
+    The new experts start from their own seeded initialisation (not copies of the MLP)."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    router: str = "topk"
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 1e-2
+    every: int = 1
+    seed: int = 0
+    # the co-scheduler: row exchanges cut into chunks that overlap the experts' compute
+    # (an int, or (forward, backward) degrees), and the two-level all-to-all over the
+    # world's nodes (intra-node first, one message per node across)
+    pipeline_degree: int | tuple[int, ...] = 1
+    hierarchical: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pipeline_degree, list):
+            object.__setattr__(self, "pipeline_degree", tuple(self.pipeline_degree))
+        for name in ("num_experts", "top_k", "every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"MoESpec.{name}={value!r} must be a positive integer")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"MoESpec.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.router not in ROUTERS:
+            raise ConfigError(f"MoESpec.router={self.router!r} is unknown: choose one of {', '.join(ROUTERS)}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError(f"MoESpec.capacity_factor={self.capacity_factor} must be > 0, or None for dropless")
+
+
+def moe_layers(
+    module: nn.Module, spec: MoESpec, layout: Layout | None, exchange: HierarchicalAllToAll | None = None
+) -> list[str]:
+    """Turn the MLP of every ``spec.every``-th layer of ``module.layers`` into an MoELayer,
+    in place; each is seeded from ``spec.seed`` and the layer's name, so any stage cut and
+    the one-process model (``layout=None``) build equal experts and routers. ``exchange``:
+    the rows' two-level all-to-all over ``layout.ep`` (see `hierarchical_ep`), or None (flat)."""
+    ep = layout.ep if layout is not None else None
+    replaced = []
+    for key, layer in module.layers.items():  # type: ignore[union-attr, operator]
+        if int(key) % spec.every:
+            continue
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed * 1_000_003 + int(key))
+            paths = moeify(
+                layer,
+                spec.num_experts,
+                spec.top_k,
+                upcycle=False,
+                comm=ep,
+                ep_size=ep.size if ep is not None else 1,
+                router=spec.router,
+                capacity_factor=spec.capacity_factor,
+                aux_loss_coef=spec.aux_loss_coef,
+                pipeline_degree=spec.pipeline_degree,
+            )
+        for path in paths:
+            layer.get_submodule(path).set_exchange(exchange)
+        replaced += [f"layers.{key}.{p}" for p in paths]
+    return replaced
+
+
+def hierarchical_ep(layout: Layout) -> HierarchicalAllToAll:
+    """A two-level all-to-all over this rank's expert-parallel group, nodes as the world's.
+    Collective over the world (every rank builds its group's)."""
+    world, dims = layout.world, layout.dims
+    intra_groups, inter_groups = [], []
+    for group in dims.ep_groups():
+        by_node = [[r for r in group if r in node] for node in world.node_ranks]
+        by_node = [ranks for ranks in by_node if ranks]
+        if len({len(ranks) for ranks in by_node}) != 1:
+            raise ConfigError(
+                f"MoESpec.hierarchical: the expert-parallel group {group} has {[len(r) for r in by_node]} ranks on its "
+                "nodes; the two-level all-to-all needs as many on each (launch equal ranks per node, or set it False)"
+            )
+        intra_groups += by_node
+        inter_groups += [list(column) for column in zip(*by_node, strict=True)]
+    intra = world.comm.split_groups(intra_groups)
+    inter = world.comm.split_groups(inter_groups)
+    assert layout.ep is not None and intra is not None and inter is not None
+    return HierarchicalAllToAll(layout.ep, intra, inter)

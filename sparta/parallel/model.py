@@ -1,0 +1,161 @@
+"""ParallelModel: this rank's stages of a parallelized model and the step that trains them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from sparta.errors import InputError
+from sparta.moe import MoELayer
+from sparta.parallel.data_parallel import DataParallel
+from sparta.parallel.dims import Layout, ParallelDims
+
+if TYPE_CHECKING:
+    from sparta.parallel.parallelize import ParallelConfig, ParallelPlan
+
+IGNORE_INDEX = -100  # targets of padding positions: the loss skips them
+
+
+def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy of logits [b, T, vocab] against targets [b, T], padding ignored."""
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def _replicas(p: nn.Parameter, dims: ParallelDims, experts: set[nn.Parameter], shards: set[nn.Parameter]) -> int:
+    """How many ranks of one stage hold the same values as this rank's ``p`` (dp x tp of them
+    hold copies of a replicated value)."""
+    if p in experts:
+        split = dims.ep
+    elif p in shards:
+        split = dims.dp
+    elif isinstance(p, DTensor):
+        split = 1
+        for size, placement in zip(p.device_mesh.shape, p.placements, strict=True):
+            # any placement but Replicate splits (Shard, and FSDP2's _StridedShard under TP)
+            split *= 1 if placement.is_replicate() else size
+    else:
+        split = 1
+    return dims.dp * dims.tp // split
+
+
+class ParallelModel:
+    """This rank's part of the model and the step that trains it (built by `parallelize`).
+
+    parts: this rank's stage modules (names as in the full model; possibly DDP/FSDP-wrapped).
+    plan: the ParallelPlan (data). schedule: the torch pipelining schedule.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        config: ParallelConfig,
+        parts: list[nn.Module],
+        schedule: object,
+        data_parallel: DataParallel,
+        plan: ParallelPlan,
+        has_first: bool,
+        has_last: bool,
+    ) -> None:
+        self.layout, self.config, self.parts, self.schedule = layout, config, parts, schedule
+        self.data_parallel, self.plan = data_parallel, plan
+        self.has_first, self.has_last = has_first, has_last
+        self.seq_len = config.seq_len
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters, each once (for the optimizer)."""
+        seen: set[nn.Parameter] = set()
+        for module in self.parts:
+            for p in module.parameters():
+                if p not in seen:
+                    seen.add(p)
+                    yield p
+
+    def moe_layers(self) -> list[MoELayer]:
+        """This rank's MoE layers (for expert-load logging)."""
+        return [m for module in self.parts for m in module.modules() if isinstance(m, MoELayer)]
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        for module in self.parts:
+            module.train(mode)
+        return self
+
+    def step(self, ids: Tensor, targets: Tensor) -> float:
+        """Forward and backward over this rank's batch: ids, targets [B, T] int64, the same on
+        the ranks of one data-parallel rank (pp and tp peers). Leaves in ``.grad`` the
+        gradient of the mean loss over the global batch (every dp rank's B sequences) and
+        returns that loss, from the last stage, on every rank. Does not step an optimizer."""
+        ids, targets = self._padded(ids, targets)
+        self.data_parallel.start()
+        losses: list[Tensor] = []
+        args = (ids.to(self.layout.device),) if self.has_first else ()
+        kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, **kwargs)  # type: ignore[attr-defined]
+        self.data_parallel.finish()
+        return self._global_mean(losses)
+
+    @torch.no_grad()
+    def evaluate(self, ids: Tensor, targets: Tensor) -> float:
+        """Forward only over this rank's batch (as `step` takes it); the mean loss over the
+        global batch, from the last stage, on every rank. Touches no gradient."""
+        ids, targets = self._padded(ids, targets)
+        losses: list[Tensor] = []
+        args = (ids.to(self.layout.device),) if self.has_first else ()
+        kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
+        self.schedule.eval(*args, **kwargs)  # type: ignore[attr-defined]
+        return self._global_mean(losses)
+
+    def _global_mean(self, losses: list[Tensor]) -> float:
+        """The mean over the global batch of the last stage's micro-batch losses (one all-reduce)."""
+        local = torch.stack(losses).detach().float().mean() if losses else torch.zeros((), device=self.layout.device)
+        total = self.layout.world.comm.all_reduce(local.reshape(1), op="sum")
+        dims = self.layout.dims
+        return float(total) / (dims.dp * dims.tp)  # type: ignore[arg-type]
+
+    def _padded(self, ids: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        if ids.dim() != 2 or ids.shape != targets.shape:
+            raise InputError(f"ids {tuple(ids.shape)} and targets {tuple(targets.shape)} must both be [B, T]")
+        batch, length = ids.shape
+        if batch % self.config.microbatches:
+            raise InputError(
+                f"a batch of {batch} sequences does not divide into microbatches={self.config.microbatches}: "
+                f"give each rank a multiple of {self.config.microbatches}"
+            )
+        if self.seq_len is None:
+            self.seq_len = length
+        if length > self.seq_len:
+            raise InputError(
+                f"a batch of length {length} exceeds the pipeline's sequence length {self.seq_len} (fixed at the "
+                "first step, or by ParallelConfig.seq_len): cut it, or set seq_len to the longest"
+            )
+        pad = self.seq_len - length
+        if pad:
+            ids = nn.functional.pad(ids, (0, pad), value=0)
+            targets = nn.functional.pad(targets, (0, pad), value=IGNORE_INDEX)
+        return ids, targets
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale every gradient so that their global norm (over all ranks, each value counted
+        once) is at most ``max_norm``; returns the norm before clipping. Collective."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        square = torch.zeros((), dtype=torch.float64, device=self.layout.device)
+        experts, shards = set(self.data_parallel.experts), set(self.data_parallel.shards)
+        for p in params:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            square += grad.double().square().sum() / _replicas(p, self.layout.dims, experts, shards)
+        total = self.layout.world.comm.all_reduce(square.reshape(1), op="sum")
+        norm = math.sqrt(float(total))  # type: ignore[arg-type]
+        if norm > max_norm:
+            factor = max_norm / (norm + 1e-6)
+            for p in params:
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                grad.mul_(factor)
+        return norm
+
+    def close(self) -> None:
+        """Remove the data-parallel hooks."""
+        self.data_parallel.close()
