@@ -1,0 +1,103 @@
+"""`sparta train` as users launch it, beyond the demo's torchrun run (tests/test_demo.py):
+
+- one process, no launcher: a run that finds a checkpoint resumes from it and continues the
+  uninterrupted run's losses exactly (the batch of a step is a function of (seed, step); the
+  optimizer and RNG states come back with the weights);
+- the demo's own file under mpirun, on the MPI engine, 8 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "examples" / "moe_gpt.toml"
+SPARTA = Path(sys.executable).parent / "sparta"
+
+TINY = """
+[model]
+vocab_size = 128
+seq_len = 16
+d_model = 32
+n_layers = 2
+n_heads = 2
+d_ff = 32
+[parallel.moe]
+num_experts = 4
+top_k = 2
+[train]
+steps = 6
+global_batch = 4
+lr = 1e-2
+warmup_steps = 2
+eval_every = 3
+[data]
+source = "random"
+random_tokens = 20000
+"""
+
+
+def _run(cmd: list[str], timeout: float, what: str) -> str:
+    from launch import run_killing_on_timeout
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "HOROVOD_RANK"):
+        env.pop(var, None)  # the launcher in cmd (or none: one process) sets these, not the test's own
+    code, out = run_killing_on_timeout(cmd, env, timeout, what)
+    assert code == 0, f"{what} exited with {code}; output tail:\n{out[-4000:]}"
+    return out
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_resumed_run_continues_the_uninterrupted_losses(tmp_path: Path) -> None:
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    ckpt = tmp_path / "ckpt"
+
+    def train(metrics: str) -> str:
+        sets = [f"checkpoint.dir={ckpt}", "checkpoint.every=3", "checkpoint.keep=2"]
+        sets.append(f"output.metrics={tmp_path / metrics}")
+        cmd = [str(SPARTA), "train", "--config", str(config), *[a for s in sets for a in ("--set", s)]]
+        return _run(cmd, 180, f"sparta train ({metrics})")
+
+    train("whole.jsonl")
+    whole = _records(tmp_path / "whole.jsonl")
+    assert [r["step"] for r in whole] == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_3", "step_6"]
+    # as if the run had died after step 3's checkpoint: the next launch resumes there
+    shutil.rmtree(ckpt / "step_6")
+    out = train("resumed.jsonl")
+    assert "resumed from step 3" in out, out[-2000:]
+    resumed = _records(tmp_path / "resumed.jsonl")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    for a, b in zip(whole[3:], resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6), (a, b)
+        assert b["lr"] == a["lr"] and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert resumed[-1]["val_loss"] == pytest.approx(whole[-1]["val_loss"], abs=1e-6)
+    assert whole[-1]["expert_load"] >= 1.0 and whole[-1]["mfu"] is None  # no peak_tflops stated: no MFU
+
+
+def test_the_demo_file_under_mpirun(tmp_path: Path) -> None:
+    from launch import command, require_launcher
+
+    require_launcher("mpirun")
+    metrics = tmp_path / "metrics.jsonl"
+    sets = ["train.steps=4", "train.eval_every=2", f"output.metrics={metrics}"]
+    args = ["train", "--config", str(DEMO), *[a for s in sets for a in ("--set", s)]]
+    out = _run(command("mpirun", 8, SPARTA, args), 600, "mpirun sparta train")
+    summary = json.loads([line for line in out.splitlines() if line.startswith('{"steps"')][-1])
+    assert summary["backend"] == "mpi" and summary["ranks"] == 8 and summary["steps"] == 4, summary
+    records = _records(metrics)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(7.0 < r["loss"] < 8.2 and r["expert_load"] >= 1.0 for r in records), records
+    assert "val_loss" in records[1] and "val_loss" in records[3]
