@@ -1,0 +1,976 @@
+"""The 3D trainer against its floors and peers: tokens/s, step time and peak memory per rank.
+
+    python benchmarks/trainer.py                        # every model, layout and peer (root: + the cluster)
+    python benchmarks/trainer.py --size tiny --repeats 1 --layouts 1 --models dense --no-memory   # smoke
+
+Prints JSON lines: one ``trainer_header`` record (models, layouts, candidates, how it is
+timed), then per (model, layout) one ``trainer`` record per candidate, ``trainer_memory``
+records, ``skipped`` records for every peer that cannot run there (with the reason),
+``trainer_target`` records (the issue's targets, met or not), and the co-scheduler's
+``trainer_cluster`` records.
+
+Models (``--size debug``, the default; ``tiny`` is for smoke tests):
+  dense    a Llama of torchtitan's debug shape (dim 256, 6 layers, 16 heads, SwiGLU width 768,
+           vocab 2048, untied head: 6.2M parameters), seq 512, batch 2 sequences per dp rank.
+           Sparta, eager and DDP run the Hugging Face LlamaForCausalLM through
+           sparta.parallel.hf.HFLlama (sdpa attention); torchtitan runs its own debug Llama,
+           the same shape.
+  moe      the MoE GPT: sparta.parallel.Decoder (d_model 256, 4 layers, 8 heads, vocab 2048,
+           seq 256) whose MLPs are MoE layers (8 experts of width 512, top-2, dropless),
+           batch 4 sequences per dp rank.
+Layouts: 1 (one rank), dp2, dp4, tp2, pp2_1f1b and pp2_zbv (pipeline of 2 ranks, 2
+micro-batches; ZBVZeroBubble with 2 stages per rank), fsdp4 (FSDP2 over 4 ranks).
+Candidates (each layout runs those that apply):
+  eager       plain one-process PyTorch on the same model: the floor for one rank
+  ddp         torch DistributedDataParallel on the same model and batch: the floor for dp
+              (MoE: every rank holds all experts)
+  sparta      sparta.parallel.parallelize + ParallelModel.step + clip_grad_norm_ + AdamW
+              (data_parallel "sparta", or "fsdp" at fsdp4; MoE: experts not split, ep=1)
+  sparta_ep   the MoE model with its experts split over the dp ranks (ep = dp)
+  sparta_ddp  (opt-in) Sparta's trainer with data_parallel="ddp"
+  torchtitan  torchtitan 0.3.0's debug Llama, its ParallelDims, parallelize_llama (TP and
+              FSDP2), loss and clip_grad_norm_, in processes of its own with the CPU patches
+              of `patch_torchtitan_for_cpu` (listed there, one line of why each); its step is
+              Trainer.train_step's (zero_grad, forward, loss, backward, clip 1.0, AdamW)
+              without the data loader, logging, checkpoints and LR schedule
+Every candidate steps AdamW (lr 3e-4) after clipping the gradient norm to 1.0, on the same
+synthetic batches (uniform random ids; step s's global batch is seeded by s, each dp rank
+takes its slice), float32, one thread per rank (gloo, torchrun).
+
+Timing: all candidates of a (model, layout) live in one launch; each is built, then runs
+``--warmup`` untimed steps; then each repeat runs every candidate once, in an order rotated
+by one each repeat, each step starting at a barrier; a step's time is the slowest rank's.
+Reported: median, min and max over ``--repeats``, tokens/s of the global batch
+(dp x batch x seq / median step) and per rank, and the ratio to the layout's floor (eager or
+ddp). torchtitan's patches stay out of Sparta's processes, so it is timed in a launch of its
+own right after the others, with the same warm-up and repeats.
+
+Oracle: every record's ``first_loss`` (the first step's mean loss over the global batch) is
+checked against one process running the same model's forward on the same global batch
+(``oracle_loss``); ``wrong`` is true where they differ by more than 1e-5 (torchtitan's
+model has its own initialisation: no oracle). At one rank this is Sparta's first-step loss
+against plain eager's.
+
+Memory (``--memory``, the default): each candidate again in a launch of its own (warm-up
+plus two steps); ``peak_rss_mib`` is the largest rank's peak resident set (VmHWM),
+``peak_rss_mib_per_rank`` every rank's, ``base_rss_mib`` the largest rank's resident set
+after imports and before the model was built (interpreter, torch, transformers).
+
+Co-scheduler (``--cluster``, needs root, ip and tc): the MoE model on an emulated cluster of
+2 nodes x 2 ranks joined by a 300 Mbit/s link (sparta_tools.cluster), dp4 with the experts
+split over all 4 ranks (ep 4), two candidates in one launch, alternating:
+  sparta_cosched_off  the MoE layers' flat all-to-all, not chunked, nothing overlapped (what
+                      DeepSpeed-MoE and torchtitan do)
+  sparta_cosched_on   after the warm-up step, sparta.moe.tune_schedule on the first MoE
+                      layer with the inputs it saw (profile, cost model, timed trials of its
+                      best plans: pipeline degrees, flat or hierarchical all-to-all), the
+                      plan applied to every MoE layer (all have the same shape)
+Both train from the same initialisation on the same batches; the record gives each step's
+loss for both (``losses_equal``: within 1e-5) and the speed-up of on over off per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # sparta_tools lives beside the package
+
+LR, MAX_NORM, SEED, TOL = 3e-4, 1.0, 0, 1e-5
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """One benchmark model. kind: "llama" (HF Llama through HFLlama; SwiGLU width d_ff) or
+    "moe_gpt" (sparta.parallel.Decoder with MoE MLPs, each expert of width d_ff).
+    batch: sequences per data-parallel rank per step; seq_len: tokens per sequence."""
+
+    name: str
+    kind: str
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    batch: int
+    num_experts: int = 0
+    top_k: int = 0
+
+
+SIZES: dict[str, dict[str, ModelShape]] = {
+    "debug": {
+        # torchtitan's llama3 "debugmodel": dim 256, 6 layers, 16 heads, vocab 2048, ffn 768
+        "dense": ModelShape("dense", "llama", 2048, 512, 256, 6, 16, 768, 2),
+        "moe": ModelShape("moe", "moe_gpt", 2048, 256, 256, 4, 8, 512, 4, num_experts=8, top_k=2),
+    },
+    "tiny": {
+        "dense": ModelShape("dense", "llama", 128, 16, 32, 2, 4, 64, 2),
+        "moe": ModelShape("moe", "moe_gpt", 128, 16, 32, 2, 4, 32, 2, num_experts=4, top_k=2),
+    },
+}
+# torchtitan's debug model is fixed at dim 256 etc.; at --size tiny it keeps that shape
+# (it has no smaller flavour) and only seq_len and batch follow the size.
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """A layout: degrees, the pipeline schedule, and Sparta's data-parallel strategy."""
+
+    name: str
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    schedule: str = "1F1B"
+    stages_per_rank: int = 1
+    microbatches: int = 1
+    data_parallel: str = "sparta"
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def pure_dp(self) -> bool:
+        return self.pp == 1 and self.tp == 1 and self.dp > 1 and self.data_parallel != "fsdp"
+
+
+LAYOUTS = {
+    spec.name: spec
+    for spec in (
+        LayoutSpec("1"),
+        LayoutSpec("dp2", dp=2),
+        LayoutSpec("dp4", dp=4),
+        LayoutSpec("tp2", tp=2),
+        LayoutSpec("pp2_1f1b", pp=2, schedule="1F1B", microbatches=2),
+        LayoutSpec("pp2_zbv", pp=2, schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=2),
+        LayoutSpec("fsdp4", dp=4, data_parallel="fsdp"),
+    )
+}
+CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_ddp", "torchtitan")
+DEFAULT_CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "torchtitan")
+TORCHTITAN_LAYOUTS = {"1": (1, 1), "tp2": (2, 1), "fsdp4": (1, 4)}  # layout -> (tp, fsdp) degrees
+TORCHTITAN_PP_REASON = (
+    "torchtitan 0.3.0's pipeline path fails on CPU inside the schedule ('Expecting 2 arg_mbs but got 1', "
+    "checked for issue 23) and is driven by its Trainer (data loader, tokenizer files); not run"
+)
+TORCHTITAN_MOE_REASON = (
+    "torchtitan is compared on the dense Llama only: the MoE GPT is Sparta's reference decoder, which torchtitan "
+    "cannot build, and torchtitan's own MoE models route through Triton / symmetric-memory kernels (GPU only)"
+)
+TORCHTITAN_INSTALL = (
+    "pip install --no-deps torchtitan==0.3.0 spmd-types torch-checkpointing torchdata==0.11.0 tyro "
+    "docstring-parser typeguard einops"
+)
+
+
+def plan_candidates(shape: ModelShape, layout: LayoutSpec, wanted: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(candidates to run, {candidate: why it is skipped}) for one model and layout."""
+    run: list[str] = []
+    skipped: dict[str, str] = {}
+    moe = shape.kind == "moe_gpt"
+    for name in wanted:
+        if name == "eager" and layout.world_size == 1:
+            run.append(name)
+        elif name == "ddp" and layout.pure_dp:
+            run.append(name)
+        elif name == "sparta":
+            run.append(name)
+        elif name == "sparta_ep" and moe and layout.pure_dp:
+            run.append(name)
+        elif name == "sparta_ddp" and layout.pure_dp:
+            run.append(name)
+        elif name == "torchtitan":
+            if layout.name in TORCHTITAN_LAYOUTS and not moe:
+                run.append(name)
+            elif layout.name in TORCHTITAN_LAYOUTS or layout.pp > 1:
+                skipped[name] = TORCHTITAN_MOE_REASON if moe else TORCHTITAN_PP_REASON
+    return run, skipped
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def global_batch(shape: ModelShape, dp: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch: ids and targets [dp * batch, seq_len] (int64)."""
+    g = torch.Generator().manual_seed(10_000 + step)
+    ids = torch.randint(0, shape.vocab_size, (dp * shape.batch, shape.seq_len + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def local_batch(shape: ModelShape, dp: int, dp_rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, targets = global_batch(shape, dp, step)
+    rows = slice(dp_rank * shape.batch, (dp_rank + 1) * shape.batch)
+    return ids[rows], targets[rows]
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def build_model(shape: ModelShape) -> torch.nn.Module:
+    """The full model, initialised from SEED (the same on every rank and candidate). The
+    MoE GPT's MLPs are still dense here: `sparta.parallel.moe_layers` (or parallelize's
+    MoESpec) turns them into MoE layers with their own seeded experts."""
+    torch.manual_seed(SEED)
+    if shape.kind == "llama":
+        import transformers
+
+        from sparta.parallel.hf import HFLlama
+
+        config = transformers.LlamaConfig(
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.d_model,
+            intermediate_size=shape.d_ff,
+            num_hidden_layers=shape.n_layers,
+            num_attention_heads=shape.n_heads,
+            num_key_value_heads=shape.n_heads,
+            max_position_embeddings=shape.seq_len,
+            rope_theta=500000.0,  # torchtitan's
+            attention_dropout=0.0,
+            tie_word_embeddings=False,  # torchtitan's debug model is untied too
+        )
+        config._attn_implementation = "sdpa"
+        return HFLlama(transformers.LlamaForCausalLM(config))
+    from sparta.parallel import Decoder, DecoderConfig
+
+    return Decoder(
+        DecoderConfig(shape.vocab_size, shape.seq_len, shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff)
+    )
+
+
+def moe_spec(shape: ModelShape) -> Any:
+    from sparta.parallel import MoESpec
+
+    return MoESpec(num_experts=shape.num_experts, top_k=shape.top_k) if shape.kind == "moe_gpt" else None
+
+
+def one_process_model(shape: ModelShape) -> torch.nn.Module:
+    """The model as one process trains it (MoE layers unsplit)."""
+    from sparta.parallel import moe_layers
+
+    model = build_model(shape)
+    spec = moe_spec(shape)
+    if spec is not None:
+        moe_layers(model, spec, None)
+    return model
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+@torch.no_grad()
+def oracle(shape: ModelShape, dp: int) -> tuple[float, int]:
+    """One process: (the mean loss of the untrained model over step 0's global batch, its
+    number of parameters)."""
+    ids, targets = global_batch(shape, dp, 0)
+    model = one_process_model(shape)
+    return float(_loss(model(ids), targets)), sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- candidates
+
+Step = Callable[[torch.Tensor, torch.Tensor], float]  # local ids, targets -> global mean loss
+
+
+def build_eager(shape: ModelShape) -> Step:
+    model = one_process_model(shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(ids: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = _loss(model(ids), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    return step
+
+
+def build_ddp(shape: ModelShape) -> Step:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(one_process_model(shape))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(ids: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = _loss(model(ids), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().reshape(1)
+        dist.all_reduce(mean)  # the global mean, as Sparta's step returns it (equal local batches)
+        return float(mean) / dist.get_world_size()
+
+    return step
+
+
+class SpartaRun:
+    """Sparta's trainer on ``layout``: parallelize, then step / clip / AdamW per step."""
+
+    def __init__(self, shape: ModelShape, spec: LayoutSpec, layout: Any, data_parallel: str) -> None:
+        from sparta.parallel import ParallelConfig, parallelize
+
+        model = build_model(shape)
+        config = ParallelConfig(
+            schedule=spec.schedule,
+            microbatches=spec.microbatches,
+            stages_per_rank=spec.stages_per_rank,
+            data_parallel=data_parallel,
+            moe=moe_spec(shape),
+        )
+        stages = spec.pp * spec.stages_per_rank
+        # several stages: balanced by measured time on one micro-batch, as a user would run it
+        sample = local_batch(shape, spec.dp, 0, 0)[0][: shape.batch // spec.microbatches] if stages > 1 else None
+        self.pm = parallelize(model, layout, config, sample=sample)
+        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=LR)
+
+    def __call__(self, ids: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = self.pm.step(ids, targets)
+        self.pm.clip_grad_norm_(MAX_NORM)
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def timed_steps(
+    steps: dict[str, Step], batch_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]], warmup: int, repeats: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Warm each candidate up, then time them alternating (rotated order, a barrier before
+    each step). Returns ({name: seconds per timed step, slowest rank}, {name: every loss,
+    warm-up included}). Each candidate sees batches 0, 1, 2, ... in its own order."""
+    names = list(steps)
+    losses: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:
+        for _ in range(warmup):
+            losses[name].append(steps[name](*batch_of(len(losses[name]))))
+    seconds = torch.zeros(len(names), repeats, dtype=torch.float64)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            ids, targets = batch_of(len(losses[name]))
+            dist.barrier()  # ranks start together: a step is not charged for a late peer
+            start = time.perf_counter()
+            losses[name].append(steps[name](ids, targets))
+            seconds[names.index(name), r] = time.perf_counter() - start
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return {name: seconds[i].tolist() for i, name in enumerate(names)}, losses
+
+
+def _status_mib(field: str) -> float:
+    """``VmRSS`` / ``VmHWM`` of this process from /proc/self/status, in MiB. VmHWM, not
+    ru_maxrss: Linux carries ru_maxrss over fork and exec (torchrun's agent forks us)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _gather_floats(values: list[float]) -> list[list[float]]:
+    """Every rank's ``values`` (same length everywhere), in rank order."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [t.tolist() for t in every]
+
+
+def _emit(record: dict[str, object]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def _round(x: float, digits: int = 5) -> float:
+    return round(x, digits) if math.isfinite(x) else x
+
+
+def timing_record(
+    shape: ModelShape, spec: LayoutSpec, name: str, seconds: list[float], losses: list[float], **extra: object
+) -> dict[str, object]:
+    tokens = spec.dp * shape.batch * shape.seq_len
+    median = statistics.median(seconds)
+    return {
+        "bench": "trainer",
+        "model": shape.name,
+        "layout": spec.name,
+        "candidate": name,
+        "ranks": spec.world_size,
+        "pp": spec.pp,
+        "dp": spec.dp,
+        "tp": spec.tp,
+        "schedule": spec.schedule if spec.pp > 1 else None,
+        "median_s": _round(median),
+        "min_s": _round(min(seconds)),
+        "max_s": _round(max(seconds)),
+        "repeats": len(seconds),
+        "tokens_per_step": tokens,
+        "tokens_per_s": round(tokens / median, 1),
+        "tokens_per_s_per_rank": round(tokens / median / spec.world_size, 1),
+        "first_loss": _round(losses[0], 6),
+        "last_loss": _round(losses[-1], 6),
+        **extra,
+    }
+
+
+# ----------------------------------------------------------------------------- Sparta's workers
+
+
+def sparta_worker(args: argparse.Namespace) -> None:
+    """One rank of a launch: build the candidates named in --candidates (not torchtitan),
+    time them alternating, and (rank 0) print their records; or, with --memory-only, one
+    candidate's peak memory."""
+    import sparta
+    from sparta.parallel import ParallelDims, build_layout
+
+    torch.set_num_threads(1)
+    shape = SIZES[args.size][args.model]
+    spec = LAYOUTS[args.layout]
+    world = sparta.init(backend="torch")
+    base_rss = _status_mib("VmRSS")
+    layouts: dict[int, Any] = {}
+
+    def layout_for(ep: int) -> Any:
+        if ep not in layouts:
+            layouts[ep] = build_layout(ParallelDims(pp=spec.pp, dp=spec.dp, tp=spec.tp, ep=ep), world)
+        return layouts[ep]
+
+    layout = layout_for(1)
+    steps: dict[str, Step] = {}
+    for name in args.candidates.split(","):
+        if name == "eager":
+            steps[name] = build_eager(shape)
+        elif name == "ddp":
+            steps[name] = build_ddp(shape)
+        else:
+            strategy = "ddp" if name == "sparta_ddp" else spec.data_parallel
+            steps[name] = SpartaRun(shape, spec, layout_for(spec.dp if name == "sparta_ep" else 1), strategy)
+
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return local_batch(shape, spec.dp, layout.dp_rank, step)
+
+    if args.memory_only:
+        timed_steps(steps, batch_of, args.warmup, 2)
+        peaks = _gather_floats([_status_mib("VmHWM"), base_rss])
+        if world.rank == 0:
+            (name,) = steps
+            _emit(
+                {
+                    "bench": "trainer_memory",
+                    "model": shape.name,
+                    "layout": spec.name,
+                    "candidate": name,
+                    "ranks": spec.world_size,
+                    "peak_rss_mib": round(max(p[0] for p in peaks), 1),
+                    "peak_rss_mib_per_rank": [round(p[0], 1) for p in peaks],
+                    "base_rss_mib": round(max(p[1] for p in peaks), 1),
+                }
+            )
+        world.shutdown()
+        return
+
+    seconds, losses = timed_steps(steps, batch_of, args.warmup, args.repeats)
+    if world.rank == 0:
+        want, params = oracle(shape, spec.dp)
+        floor = "eager" if "eager" in steps else "ddp" if "ddp" in steps else None
+        for name in steps:
+            gap = abs(losses[name][0] - want)
+            extra: dict[str, object] = {
+                "oracle_loss": _round(want, 6),
+                "loss_gap": float(f"{gap:.3g}"),
+                "wrong": gap > TOL,
+                "params": params,
+                "launch": "shared",
+            }
+            if floor is not None:
+                extra["floor"] = floor
+                extra["ratio_to_floor"] = round(statistics.median(seconds[name]) / statistics.median(seconds[floor]), 4)
+            _emit(timing_record(shape, spec, name, seconds[name], losses[name], **extra))
+    world.shutdown()
+
+
+# ----------------------------------------------------------------------------- torchtitan
+
+
+def patch_torchtitan_for_cpu() -> None:
+    """THE TORCHTITAN PATCHES (torchtitan 0.3.0, torch 2.13 CPU), applied in torchtitan's
+    own benchmark processes only, before torchtitan is imported. Nothing else is changed."""
+    import types
+
+    class _Absent(types.ModuleType):
+        """A module whose every attribute is an inert class: satisfies imports never used here."""
+
+        def __getattr__(self, name: str) -> type:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return type(name, (), {})
+
+    # 1. its MoE async-EP module imports triton unconditionally (GPU kernels; a dense Llama never calls them)
+    # 2. its Trainer module imports tensorboard and HF datasets at import time (logging and data we do not use)
+    for module in (
+        "torchtitan.distributed.minimal_async_ep.kernels",
+        "torch.utils.tensorboard",
+        "datasets",
+        "datasets.distributed",
+    ):
+        sys.modules.setdefault(module, _Absent(module))
+    import torchtitan.distributed.fsdp as tt_fsdp
+    import torchtitan.distributed.parallel_dims as tt_dims
+    import torchtitan.models.llama3 as tt_llama3
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    # 3. its device falls back to "cuda" when none is available; the mesh must be on "cpu"
+    tt_dims.device_type = "cpu"
+    # 4. 0.3.0 refuses "sdpa" for LMs and FlexAttention has no CPU backward; with one full-length
+    #    document per row (no masks) its causal SDPA module is the same attention
+    tt_llama3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()  # type: ignore[attr-defined]
+
+    # 5. FSDP's divide factor 1.0 becomes ReduceOp.PREMUL_SUM(1.0), which gloo lacks; a plain
+    #    SUM (force_sum_reduction_for_comms) is the same reduction
+    def sum_without_division(model: torch.nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+
+    tt_fsdp.disable_fsdp_gradient_division = sum_without_division  # type: ignore[assignment]
+
+
+class TorchtitanRun:
+    """torchtitan's debug Llama under its own parallelize_llama (TP and FSDP2 by its
+    ParallelDims), float32, its CrossEntropyLoss (sum over tokens / global token count),
+    clip_grad_norm_ and AdamW: Trainer.train_step without data loading, logging, checkpoints
+    and LR schedule. spmd_backend "partial_dtensor": the default "spmd_types" needs the
+    Trainer's input annotations and refuses TP/FSDP here."""
+
+    def __init__(self, shape: ModelShape, tp: int, fsdp: int) -> None:
+        import torchtitan.distributed.utils as tt_utils
+        from torchtitan.components.loss import CrossEntropyLoss
+        from torchtitan.components.optimizer import default_adamw
+        from torchtitan.config import ParallelismConfig, TrainingConfig
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.models.common.config_utils import decoder_vocab_size
+        from torchtitan.models.llama3 import model_registry, parallelize_llama
+        from torchtitan.trainer import Trainer
+
+        spec = model_registry("debugmodel")
+        config = Trainer.Config(
+            model_spec=spec,
+            loss=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec)),
+            optimizer=default_adamw(lr=LR),
+            training=TrainingConfig(
+                local_batch_size=shape.batch,
+                seq_len=shape.seq_len,
+                max_norm=MAX_NORM,
+                mixed_precision_param="float32",
+            ),
+            parallelism=ParallelismConfig(
+                tensor_parallel_degree=tp, data_parallel_shard_degree=fsdp, spmd_backend="partial_dtensor"
+            ),
+            activation_checkpoint=None,
+        )
+        self.dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
+        self.dims.build_mesh()
+        tt_utils.set_spmd_backend(config.parallelism.spmd_backend)
+        model_config = spec.model
+        model_config.update_from_config(config=config)
+        torch.manual_seed(SEED)
+        with torch.device("meta"):
+            model = model_config.build()
+        model = parallelize_llama(
+            model,
+            parallel_dims=self.dims,
+            training=config.training,
+            parallelism=config.parallelism,
+            compile_config=config.compile,
+            ac_config=None,
+            dump_folder=str(Path(os.environ.get("TMPDIR", "/tmp")) / "torchtitan-bench"),
+        )
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        model.train()
+        self.model, self.utils = model, tt_utils
+        self.optimizers = config.optimizer.build(model_parts=[model])
+        self.loss_fn = config.loss.build(compile_config=config.compile)
+        self.params = int(sum(p.numel() for p in model.parameters()) * fsdp)  # FSDP shards: local x degree
+        self.tp, self.fsdp = tp, fsdp
+        self.dp_rank = self.dims.get_mesh("batch").get_local_rank() if self.dims.dp_enabled else 0
+
+    def __call__(self, ids: torch.Tensor, targets: torch.Tensor) -> float:
+        self.optimizers.zero_grad()
+        tokens = torch.tensor(targets.numel(), dtype=torch.int64)
+        if self.dims.dp_enabled:
+            tokens = self.utils.dist_sum_tensor(tokens, self.dims.get_mesh("batch"))
+        loss, _ = self.loss_fn(self.model(ids), targets, tokens)
+        loss.backward()
+        self.utils.clip_grad_norm_(
+            list(self.model.parameters()), MAX_NORM, foreach=True, pp_mesh=None, ep_enabled=False
+        )
+        self.optimizers.step()
+        # the global mean: this rank's share summed over the world, each dp share counted tp times
+        total = loss.detach().reshape(1).clone()
+        dist.all_reduce(total)
+        return float(total) / self.tp
+
+
+def torchtitan_worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    shape = SIZES[args.size][args.model]
+    spec = LAYOUTS[args.layout]
+    patch_torchtitan_for_cpu()
+    dist.init_process_group("gloo")
+    base_rss = _status_mib("VmRSS")
+    tp, fsdp = TORCHTITAN_LAYOUTS[spec.name]
+    # torchtitan's debug model is dim 256 etc. whatever --size; batch and length follow it
+    run = TorchtitanRun(shape, tp, fsdp)
+
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return local_batch(shape, spec.dp, run.dp_rank, step)
+
+    seconds, losses = timed_steps({"torchtitan": run}, batch_of, args.warmup, args.repeats)
+    peaks = _gather_floats([_status_mib("VmHWM"), base_rss])
+    if dist.get_rank() == 0:
+        record = timing_record(
+            shape,
+            spec,
+            "torchtitan",
+            seconds["torchtitan"],
+            losses["torchtitan"],
+            params=run.params,
+            launch="own (patched: patch_torchtitan_for_cpu)",
+            model_shape="torchtitan llama3 debugmodel: dim 256, 6 layers, 16 heads, ffn 768, vocab 2048",
+            oracle_loss=None,
+            wrong=None,
+            peak_rss_mib=round(max(p[0] for p in peaks), 1),
+            peak_rss_mib_per_rank=[round(p[0], 1) for p in peaks],
+            base_rss_mib=round(max(p[1] for p in peaks), 1),
+        )
+        _emit(record)
+    dist.destroy_process_group()
+
+
+def torchtitan_missing() -> str | None:
+    """None if torchtitan 0.3.0 imports here (with the patches), else why not."""
+    try:
+        import importlib.metadata
+
+        version = importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        return f"torchtitan is not installed: {TORCHTITAN_INSTALL}"
+    if version != "0.3.0":
+        return f"torchtitan {version} is installed; the CPU patches here are for 0.3.0"
+    return None
+
+
+# ----------------------------------------------------------------------------- co-scheduler on the emulated cluster
+
+
+def cluster_worker(args: argparse.Namespace) -> None:
+    """One rank of the emulated cluster: the MoE model at dp4 x ep4, co-scheduler off and on."""
+    import sparta
+    from sparta.comm import HierarchicalAllToAll
+    from sparta.moe import tune_schedule
+    from sparta.parallel import ParallelDims, build_layout
+
+    torch.set_num_threads(1)
+    shape = SIZES[args.size]["moe"]
+    spec = LayoutSpec("dp4_ep4", dp=4)
+    world = sparta.init(backend="torch", ranks_per_node=args.ranks_per_node)
+    layout = build_layout(ParallelDims(dp=4, ep=4), world)
+    intra, inter = world.node_comms()
+    hierarchical = HierarchicalAllToAll(layout.ep, intra, inter)
+    off = SpartaRun(shape, spec, layout, "sparta")
+    on = SpartaRun(shape, spec, layout, "sparta")
+    layers = on.pm.moe_layers()
+    seen: list[torch.Tensor] = []
+    hook = layers[0].register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].detach()))
+
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return local_batch(shape, spec.dp, layout.dp_rank, step)
+
+    # warm-up outside timed_steps, so that the plan is tuned on the inputs of on's first step
+    losses = {"sparta_cosched_off": [off(*batch_of(0))], "sparta_cosched_on": [on(*batch_of(0))]}
+    hook.remove()
+    plan = tune_schedule(layers[0], seen[0], hierarchical=hierarchical)
+    for layer in layers:
+        layer.apply_schedule(plan, hierarchical=hierarchical)
+    steps: dict[str, Step] = {"sparta_cosched_off": off, "sparta_cosched_on": on}
+    seconds, timed_losses = timed_steps(steps, lambda s: batch_of(s + 1), 0, args.repeats)
+    for name in steps:
+        losses[name] += timed_losses[name]
+    if world.rank == 0:
+        gap = max(abs(a - b) for a, b in zip(losses["sparta_cosched_off"], losses["sparta_cosched_on"], strict=True))
+        speedup = statistics.median(seconds["sparta_cosched_off"]) / statistics.median(seconds["sparta_cosched_on"])
+        common = {"nodes": world.num_nodes, "rate": args.rate, "ep": 4}
+        for name in steps:
+            record = timing_record(shape, spec, name, seconds[name], losses[name], **common)
+            record["bench"] = "trainer_cluster"
+            record["losses"] = [_round(x, 6) for x in losses[name]]
+            _emit(record)
+        choice = plan.choice
+        _emit(
+            {
+                "bench": "trainer_target",
+                "model": shape.name,
+                "layout": "dp4_ep4 on 2 emulated nodes",
+                "target": f"co-scheduler on >= 1.2x faster per step than off at {args.rate}, loss curves equal",
+                "speedup": round(speedup, 4),
+                "max_loss_gap": float(f"{gap:.3g}"),
+                "losses_equal": gap <= TOL,
+                "met": speedup >= 1.2 and gap <= TOL,
+                "plan": {
+                    "r_fwd": choice.degrees.forward,
+                    "r_bwd": choice.degrees.backward,
+                    "hierarchical": choice.hierarchical,
+                },
+                **common,
+            }
+        )
+    off.pm.close()
+    on.pm.close()
+    world.shutdown()
+
+
+def run_cluster(args: argparse.Namespace) -> None:
+    from sparta_tools.cluster import ClusterConfig, EmulatedCluster, can_emulate
+
+    why = can_emulate()
+    if why is not None:
+        _emit({"bench": "trainer_cluster", "candidate": "sparta_cosched_on", "skipped": why})
+        return
+    config = ClusterConfig(nodes=2, ranks_per_node=2, rate=args.rate)
+    cmd = [
+        sys.executable,
+        __file__,
+        "--_cluster_worker",
+        f"--size={args.size}",
+        f"--repeats={args.repeats}",
+        f"--rate={args.rate}",
+        f"--ranks-per-node={config.ranks_per_node}",
+    ]
+    with EmulatedCluster(config) as cluster:
+        codes = cluster.run(cmd, timeout_s=args.timeout)
+    if any(codes):
+        _emit({"bench": "trainer_cluster", "error": f"ranks exited with {codes}"})
+
+
+# ----------------------------------------------------------------------------- the launcher
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(ranks: int, worker_args: list[str], timeout: float, context: dict[str, object]) -> list[dict[str, Any]]:
+    """Run this script's worker on ``ranks`` processes under torchrun; rank 0's JSON records
+    are printed and returned. A failed or timed-out launch prints an ``error`` record."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={ranks}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        __file__,
+        *worker_args,
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code: int | str = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: the session we started
+        out, _ = proc.communicate()
+        code = f"timed out after {timeout:g} s"
+    records = [json.loads(line) for line in out.splitlines() if line.startswith('{"bench"')]
+    for record in records:
+        _emit(record)
+    if code != 0 or not records:
+        error = {**context, "error": f"torchrun exited with {code}", "output_tail": out[-3000:]}
+        _emit(error)
+        records.append(error)
+    return records
+
+
+def targets(shape: ModelShape, spec: LayoutSpec, records: list[dict[str, Any]]) -> None:
+    """The issue's targets for this (model, layout), as records."""
+    by = {r["candidate"]: r for r in records if r.get("bench") == "trainer" and "median_s" in r}
+    sparta = by.get("sparta")
+    if sparta is None:
+        return
+    checks = []
+    if spec.world_size == 1 and "eager" in by:
+        checks.append(("1 rank: Sparta within 3% of plain eager", sparta["median_s"] / by["eager"]["median_s"], 1.03))
+    if spec.pure_dp and "ddp" in by:
+        checks.append(("dp: Sparta within 3% of plain DDP", sparta["median_s"] / by["ddp"]["median_s"], 1.03))
+    if spec.name in ("tp2", "fsdp4") and "torchtitan" in by:
+        checks.append(
+            (
+                f"{spec.name}: Sparta's tokens/s at least torchtitan's",
+                by["torchtitan"]["median_s"] / sparta["median_s"],
+                None,
+            )
+        )
+    for target, ratio, bound in checks:
+        met = ratio <= bound if bound is not None else ratio >= 1.0
+        _emit(
+            {
+                "bench": "trainer_target",
+                "model": shape.name,
+                "layout": spec.name,
+                "target": target,
+                "ratio": round(ratio, 4),
+                "met": bool(met),
+            }
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="debug", help="model sizes (tiny: smoke tests)")
+    parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated: {', '.join(LAYOUTS)}")
+    parser.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES), help=f"of {', '.join(CANDIDATES)}")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per candidate")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate first")
+    parser.add_argument(
+        "--memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="peak RSS per candidate, each in a launch of its own",
+    )
+    parser.add_argument(
+        "--cluster",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="co-scheduler off vs on on the emulated 2-node cluster (root)",
+    )
+    parser.add_argument("--rate", default="300mbit", help="the emulated cluster's link rate, as tc writes it")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
+    parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--_cluster_worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="dense", help=argparse.SUPPRESS)
+    parser.add_argument("--layout", default="1", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ranks-per-node", type=int, default=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._cluster_worker:
+        cluster_worker(args)
+        return 0
+    if args._worker:
+        if args.candidates == "torchtitan":
+            torchtitan_worker(args)
+        else:
+            sparta_worker(args)
+        return 0
+    models = args.models.split(",")
+    layouts = args.layouts.split(",")
+    wanted = args.candidates.split(",")
+    for kind, known, given in (
+        ("model", SIZES[args.size], models),
+        ("layout", LAYOUTS, layouts),
+        ("candidate", CANDIDATES, wanted),
+    ):
+        unknown = [g for g in given if g not in known]
+        if unknown:
+            parser.error(f"unknown {kind}s {unknown}; known: {', '.join(known)}")
+    if args.repeats < 1 or args.warmup < 1:
+        parser.error("--repeats and --warmup must be >= 1 (the first-step loss is checked on the warm-up)")
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the cluster's `with`, which tears it down
+
+    signal.signal(signal.SIGTERM, on_term)
+    missing = torchtitan_missing() if "torchtitan" in wanted else None
+    _emit(
+        {
+            "bench": "trainer_header",
+            "size": args.size,
+            "models": {name: asdict(SIZES[args.size][name]) for name in models},
+            "layouts": {name: asdict(LAYOUTS[name]) for name in layouts},
+            "candidates": wanted,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "threads_per_rank": 1,
+            "engine": "torch (gloo)",
+            "optimizer": f"AdamW lr {LR}, grad norm clipped to {MAX_NORM}",
+            "dtype": "float32",
+            "oracle": f"one-process forward on step 0's global batch; wrong if first_loss differs by more than {TOL}",
+            "torch": torch.__version__,
+            "torchtitan": missing or "0.3.0 (patched: patch_torchtitan_for_cpu)",
+            "cpus": len(os.sched_getaffinity(0)),
+            "load_avg": [round(x, 2) for x in os.getloadavg()],
+        }
+    )
+    failed = False
+    for model in models:
+        shape = SIZES[args.size][model]
+        for name in layouts:
+            spec = LAYOUTS[name]
+            run, skipped = plan_candidates(shape, spec, wanted)
+            context = {"bench": "trainer", "model": model, "layout": name}
+            for candidate, why in skipped.items():
+                _emit({**context, "candidate": candidate, "skipped": why})
+            if "torchtitan" in run and missing is not None:
+                _emit({**context, "candidate": "torchtitan", "skipped": missing})
+                run.remove("torchtitan")
+            common = [f"--size={args.size}", f"--model={model}", f"--layout={name}", f"--warmup={args.warmup}"]
+            shared = [c for c in run if c != "torchtitan"]
+            records: list[dict[str, Any]] = []
+            if shared:
+                records += launch(
+                    spec.world_size,
+                    ["--_worker", *common, f"--repeats={args.repeats}", f"--candidates={','.join(shared)}"],
+                    args.timeout,
+                    context,
+                )
+            if "torchtitan" in run:
+                records += launch(
+                    spec.world_size,
+                    ["--_worker", *common, f"--repeats={args.repeats}", "--candidates=torchtitan"],
+                    args.timeout,
+                    {**context, "candidate": "torchtitan"},
+                )
+            if args.memory:
+                for candidate in shared:
+                    records += launch(
+                        spec.world_size,
+                        ["--_worker", *common, "--memory-only", f"--candidates={candidate}"],
+                        args.timeout,
+                        {**context, "bench": "trainer_memory", "candidate": candidate},
+                    )
+            failed |= any("error" in r for r in records) or not records
+            targets(shape, spec, records)
+    if args.cluster:
+        run_cluster(args)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
