@@ -6,7 +6,7 @@
     sparta bench compare base.jsonl new.jsonl      # refuses runs of different shape without --force
     sparta bench plot run.jsonl -o run.png
 
-Suites (SUITES): collectives, alltoallv, and the folded scripts (moe-layer, dispatch,
+Suites (`registry()`): collectives, alltoallv, and the folded scripts (moe-layer, dispatch,
 pipeline, embedding; trainer once benchmarks/trainer.py lands). Without a launcher a suite
 starts its own local ranks, one job per engine (runner.drive); under torchrun, mpirun or
 horovodrun each rank runs it directly (runner.worker). Output: JSON lines, a header first
@@ -15,7 +15,7 @@ horovodrun each rank runs it directly (runner.worker). Output: JSON lines, a hea
 A suite is a `Suite`: its flags, a check of them (ConfigError, before any rank starts), and
 `run(ctx)` on every rank (runner.BenchContext: time_points checks each variant against an
 oracle, times the variants alternately and emits one record per variant). To add one,
-append a Suite to SUITES.
+list it in suites.folded().
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _collectives() -> list[Suite]:
     ]  # fmt: skip
 
 
-def suites() -> dict[str, Suite]:
+def registry() -> dict[str, Suite]:
     from sparta_tools.bench.suites import folded
 
     return {s.name: s for s in [*_collectives(), *folded()]}
@@ -79,7 +79,7 @@ def build_parser(all_suites: dict[str, Suite]) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """`sparta bench ...`; returns the exit status (2: bad flags, 1: wrong values or a failed launch)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    all_suites = suites()
+    all_suites = registry()
     parser = build_parser(all_suites)
     args = parser.parse_args(argv)
     if args.suite is None:

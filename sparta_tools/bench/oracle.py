@@ -9,6 +9,7 @@ byte anywhere shows as a wrong element, whichever engine or algorithm moved it.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -42,6 +43,8 @@ class Oracle:
         h = max(0, min(30, EXACT[self.dtype] // self.ranks))
         unsigned = self.dtype == torch.uint8
         m = h + 1 if unsigned else 2 * h + 1
+        while math.gcd(a, m) != 1:  # k * a mod m then runs through every residue: no constant buffer
+            a += 1
         return a, b, c, m, 0 if unsigned else h
 
     def values(self, rank: int, start: int, length: int) -> torch.Tensor:

@@ -225,6 +225,11 @@ BUS_FACTOR = {
 }
 
 
+def sig(x: float, digits: int = 6) -> float:
+    """`x` to `digits` significant digits (GB/s of tiny messages are small numbers)."""
+    return float(f"{x:.{digits}g}")
+
+
 def traffic_fields(
     matrix: Sequence[Sequence[float]], node_of: Sequence[int], seconds: float
 ) -> dict[str, float | None]:
@@ -247,8 +252,8 @@ def traffic_fields(
     mean = sum(load) / n
     return {
         "busiest_bytes": max(load),
-        "busbw_noself_GBps": round(max(off) / seconds / 1e9, 6),
-        "internode_busbw_GBps": round(max(inter) / seconds / 1e9, 6) if len(set(node_of)) > 1 else None,
+        "busbw_noself_GBps": sig(max(off) / seconds / 1e9),
+        "internode_busbw_GBps": sig(max(inter) / seconds / 1e9) if len(set(node_of)) > 1 else None,
         "imbalance": round(max(load) / mean, 4) if mean else 1.0,
     }
 
@@ -274,10 +279,10 @@ def bandwidth(op: str, size: int, matrix: Sequence[Sequence[float]], node_of: Se
     busbw = algbw * BUS_FACTOR[op](n)
     if op == "broadcast":
         # the root's tree/pipeline is the engine's business; each receiver's bytes / time
-        fields["busbw_noself_GBps"] = round(busbw, 6)
-        fields["internode_busbw_GBps"] = round(busbw, 6) if len(set(node_of)) > 1 else None
+        fields["busbw_noself_GBps"] = sig(busbw)
+        fields["internode_busbw_GBps"] = sig(busbw) if len(set(node_of)) > 1 else None
         fields["imbalance"] = 1.0
-    out = {"algbw_GBps": round(algbw, 6), "busbw_GBps": round(busbw, 6), **fields}
+    out = {"algbw_GBps": sig(algbw), "busbw_GBps": sig(busbw), **fields}
     if peak_gbps:
         out["pct_peak"] = round(busbw / peak_gbps * 100, 2)
     return out

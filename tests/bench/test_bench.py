@@ -1,0 +1,235 @@
+"""`sparta bench`: every suite end to end on 2 real ranks at tiny sizes (records well formed,
+results equal to the oracle), a planted wrong value failing the run, the launch's world
+check, compare and plot on run files, and bad flags. No timing is asserted: speed is the
+benchmark's to report, not a test's."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from launch import free_port, run_killing_on_timeout
+
+from sparta_tools.bench import main, records, traffic
+from sparta_tools.bench.oracle import Oracle
+from sparta_tools.bench.peers import parse_nccl_tests, parse_osu
+from sparta_tools.bench.runner import engine_missing
+
+HEADER_FIELDS = ("sparta", "git", "torch", "nccl", "mpi_library", "horovod", "hosts", "ranks_per_node", "cpu_model",
+                 "binding", "env", "command", "options", "bandwidth", "timing", "launches", "engines")  # fmt: skip
+POINT_FIELDS = ("median_us", "min_us", "max_us", "p99_us", "rank_spread_us", "algbw_GBps", "busbw_GBps",
+                "busbw_noself_GBps", "internode_busbw_GBps", "imbalance", "wrong", "variant", "bytes")  # fmt: skip
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+TINY = ["-n", "2", "-w", "1", "--nprocs", "2", "--timeout", "240"]
+
+
+def bench(args: list[str], timeout: float = 400) -> tuple[int, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return run_killing_on_timeout([sys.executable, "-m", "sparta.cli", "bench", *args], env, timeout, "sparta bench")
+
+
+def points(recs: list[dict]) -> list[dict]:
+    return [r for r in recs if r["type"] == "point" and r["engine"] not in ("nccl-tests", "osu")]
+
+
+@pytest.fixture(scope="module")
+def collectives_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    """One run of every op on every engine (one launch each), 1 KiB and 4 KiB."""
+    path = tmp_path_factory.mktemp("bench") / "collectives.jsonl"
+    code, out = bench(["collectives", "-b", "1K", "-e", "4K", "-f", "4", *TINY, "-J", str(path)], timeout=600)
+    return path, code, out
+
+
+def test_collectives_every_op_every_engine(collectives_run: tuple[Path, int, str]) -> None:
+    path, code, out = collectives_run
+    assert code == 0, out[-4000:]
+    recs = records.read_records(path)
+    head = recs[0]
+    assert all(k in head for k in HEADER_FIELDS), sorted(set(HEADER_FIELDS) - set(head))
+    assert head["ranks"] == 2 and head["nodes"] == 1 and head["ranks_per_node"] == [2], head
+    assert head["git"]["commit"] and head["command"][:3] == ["sparta", "bench", "collectives"], head
+    assert "2(n-1)/n" in head["bandwidth"]["busbw"] and head["options"]["iters"] == 2
+    ran = {engine: engine_missing(engine) is None for engine in ("torch", "mpi", "horovod")}
+    assert sorted(head["engines"]) == sorted(e for e, ok in ran.items() if ok), head["engines"]
+    got = points(recs)
+    for engine, ok in ran.items():
+        mine = [p for p in got if p["engine"] == engine]
+        if not ok:  # not installed here: a skipped record says why, never silence
+            assert any(r["type"] == "skipped" and r.get("engine") == engine for r in recs), engine
+            continue
+        keys = {(p["op"], p["variant"], p["bytes"]) for p in mine}
+        assert keys == {(op, v, b) for op in OPS for v in ("raw", "sparta", "sparta+check") for b in (1024, 4096)}
+    for p in got:
+        assert all(k in p for k in POINT_FIELDS), (p, set(POINT_FIELDS) - set(p))
+        assert p["wrong"] == 0 and p["ranks"] == 2, p
+        assert 0 < p["min_us"] <= p["median_us"] <= p["max_us"] and p["p99_us"] <= p["max_us"], p
+        factor = 2 * (2 - 1) / 2 if p["op"] == "all_reduce" else 1.0 if p["op"] == "broadcast" else 0.5
+        assert p["busbw_GBps"] == pytest.approx(p["algbw_GBps"] * factor, rel=1e-3), p
+        assert p["busbw_noself_GBps"] == pytest.approx(p["busbw_GBps"], rel=1e-3), p  # uniform: no self-traffic
+        assert p["internode_busbw_GBps"] is None and p["imbalance"] == 1.0, p
+    peers = [r for r in recs if r.get("peer")]
+    assert {r["peer"].split()[0] for r in peers} == {"nccl-tests", "OSU"}, peers  # skipped or run, never missing
+    assert "#wrong" in out and f"# {len(got)} points, 0 wrong" in out, out[-3000:]
+
+
+def test_plot_writes_a_png(collectives_run: tuple[Path, int, str], tmp_path: Path) -> None:
+    path, code, _ = collectives_run
+    assert code == 0
+    png = tmp_path / "run.png"
+    assert main(["plot", str(path), "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_alltoallv_patterns_against_the_oracle(tmp_path: Path) -> None:
+    matrix = tmp_path / "matrix.json"
+    matrix.write_text(json.dumps([[400, 1200], [0, 2000]]))  # bytes: rank 1 sends itself everything
+    path = tmp_path / "v.jsonl"
+    args = ["alltoallv", "-b", "2K", "-e", "8K", "-f", "4", *TINY, "--engines", "torch", "-J", str(path)]
+    code, out = bench([*args, "--patterns", "uniform,zipf,moe,file", "--matrix", str(matrix)])
+    assert code == 0, out[-4000:]
+    recs = records.read_records(path)
+    got = points(recs)
+    by = {(p["pattern"], p["variant"], p["bytes"]) for p in got}
+    assert {pattern for pattern, _, _ in by} == {"uniform", "zipf", "moe", "file"}, by
+    assert all(p["wrong"] == 0 and p["op"] == "alltoallv" for p in got), got
+    file_point = next(p for p in got if p["pattern"] == "file")
+    assert file_point["matrix_bytes"] == [[400, 1200], [0, 2000]] and file_point["bytes"] == 1800
+    # algbw: the busiest rank's max(sent, received) = rank 1 receives 3200 bytes; self-traffic
+    # excluded: rank 0 sends 1200 to rank 1 and receives 0 from it
+    t = file_point["median_us"] / 1e6
+    assert file_point["algbw_GBps"] == pytest.approx(3200 / t / 1e9, rel=1e-3)
+    assert file_point["busbw_noself_GBps"] == pytest.approx(1200 / t / 1e9, rel=1e-3)
+    assert file_point["imbalance"] == pytest.approx(3200 / ((1600 + 3200) / 2), rel=1e-3)
+    zipf = next(p for p in got if p["pattern"] == "zipf")
+    assert zipf["imbalance"] > 1.0, zipf
+
+
+def test_a_wrong_value_fails_the_run(tmp_path: Path) -> None:
+    path = tmp_path / "w.jsonl"
+    args = ["collectives", "-b", "1K", "-e", "1K", *TINY, "--engines", "torch", "--ops", "broadcast", "-J", str(path)]
+    code, out = bench([*args, "--_plant-wrong"])
+    assert code == 1, out[-3000:]
+    got = points(records.read_records(path))
+    assert [p["wrong"] for p in got] == [1, 0, 0], got  # the first variant's first check, rank 0's first element
+    assert "1 wrong values" in out
+
+
+def test_a_launch_that_did_not_join_every_node_is_refused() -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "sparta.cli", "bench", "collectives", "-b", "1K", "-e", "1K",
+           "--expect-nodes", "2"]  # fmt: skip
+    code, out = run_killing_on_timeout(cmd, env, 240, "torchrun sparta bench")
+    assert code != 0 and "span 1 host(s) but 2 were expected (--expect-nodes)" in out, out[-3000:]
+
+
+# ------------------------------------------------------------------------------ no launches
+def _run_file(path: Path, times: dict[str, tuple[float, float, float]], ranks: int = 2) -> Path:
+    head = {"type": "header", "suite": "collectives", "ranks": ranks, "nodes": 1, "ranks_per_node": [ranks],
+            "device": "cpu", "options": {"dtype": "float32"}}  # fmt: skip
+    lines = [head]
+    for variant, (lo, med, hi) in times.items():
+        lines.append({"type": "point", "suite": "collectives", "engine": "torch", "op": "all_reduce",
+                      "variant": variant, "bytes": 4096, "dtype": "float32", "ranks": ranks, "median_us": med,
+                      "min_us": lo, "max_us": hi, "p99_us": hi, "wrong": 0})  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+def test_compare_flags_ranges_apart_and_refuses_other_shapes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    base = _run_file(tmp_path / "a.jsonl", {"raw": (90, 100, 110), "sparta": (190, 200, 210)})
+    same = _run_file(tmp_path / "b.jsonl", {"raw": (100, 105, 120), "sparta": (190, 200, 210)})
+    worse = _run_file(tmp_path / "c.jsonl", {"raw": (130, 140, 150), "sparta": (100, 110, 120)})
+    assert main(["compare", str(base), str(same)]) == 0
+    assert "0 slower, 0 faster" in capsys.readouterr().out
+    assert main(["compare", str(base), str(worse)]) == 1
+    out = capsys.readouterr().out
+    assert "torch all_reduce raw 4K" in out and "SLOWER" in out and "FASTER" in out, out
+    other = _run_file(tmp_path / "d.jsonl", {"raw": (90, 100, 110)}, ranks=4)
+    assert main(["compare", str(base), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "ranks: 2 vs 4" in err and "--force" in err and "only in the first" in err, err
+    assert main(["compare", str(base), str(other), "--force"]) == 0  # no common point: nothing flagged
+    assert "# differs: ranks: 2 vs 4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["collectives", "-d", "float8"], "--datatype 'float8'"),
+        (["collectives", "-b", "64M", "-e", "4K"], "need 1 <= minbytes <= maxbytes"),
+        (["collectives", "-b", "4Q"], "size '4Q'"),
+        (["collectives", "--ops", "all_reduce,allreduce"], "--ops 'all_reduce,allreduce'"),
+        (["collectives", "-a", "mean"], "-a 'mean'"),
+        (["collectives", "--engines", "nccl"], "--engines nccl: unknown"),
+        (["alltoallv", "--patterns", "file"], "--patterns file needs --matrix"),
+        (["collectives", "--bind", "socket"], "invalid choice: 'socket'"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_oracle_sums_exactly_in_every_dtype() -> None:
+    import torch
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8):
+        for ranks in (2, 7, 64):
+            oracle = Oracle(3, ranks, dtype, torch.device("cpu"))
+            exact = sum(oracle.values(r, 0, 1000) for r in range(ranks))
+            summed = sum(oracle.buffer(r, 1000).double() for r in range(ranks))  # what any order of adds gives
+            assert torch.equal(oracle.summed(0, 1000).double(), exact.double()), (dtype, ranks)
+            assert torch.equal(summed, exact.double()), (dtype, ranks)
+            assert len(set(oracle.values(0, 0, 1000).tolist())) > 1, (dtype, ranks)  # not a constant
+
+
+def test_traffic_patterns() -> None:
+    assert traffic.uniform(4, 400) == [[100] * 4] * 4
+    z = traffic.zipf(4, 1000, 1.1, seed=0)
+    assert all(row == z[0] for row in z) and max(z[0]) > 2 * min(z[0]) and abs(sum(z[0]) - 1000) <= 4
+    rows = traffic.moe_rows(4, 8, 2, 256, 32, seed=0)
+    assert [sum(r) for r in rows] == [512] * 4  # every token's top-2 pairs, somewhere
+    assert rows == traffic.moe_rows(4, 8, 2, 256, 32, seed=0) != traffic.moe_rows(4, 8, 2, 256, 32, seed=1)
+
+
+def test_bandwidth_definitions() -> None:
+    n, size = 4, 1 << 20
+    node_of = [0, 0, 1, 1]
+    ar = records.bandwidth("all_reduce", size, records.collective_matrix("all_reduce", size, n), node_of, 1e-3)
+    assert ar["algbw_GBps"] == pytest.approx(size / 1e-3 / 1e9, rel=1e-5)  # 6 significant digits
+    assert ar["busbw_GBps"] == pytest.approx(ar["algbw_GBps"] * 2 * 3 / 4, rel=1e-5)
+    assert ar["busbw_noself_GBps"] == pytest.approx(ar["busbw_GBps"], rel=1e-5)
+    assert ar["internode_busbw_GBps"] == pytest.approx(ar["busbw_GBps"] * 2 / 3, rel=1e-5)  # 2 of 3 peers off-node
+    m = [[100, 0, 0, 0], [0, 100, 0, 0], [0, 0, 100, 0], [300, 0, 0, 100]]
+    v = records.bandwidth("alltoallv", 250, m, node_of, 1.0)
+    assert v["algbw_GBps"] == pytest.approx(400 / 1e9)  # rank 0 receives 400 (100 its own), rank 3 sends 400
+    assert v["busbw_noself_GBps"] == pytest.approx(300 / 1e9)  # DeepEP: own traffic excluded
+    assert v["internode_busbw_GBps"] == pytest.approx(300 / 1e9)
+    assert v["imbalance"] == pytest.approx(400 / 250)
+
+
+def test_peer_outputs_parse() -> None:
+    nccl = """#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+        1024           256     float     sum      -1    12.34    0.08    0.15      0    12.01    0.09    0.16      0
+     1048576        262144     float     sum      -1    45.60   23.00   43.12      0    44.90   23.35   43.78      0
+"""  # noqa: E501
+    rows = parse_nccl_tests(nccl, "all_reduce")
+    assert [(r["bytes"], r["median_us"], r["busbw_GBps"], r["wrong"]) for r in rows] == [
+        (1024, 12.34, 0.15, 0),
+        (1048576, 45.6, 43.12, 0),
+    ]
+    osu = """# OSU MPI Allreduce Latency Test v7.3
+# Size       Avg Latency(us)   Min Latency(us)   Max Latency(us)  Iterations  Validation
+4                       1.52              1.40              1.63        1000        Pass
+8                       1.55              1.41              1.70        1000        Fail
+"""
+    rows = parse_osu(osu, "all_reduce")
+    got = [(r["bytes"], r["median_us"], r["min_us"], r["wrong"]) for r in rows]
+    assert got == [(4, 1.52, 1.4, 0), (8, 1.55, 1.41, 1)]
