@@ -40,6 +40,7 @@ trace (chrome://tracing, ui.perfetto.dev): rank 0 to that path, rank r to the sa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -56,10 +57,10 @@ import torch
 
 import sparta
 from sparta.comm import detect
-from sparta.errors import ConfigError
+from sparta.errors import BackendUnavailableError, ConfigError, SpartaError
 from sparta.moe import MoELayer
 
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, CheckpointError
 from .config import RunConfig
 from .data import TokenBatches, random_tokens, stdlib_tokens
 from .decoder import Decoder, DecoderConfig
@@ -345,7 +346,9 @@ def run(config: RunConfig, backend: str = "auto") -> int:
     launch = detect()
     try:
         config.check(launch.size)  # before any engine starts: every rank fails alike
-    except ConfigError as e:
+        if importlib.util.find_spec("tqdm") is None:
+            raise BackendUnavailableError("sparta train's progress bar needs tqdm: pip install 'sparta[demo]'")
+    except SpartaError as e:
         print(f"sparta train: {e}", file=sys.stderr, flush=True)
         return 2
     if config.train.device == "cpu":
@@ -354,7 +357,14 @@ def run(config: RunConfig, backend: str = "auto") -> int:
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
     world = sparta.init(backend=backend)
-    summary = train(config, world)
+    try:
+        summary = train(config, world)
+    except (ConfigError, CheckpointError) as e:
+        # found after the start (a corpus too small for seq_len, a checkpoint of another
+        # model): every rank raises it alike (the checkpointer agrees on its errors)
+        print(f"sparta train: {e}", file=sys.stderr, flush=True)
+        world.shutdown()
+        return 2
     if world.rank == 0:
         print(json.dumps(summary), flush=True)
     world.shutdown()

@@ -43,7 +43,7 @@ random_tokens = 20000
 """
 
 
-def _run(cmd: list[str], timeout: float, what: str) -> str:
+def _run(cmd: list[str], timeout: float, what: str, expect: int = 0) -> str:
     from launch import run_killing_on_timeout
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -51,7 +51,7 @@ def _run(cmd: list[str], timeout: float, what: str) -> str:
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "HOROVOD_RANK"):
         env.pop(var, None)  # the launcher in cmd (or none: one process) sets these, not the test's own
     code, out = run_killing_on_timeout(cmd, env, timeout, what)
-    assert code == 0, f"{what} exited with {code}; output tail:\n{out[-4000:]}"
+    assert code == expect, f"{what} exited with {code}, not {expect}; output tail:\n{out[-4000:]}"
     return out
 
 
@@ -64,11 +64,11 @@ def test_a_resumed_run_continues_the_uninterrupted_losses(tmp_path: Path) -> Non
     config.write_text(TINY)
     ckpt = tmp_path / "ckpt"
 
-    def train(metrics: str) -> str:
-        sets = [f"checkpoint.dir={ckpt}", "checkpoint.every=3", "checkpoint.keep=2"]
+    def train(metrics: str, *more: str, expect: int = 0) -> str:
+        sets = [f"checkpoint.dir={ckpt}", "checkpoint.every=3", "checkpoint.keep=2", *more]
         sets.append(f"output.metrics={tmp_path / metrics}")
         cmd = [str(SPARTA), "train", "--config", str(config), *[a for s in sets for a in ("--set", s)]]
-        return _run(cmd, 180, f"sparta train ({metrics})")
+        return _run(cmd, 180, f"sparta train ({metrics})", expect)
 
     train("whole.jsonl")
     whole = _records(tmp_path / "whole.jsonl")
@@ -85,6 +85,10 @@ def test_a_resumed_run_continues_the_uninterrupted_losses(tmp_path: Path) -> Non
         assert b["lr"] == a["lr"] and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     assert resumed[-1]["val_loss"] == pytest.approx(whole[-1]["val_loss"], abs=1e-6)
     assert whole[-1]["expert_load"] >= 1.0 and whole[-1]["mfu"] is None  # no peak_tflops stated: no MFU
+
+    # the same directory under another model: refused with the keys that differ, exit code 2
+    out = train("other.jsonl", "model.n_layers=3", "train.steps=9", expect=2)
+    assert "sparta train: loading" in out and "layers.2." in out, out[-2000:]
 
 
 def test_the_demo_file_under_mpirun(tmp_path: Path) -> None:
