@@ -10,26 +10,26 @@ distribution (s = 1.1). Variants, run in one launch per engine:
   ddp            nn.Embedding under torch DDP (the table's dense gradient is all-reduced)
   hvd_sparse     nn.Embedding(sparse=True) under hvd.DistributedOptimizer (allgather of rows)
   hvd_dense      the same with sparse_as_dense=True (dense all-reduce)
-  sparta_row / sparta_column   SparseEmbedding via sparta.embedding.parallelize (dense
-                 block on DDP under torchrun, on Horovod under horovodrun)
+  sparta_row / sparta_column   SparseEmbedding (sparta.embedding.swap_embeddings over the
+                 layout's dp group) under sparta.parallel.DataParallel with the engine's own
+                 strategy: the dense block on DDP under torchrun, on Horovod under horovodrun
   sparta_row_sparse / sparta_column_sparse   the same from nn.Embedding(sparse=True): the
                  shard's gradient is sparse, so SGD updates the touched rows only
-  sparta_row_queue     every gradient through the PriorityQueue (data_parallel="sparta"):
-                 dense chunks issued while backward computes, the table's all-to-all an
-                 async task, the shard stepped as soon as its rows arrive (torchrun only)
-  sparta_row_keyorder  the same queue issuing strictly in key order (chunks_per_ready=0):
-                 the table's task comes first, so nothing travels until backward is done
-  sparta_row_queue_deferred  sparta_row_queue with defer_dense_step=True: step() returns
-                 after the shard's update, each dense layer steps just before the next
-                 forward calls it, so the next lookup overlaps the last dense all-reduces
+  sparta_row_queue     DataParallel("sparta"): dense buckets through the PriorityQueue,
+                 chunks issued while backward computes, the table's all-to-all a task of the
+                 same queue that overtakes the dense chunks not yet issued
+  sparta_row_noqueue   DataParallel("sparta", queue=False): the same buckets sent straight to
+                 the engine in backward order, the rows exchanged inside backward
+  sparta_row_keyorder  the queue issuing strictly in key order (chunks_per_ready=0): the
+                 table's task comes first, so nothing travels until backward is done
   dense_block_alone    the dense block's forward+backward+step on one rank's [8, 512, 512]
                  activations, no embedding and no communication (what the step cannot beat)
 Each line: median step time of the slowest rank (barrier before and after each step; the
-queue variants also report back_to_back_step_s, the mean step of the same batches run with
-no barrier between steps, where a step's communication may overlap the next forward),
-bytes this rank sends per step (ring all-reduce: 2 (w-1)/w of the gradient; ring allgather:
-w-1 times the local rows; all-to-all: what goes to other ranks), and memory per rank: the
-embedding's parameter + gradient bytes, and the process's peak RSS.
+DataParallel variants also report finish_s, the median time in DataParallel.finish(): the
+communication left when backward ends), bytes this rank sends per step (ring all-reduce:
+2 (w-1)/w of the gradient; ring allgather: w-1 times the local rows; all-to-all: what goes to
+other ranks), and memory per rank: the embedding's parameter + gradient bytes, and the
+process's peak RSS.
 """
 
 from __future__ import annotations
@@ -86,11 +86,13 @@ QUEUES = {"queue": 2, "keyorder": 0}  # chunks_per_ready of the queue variants
 QUEUE_CHUNK_BYTES = 256 << 10  # 4 chunks per dense weight matrix
 
 
-def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
+def run_variant(name: str, vocab: int, world, layout, steps: int, warmup: int) -> dict:
     from sparta.comm import QueueConfig
-    from sparta.embedding import parallelize
+    from sparta.embedding import swap_embeddings
+    from sparta.parallel import DataParallel
 
     comm = world.comm
+    dp = None
     torch.manual_seed(0)
     sparse_grad = name.endswith("_sparse")
     base_name = name.removesuffix("_sparse")
@@ -119,15 +121,28 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
         net, opt, sent = (lambda ids: model.block(hidden).square().mean()), sgd(model.block.parameters()), 0
     else:
         _, sharding, *queue = base_name.split("_")
-        mode, config = "auto", None
-        if queue:
-            mode, config = "sparta", QueueConfig(QUEUE_CHUNK_BYTES, chunks_per_ready=QUEUES[queue[0]])
-        defer = queue[1:] == ["deferred"]
-        net, opt = parallelize(model, comm, sgd, mode, sharding, config, defer_dense_step=defer)
+        swap_embeddings(model, layout.dp, sharding)
+        if not queue:
+            dp = DataParallel(layout, {"torch": "ddp", "horovod": "horovod"}.get(comm.backend, "sparta"), 1, False)
+        elif queue[0] == "noqueue":
+            dp = DataParallel(layout, "sparta", 1, False, queue=False)
+        else:
+            config = QueueConfig(QUEUE_CHUNK_BYTES, chunks_per_ready=QUEUES[queue[0]])
+            dp = DataParallel(layout, "sparta", 1, False, queue_config=config)
+        net = dp.wrap(model)
+        opt = sgd(net.parameters())
     batches = zipf_batches(vocab, comm.rank, steps + warmup)
+    finish_s: list[float] = []
 
     def step(ids: torch.Tensor) -> None:
-        net(ids).backward()
+        if dp is None:
+            net(ids).backward()
+        else:
+            dp.start()
+            net(ids).backward()
+            begin = time.perf_counter()
+            dp.finish()
+            finish_s.append(time.perf_counter() - begin)
         opt.step()
         opt.zero_grad()
 
@@ -136,8 +151,6 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
         comm.barrier()
         start = time.perf_counter()
         step(ids)
-        if hasattr(opt, "flush"):  # a deferred dense step belongs to this step's time here
-            opt.flush()
         comm.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - start)
@@ -147,15 +160,9 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
                 )
     if sparta_sent:
         sent = int(statistics.mean(sparta_sent))
-    back_to_back = {}
-    if "queue" in name:
-        comm.barrier()
-        start = time.perf_counter()
-        for ids in batches[warmup:]:
-            step(ids)
-        opt.flush()
-        comm.barrier()
-        back_to_back = {"back_to_back_step_s": round((time.perf_counter() - start) / steps, 5)}
+    exposed = {"finish_s": round(statistics.median(finish_s[warmup:]), 5)} if finish_s else {}
+    if dp is not None:
+        dp.close()
     emb_param = model.emb.weight
     grad_bytes = emb_param.numel() * 4
     if sparse_grad and name.startswith("sparta"):  # the rows this rank's shard received gradients for
@@ -171,7 +178,7 @@ def run_variant(name: str, vocab: int, world, steps: int, warmup: int) -> dict:
         "bytes_sent_per_rank_per_step": sent,
         "embedding_param_grad_bytes_per_rank": 0 if name == "dense_block_alone" else emb_param.numel() * 4 + grad_bytes,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
-        **back_to_back,
+        **exposed,
     }
 
 
@@ -179,9 +186,12 @@ def worker(args: argparse.Namespace) -> None:
     import sparta
 
     torch.set_num_threads(1)
+    from sparta.parallel import ParallelDims, build_layout
+
     world = sparta.init()
+    layout = build_layout(ParallelDims(dp=world.size), world)
     if world.backend == "torch":
-        variants = ["ddp", "sparta_row", "sparta_column", "sparta_row_queue", "sparta_row_queue_deferred"]
+        variants = ["ddp", "sparta_row", "sparta_column", "sparta_row_queue", "sparta_row_noqueue"]
         variants += ["sparta_row_keyorder", "sparta_row_sparse", "sparta_column_sparse"]
     else:
         variants = ["hvd_sparse", "hvd_dense", "sparta_row", "sparta_column"]
@@ -190,7 +200,7 @@ def worker(args: argparse.Namespace) -> None:
         variants.append("dense_block_alone")
     for vocab in args.vocabs:
         for name in variants:
-            result = run_variant(name, vocab, world, args.steps, args.warmup)
+            result = run_variant(name, vocab, world, layout, args.steps, args.warmup)
             # the slowest rank's median is the step time everyone sees
             worst = world.comm.all_gather(torch.tensor([result["median_step_s"], result["peak_rss_mib"]]))
             result["median_step_s"] = round(max(float(w[0]) for w in worst), 5)

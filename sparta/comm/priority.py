@@ -122,8 +122,8 @@ class PriorityQueue:
             raise InputError(
                 f"PriorityQueue.expect: ready_order {ready} must list exactly the round's keys {order}, once each"
             )
-        # the last round's chunks stay in flight (a deferred dense step waits for them during
-        # the next forward); they were all issued, so every rank's order is unchanged
+        # the last round's chunks may still be in flight (their handles wait for them); they were
+        # all issued, so every rank's order is unchanged
         self._order, self._tasks, self.issue_log = order, {}, []
         self._start_schedule(ready)
 

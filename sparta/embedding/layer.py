@@ -155,7 +155,7 @@ class SparseEmbedding(nn.Module):
 
         Backward then submits the rows and returns at once, so the rest of backward computes
         while they travel in the queue's agreed order; `finish_gradients()` waits for them
-        and adds them to `weight.grad` (HybridOptimizer calls it before stepping the shard).
+        and adds them to `weight.grad` (`sparta.parallel.DataParallel.finish` calls it).
         The round must list `key` (`queue.expect`); a lookup whose key is not awaited (a
         second lookup of the table in one round) exchanges its rows at once, as before.
         """

@@ -21,10 +21,11 @@ from sparta.embedding import (
     SparseEmbedding,
     VocabParallelHead,
     full_state_dict,
-    parallelize,
+    swap_embeddings,
     vocab_parallel_cross_entropy,
 )
 from sparta.errors import ConfigError, InputError
+from sparta.parallel import DataParallel, ParallelDims, build_layout
 
 VOCAB, DIM, PAD = 37, 8, 5
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -314,110 +315,40 @@ def check_vocab_parallel_head_data_parallel_and_tied(world: World) -> None:
     torch.testing.assert_close(emb.weight.grad, emb.layout.cut(ref_t.grad), **TOL)
 
 
-def check_queued_gradients_with_accumulation(world: World) -> None:
-    """data_parallel="sparta": the table's rows travel as a queue task; two backwards per
-    step (gradient accumulation) train like one process on every rank's micro-batches."""
+def check_gradient_accumulation_through_the_queue(world: World) -> None:
+    """DataParallel("sparta", microbatches=2): two backwards per step (the tables' rows
+    exchanged in each, the dense gradients queued once both are in) train like one process
+    on every rank's micro-batches; column and row sharding."""
     comm = world.comm
+    layout = build_layout(ParallelDims(dp=world.size), world)
 
     def model() -> torch.nn.Module:
         torch.manual_seed(4)
         return torch.nn.Sequential(torch.nn.Embedding(VOCAB, DIM, padding_idx=PAD), torch.nn.Linear(DIM, 3))
 
-    ref = model()
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    net, opt = parallelize(model(), comm, lambda ps: torch.optim.Adam(ps, lr=0.01), "sparta", "column", QueueConfig(64))
-    for step in range(2):
-        micro = [batches(2 * step + m, comm.size) for m in range(2)]
-        for ids in micro:
-            net(ids[comm.rank]).sin().sum().backward()
-        opt.step()
-        opt.zero_grad()
-        sum(ref(ids[r]).sin().sum() for ids in micro for r in range(comm.size)).div(comm.size).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    torch.testing.assert_close(net[0].full_weight(), ref[0].weight.detach(), **TOL)
-    torch.testing.assert_close(net[1].weight, ref[1].weight, **TOL)
-
-
-class Skippable(torch.nn.Module):
-    """A table and two dense layers; `stale=True` uses out's weight without calling out."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(5)
-        self.emb = torch.nn.Embedding(VOCAB, DIM, padding_idx=PAD)
-        self.mid, self.out = torch.nn.Linear(DIM, DIM), torch.nn.Linear(DIM, 3)
-
-    def forward(self, ids: torch.Tensor, stale: bool = False) -> torch.Tensor:
-        h = self.mid(self.emb(ids)).tanh()
-        return F.linear(h, self.out.weight, self.out.bias) if stale else self.out(h)
-
-
-def check_deferred_dense_step(world: World) -> None:
-    """defer_dense_step=True trains exactly like the non-deferred step and like one process,
-    under gradient accumulation, an LR scheduler, zero_grad in its three forms, a forward
-    that calls only one dense layer, and state_dict; a stale weight use raises."""
-    comm = world.comm
-    # Horovod's ring sums an element in an order set by its place in a fusion buffer, and
-    # what is fused depends on timing: its results may differ in the last bit between runs
-    same = TOL if comm.backend == "horovod" else dict(rtol=0, atol=0)
-    ref = Skippable()
-    nets = {}
-    for defer in (False, True):
-        net, opt = parallelize(Skippable(), comm, lambda ps: torch.optim.Adam(ps, lr=0.01), "sparta", "row",
-                               QueueConfig(64), defer_dense_step=defer)  # fmt: skip
-        nets[defer] = (net, opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.5)
-    probe = torch.randn(2, DIM, generator=torch.Generator().manual_seed(9))
-    # step 3's gradients add to step 2's (no zero_grad between them): onto the average
-    # without deferring, onto this rank's own gradient with it; the sums agree up to rounding
-    for step in range(4):
-        exact = same if step < 3 else TOL
-        micro = [batches(2 * step + m, comm.size) for m in range(2)]
-        for net, opt, sched in nets.values():
+    for sharding in ("column", "row"):
+        ref = model()
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+        net = model()
+        swap_embeddings(net, layout.dp, sharding)
+        dp = DataParallel(layout, "sparta", 2, False, queue_config=QueueConfig(64))
+        net = dp.wrap(net)
+        assert not dp.tables, "with micro-batches the rows are exchanged in each backward, not queued"
+        opt = torch.optim.Adam(net.parameters(), lr=0.01)
+        for step in range(2):
+            micro = [batches(2 * step + m, comm.size) for m in range(2)]
+            dp.start()
             for ids in micro:
                 net(ids[comm.rank]).sin().sum().backward()
+            dp.finish()
             opt.step()
-            sched.step()
-            if step < 2:  # the optimizer's zero_grad, then the module's in place, then none
-                opt.zero_grad() if step == 0 else net.zero_grad(set_to_none=False)
-        sum(ref(ids[r]).sin().sum() for ids in micro for r in range(comm.size)).div(comm.size).backward()
-        ref_opt.step()
-        ref_sched.step()
-        if step < 2:
-            ref_opt.zero_grad() if step == 0 else ref.zero_grad(set_to_none=False)
-        net, opt, _ = nets[True]
-        assert net.mid.weight in opt.deferred.pending and net.out.weight in opt.deferred.pending
-        with torch.no_grad():  # calls out alone: it steps, mid stays held back
-            torch.testing.assert_close(net.out(probe), nets[False][0].out(probe), **exact)
-            torch.testing.assert_close(net.out(probe), ref.out(probe), **TOL)
-        assert net.mid.weight in opt.deferred.pending and net.out.weight not in opt.deferred.pending
-    states = [opt.state_dict()["dense"]["state"] for _, opt, _ in nets.values()]  # completes the step
-    assert not nets[True][1].deferred.pending
-    torch.testing.assert_close(states[1], states[0], **exact)  # (its parameters stepped in another order)
-    params = [list(n.parameters()) for n, _, _ in nets.values()]
-    for a, b, r in zip(*params, ref.parameters(), strict=True):
-        torch.testing.assert_close(b, a, **exact)
-        if b.shape != r.shape:  # the table's shard: its gradient is not deferred
-            torch.testing.assert_close(b.grad, a.grad, **exact)
-            continue
-        # the non-deferred step leaves the average in a dense .grad, the deferred one this rank's own
-        torch.testing.assert_close(comm.all_reduce(b.grad, op="avg"), a.grad, **TOL)
-        torch.testing.assert_close(b, r, **TOL)
-        torch.testing.assert_close(a.grad, r.grad, **TOL)
-    torch.testing.assert_close(nets[True][0].emb.full_weight(), ref.emb.weight.detach(), **TOL)
-    # a forward that uses out's weight without calling out would train on its old value
-    net, opt = parallelize(Skippable(), comm, torch.optim.SGD, "sparta", defer_dense_step=True)
-    ids = batches(0, comm.size)[comm.rank]
-    net(ids, stale=True).sum().backward()
-    opt.step()
-    with raises(InputError, "out.(weight|bias) got a gradient from a forward that ran before its deferred"):
-        net(ids, stale=True).sum().backward()
-    opt.flush()  # collect the held-back all-reduces before the model goes
-    if comm.backend != "mpi":  # "auto" is DDP under torchrun, Horovod under horovodrun
-        with raises(ConfigError, "defer_dense_step=True needs data_parallel='sparta'"):
-            parallelize(Skippable(), comm, torch.optim.SGD, defer_dense_step=True)
+            opt.zero_grad()
+            sum(ref(ids[r]).sin().sum() for ids in micro for r in range(comm.size)).div(2 * comm.size).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        dp.close()
+        torch.testing.assert_close(net[0].full_weight(), ref[0].weight.detach(), **TOL)
+        torch.testing.assert_close(net[1].weight, ref[1].weight, **TOL)
 
 
 CHECKS = [
@@ -434,8 +365,7 @@ CHECKS = [
     check_bad_config_raises_on_every_rank,
     check_vocab_parallel_cross_entropy_equals_full_logits,
     check_vocab_parallel_head_data_parallel_and_tied,
-    check_queued_gradients_with_accumulation,
-    check_deferred_dense_step,
+    check_gradient_accumulation_through_the_queue,
     *PRIORITY_CHECKS,
 ]
 

@@ -1,8 +1,10 @@
 """Hybrid data parallelism: a small transformer LM trained 20 steps with nn.Embedding under
 plain DDP (or Horovod; one process on the global batch under MPI) and with SparseEmbedding
-via `parallelize` (DDP / Horovod, and the PriorityQueue's "sparta" mode) gives the same losses,
-also with the output projection tied to the token embedding (`tie_output=True`), and with the
-dense step deferred into the next forward (`defer_dense_step=True`: exactly the same losses).
+(`swap_embeddings` over the layout's dp group) under `sparta.parallel.DataParallel` (the
+engine's own strategy, and "sparta" with and without its priority queue) gives the same
+losses, also with the output projection tied to the token embedding (`tie_output=True`).
+With the queue, the tables' row exchanges are tasks of the same queue as the dense buckets
+and overtake the dense chunks not yet issued, in the same order on every rank.
 
 Run under torchrun, horovodrun and mpirun by tests/embedding/test_hybrid_dist.py.
 """
@@ -14,12 +16,13 @@ import zlib
 
 import torch
 import torch.nn.functional as F
-from runner import finish, run_checks, start
+from runner import finish, raises, run_checks, start
 from torch import nn
 
 from sparta.comm import QueueConfig, World
-from sparta.comm.priority import TaskKey
-from sparta.embedding import HybridOptimizer, QueuedGradients, SparseEmbedding, VocabParallelHead, parallelize
+from sparta.embedding import SparseEmbedding, VocabParallelHead, swap_embeddings
+from sparta.errors import ConfigError
+from sparta.parallel import DataParallel, Layout, ParallelDims, build_layout
 
 VOCAB, DIM, SEQ, BATCH, STEPS = 96, 16, 10, 3, 20
 
@@ -52,14 +55,18 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1], seq[:, 1:]
 
 
-def train(model: nn.Module, opt: object, rank: int) -> list[float]:
+def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, dp: DataParallel | None = None) -> list[float]:
     losses = []
     for step in range(STEPS):
         ids, targets = batch(step, rank)
+        if dp is not None:
+            dp.start()
         loss = model(ids, targets)
         loss.backward()
-        opt.step()  # type: ignore[attr-defined]
-        opt.zero_grad()  # type: ignore[attr-defined]
+        if dp is not None:
+            dp.finish()
+        opt.step()
+        opt.zero_grad()
         losses.append(loss.item())
     return losses
 
@@ -92,85 +99,89 @@ def baseline(world: World, tied: bool = False) -> list[float]:
     if world.backend == "torch":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return train(DDP(model, process_group=world.comm.pg), adam(model.parameters()), world.rank)
+        return train(DDP(model, process_group=world.comm.pg), adam(model.parameters()), world.rank)  # type: ignore[attr-defined]
     import horovod.torch as hvd
 
     opt = hvd.DistributedOptimizer(adam(model.parameters()), named_parameters=list(model.named_parameters()))
     return train(model, opt, world.rank)
 
 
+_LAYOUT: list[Layout] = []
+
+
+def layout(world: World) -> Layout:
+    """The world as one dp group (ep=2 only to give the refusal check another group)."""
+    if not _LAYOUT:
+        _LAYOUT.append(build_layout(ParallelDims(dp=world.size, ep=2 if world.size % 2 == 0 else 1), world))
+    return _LAYOUT[0]
+
+
 def check_lm_losses_match_dense_data_parallel(world: World) -> None:
+    lay = layout(world)
     want = {tied: baseline(world, tied) for tied in (False, True)}
-    queue = QueueConfig(chunk_bytes=1024, max_in_flight=3)  # several chunks per weight matrix
-    runs = [("row", "auto", False), ("column", "auto", False), ("row", "sparta", False), ("row", "sparta", True)]
-    queued_losses = {}
-    for sharding, mode, tied, defer in [(*run, False) for run in runs] + [("row", "sparta", True, True)]:
+    native = {"torch": "ddp", "horovod": "horovod"}.get(world.backend, "sparta")
+    # (sharding, strategy, queue, tied); tiny buckets and chunks: several of each per step
+    runs = [
+        ("row", native, True, False),
+        ("column", native, True, False),
+        ("row", "sparta", True, False),
+        ("column", "sparta", False, False),
+        ("row", "sparta", True, True),
+    ]
+    for sharding, strategy, queue, tied in runs:
         torch.manual_seed(0)
         model = TinyLM(tied)
-        wrapped, opt = parallelize(
-            model, world.comm, adam, mode, sharding, queue, tie_output=tied, defer_dense_step=defer
-        )
+        swap_embeddings(model, lay.dp, sharding, tie_output=tied)
         assert isinstance(model.tok, SparseEmbedding) and isinstance(model.pos, SparseEmbedding)
         assert isinstance(model.head, VocabParallelHead) == tied
-        overlapped = watch_lookups(model, opt) if defer else []
-        got = train(wrapped, opt, world.rank)
-        if mode == "sparta":
-            queued_losses[tied, defer] = got
-        if defer:
-            if world.backend != "horovod":  # whose timing-dependent fusion changes last bits (embedding_checks.py)
-                assert got == queued_losses[tied, False], "the deferred dense step changed the numerics"
-            assert overlapped == [False] + [True] * (STEPS - 1), overlapped
-        torch.testing.assert_close(
-            torch.tensor(got), torch.tensor(want[tied]), rtol=2e-4, atol=2e-5, msg=f"{sharding} {mode} tied={tied}"
-        )
+        options = {"queue": queue, "queue_config": QueueConfig(chunk_bytes=1024, max_in_flight=3)}
+        dp = DataParallel(lay, strategy, 1, False, 0.004, **(options if strategy == "sparta" else {}))  # type: ignore[arg-type]
+        net = dp.wrap(model)
+        got = train(net, adam(net.parameters()), world.rank, dp)
+        what = f"{sharding} {strategy} queue={queue} tied={tied}"
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want[tied]), rtol=2e-4, atol=2e-5, msg=what)
         mean = world.comm.all_reduce(torch.tensor(got), op="avg")  # one rank's 30 tokens are noisy
         first, last = float(mean[:5].mean()), float(mean[-5:].mean())
-        assert last < first - 0.1, f"the LM did not learn: {first:.3f} -> {last:.3f}"
-        if mode == "sparta":
-            queued = opt.deferred.queued if defer else opt.before_step["dense"].__self__  # type: ignore[attr-defined]
-            check_queue_schedule(world, queued)
+        assert last < first - 0.1, f"{what}: the LM did not learn: {first:.3f} -> {last:.3f}"
+        if strategy == "sparta" and queue:
+            check_queue_schedule(world, dp)
+        dp.close()
+        assert model.tok._queue is None, "close() left the table's exchange in the queue"
 
 
-def watch_lookups(model: nn.Module, opt: HybridOptimizer) -> list[bool]:
-    """Per forward: whether the last dense all-reduce the queue issued in the step before was
-    still unwaited (its parameter not stepped) when the token table's lookup was issued.
-    Each forward must also end with every dense parameter stepped."""
-    deferred = opt.deferred
-    assert deferred is not None
-    queue, keys = deferred.queued.queue, deferred.queued.dense
-    dense_keys = set(keys.values())
-    last: list[TaskKey | None] = []
-    seen: list[bool] = []
-
-    def before_round(module: nn.Module, args: object) -> None:  # before the round's expect() resets the log
-        dense = [key for key, _ in queue.issue_log if key in dense_keys]
-        last.append(dense[-1] if dense else None)
-
-    def after(module: nn.Module, args: object, out: object) -> None:
-        assert not deferred.pending, f"the forward left {[keys[p].name for p in deferred.pending]} unstepped"
-
-    model.register_forward_pre_hook(before_round, prepend=True)
-    model.tok.register_forward_pre_hook(lambda m, a: seen.append(last[-1] in {keys[p] for p in deferred.pending}))
-    model.register_forward_hook(after)
-    return seen
-
-
-def check_queue_schedule(world: World, queued: QueuedGradients) -> None:
-    """The last round's issue order is the same on every rank; it starts with the gradient
-    backward makes first, and the position table's all-to-all, ready late but of high
-    priority, overtook the remaining chunks of a task ready before it."""
-    log = [(key.name, chunk) for key, chunk in queued.queue.issue_log]
+def check_queue_schedule(world: World, dp: DataParallel) -> None:
+    """The last round's issue order is the same on every rank; it starts with the bucket
+    backward completes first, and the tables' all-to-alls, ready last but first in the
+    next forward, overtook the remaining chunks of dense buckets ready before them."""
+    assert dp.queue is not None
+    log = [(key.name, chunk) for key, chunk in dp.queue.issue_log]
     everyone = world.comm.all_gather(torch.tensor([zlib.crc32(repr(log).encode())]))
     assert len({int(h) for h in everyone}) == 1, f"ranks issued in different orders: {log[:6]}"
     names = [name for name, _ in log]
-    assert names[0] == queued.ready_order[0].name, (names[:3], queued.ready_order[:3])
-    assert {"tok.weight", "pos.weight"} <= set(names), names
+    tables = [name for name in dict.fromkeys(names) if name.startswith("table")]
+    assert len(tables) == 2 and names[0].startswith("dense"), names[:3]
     last_chunk = {name: i for i, name in enumerate(names)}
-    pos = names.index("pos.weight")
-    assert any(last_chunk[n] > pos for n in names[:pos]), f"pos.weight overtook nothing: {names}"
+    for table in tables:
+        at = names.index(table)
+        assert any(last_chunk[n] > at for n in names[:at] if n.startswith("dense")), (
+            f"{table} overtook nothing: {names}"
+        )
 
 
-CHECKS = [check_lm_losses_match_dense_data_parallel]
+def check_tables_over_another_group_are_refused(world: World) -> None:
+    """A table sharded over a group that is not the layout's dp group would be averaged over
+    the wrong ranks: wrap refuses it, naming the table and the fix."""
+    lay = layout(world)
+    if lay.ep is None:
+        return
+    model = nn.Sequential(SparseEmbedding(VOCAB, DIM, comm=lay.ep, name="tok"))
+    with raises(ConfigError, r"SparseEmbedding '0' is sharded over world ranks .*\(swap_embeddings\(model, layout.dp\)\)"):
+        DataParallel(lay, "sparta", 1, False).wrap(model)
+    with raises(ConfigError, "queue, queue_config and partition choose how data_parallel='sparta' sends"):
+        DataParallel(lay, "fsdp", 1, False, queue=False)
+
+
+CHECKS = [check_lm_losses_match_dense_data_parallel, check_tables_over_another_group_are_refused]
 
 if __name__ == "__main__":
     world, _ = start()
