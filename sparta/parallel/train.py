@@ -65,7 +65,8 @@ from .config import RunConfig
 from .data import TokenBatches, random_tokens, stdlib_tokens
 from .decoder import Decoder, DecoderConfig
 from .dims import Layout, build_layout
-from .parallelize import ParallelConfig, ParallelModel, parallelize
+from .model import ParallelModel
+from .parallelize import ParallelConfig, parallelize
 
 log = logging.getLogger("sparta.parallel.train")
 SPARK = "▁▂▃▄▅▆▇█"
