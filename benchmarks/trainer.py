@@ -122,8 +122,9 @@ SIZES: dict[str, dict[str, ModelShape]] = {
         "moe": ModelShape("moe", "moe_gpt", 2048, 256, 256, 4, 8, 512, 4, num_experts=8, top_k=2),
     },
     "tiny": {
-        "dense": ModelShape("dense", "llama", 128, 16, 32, 2, 4, 64, 2),
-        "moe": ModelShape("moe", "moe_gpt", 128, 16, 32, 2, 4, 32, 2, num_experts=4, top_k=2),
+        # 4 layers: ZBVZeroBubble on 2 ranks runs 4 stages of at least one layer each
+        "dense": ModelShape("dense", "llama", 128, 16, 32, 4, 4, 64, 2),
+        "moe": ModelShape("moe", "moe_gpt", 128, 16, 32, 4, 4, 32, 2, num_experts=4, top_k=2),
     },
 }
 # torchtitan's debug model is fixed at dim 256 etc.; at --size tiny it keeps that shape
@@ -172,8 +173,9 @@ TORCHTITAN_PP_REASON = (
     "checked for issue 23) and is driven by its Trainer (data loader, tokenizer files); not run"
 )
 TORCHTITAN_MOE_REASON = (
-    "torchtitan is compared on the dense Llama only: the MoE GPT is Sparta's reference decoder, which torchtitan "
-    "cannot build, and torchtitan's own MoE models route through Triton / symmetric-memory kernels (GPU only)"
+    "torchtitan is compared on the dense Llama only: the MoE GPT is Sparta's reference decoder "
+    "(sparta.parallel.Decoder), which torchtitan cannot build; its own MoE models (deepseek_v3, qwen3) are other "
+    "models and were not tried on CPU"
 )
 TORCHTITAN_INSTALL = (
     "pip install --no-deps torchtitan==0.3.0 spmd-types torch-checkpointing torchdata==0.11.0 tyro "
@@ -818,37 +820,39 @@ def launch(ranks: int, worker_args: list[str], timeout: float, context: dict[str
     return records
 
 
-def targets(shape: ModelShape, spec: LayoutSpec, records: list[dict[str, Any]]) -> None:
-    """The issue's targets for this (model, layout), as records."""
+def targets(size: str, shape: ModelShape, spec: LayoutSpec, records: list[dict[str, Any]]) -> None:
+    """The issue's targets for this (model, layout), as records: ``ratio`` is Sparta's step
+    time over the floor's (met at <= 1.03), or torchtitan's step time over Sparta's (met at
+    >= 1: Sparta's tokens/s at least torchtitan's)."""
     by = {r["candidate"]: r for r in records if r.get("bench") == "trainer" and "median_s" in r}
     sparta = by.get("sparta")
     if sparta is None:
         return
-    checks = []
+    checks: list[tuple[str, float, bool | None]] = []
     if spec.world_size == 1 and "eager" in by:
-        checks.append(("1 rank: Sparta within 3% of plain eager", sparta["median_s"] / by["eager"]["median_s"], 1.03))
+        ratio = sparta["median_s"] / by["eager"]["median_s"]
+        checks.append(("1 rank: Sparta within 3% of plain eager", ratio, ratio <= 1.03))
     if spec.pure_dp and "ddp" in by:
-        checks.append(("dp: Sparta within 3% of plain DDP", sparta["median_s"] / by["ddp"]["median_s"], 1.03))
+        ratio = sparta["median_s"] / by["ddp"]["median_s"]
+        checks.append(("dp: Sparta within 3% of plain DDP", ratio, ratio <= 1.03))
     if spec.name in ("tp2", "fsdp4") and "torchtitan" in by:
+        ratio = by["torchtitan"]["median_s"] / sparta["median_s"]
+        # torchtitan always runs its debug model: only --size debug compares equal shapes
         checks.append(
-            (
-                f"{spec.name}: Sparta's tokens/s at least torchtitan's",
-                by["torchtitan"]["median_s"] / sparta["median_s"],
-                None,
-            )
+            (f"{spec.name}: Sparta's tokens/s at least torchtitan's", ratio, ratio >= 1.0 if size == "debug" else None)
         )
-    for target, ratio, bound in checks:
-        met = ratio <= bound if bound is not None else ratio >= 1.0
-        _emit(
-            {
-                "bench": "trainer_target",
-                "model": shape.name,
-                "layout": spec.name,
-                "target": target,
-                "ratio": round(ratio, 4),
-                "met": bool(met),
-            }
-        )
+    for target, ratio, met in checks:
+        record: dict[str, object] = {
+            "bench": "trainer_target",
+            "model": shape.name,
+            "layout": spec.name,
+            "target": target,
+            "ratio": round(ratio, 4),
+            "met": met,
+        }
+        if met is None:
+            record["why"] = f"--size {size}: torchtitan runs its debug model, Sparta a smaller one; not comparable"
+        _emit(record)
 
 
 def main() -> int:
@@ -966,7 +970,7 @@ def main() -> int:
                         {**context, "bench": "trainer_memory", "candidate": candidate},
                     )
             failed |= any("error" in r for r in records) or not records
-            targets(shape, spec, records)
+            targets(args.size, shape, spec, records)
     if args.cluster:
         run_cluster(args)
     return 1 if failed else 0
