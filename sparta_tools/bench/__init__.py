@@ -6,8 +6,8 @@
     sparta bench compare base.jsonl new.jsonl      # refuses runs of different shape without --force
     sparta bench plot run.jsonl -o run.png
 
-Suites (`registry()`): collectives, alltoallv, and the folded scripts (moe-layer, dispatch,
-pipeline, embedding; trainer once benchmarks/trainer.py lands). Without a launcher a suite
+Suites (`registry()`): collectives, alltoallv, and the folded scripts (moe-layer, pipeline,
+dispatch: moe.py; trainer once benchmarks/trainer.py lands: suites.py). Without a launcher a suite
 starts its own local ranks, one job per engine (runner.drive); under torchrun, mpirun or
 horovodrun each rank runs it directly (runner.worker). Output: JSON lines, a header first
 (records.py says what every field means), and a table on stdout.
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra["plant_wrong"] = True
     try:
         opts = options_from(args, suite.name, extra)
-        suite.check(extra)
+        suite.check(opts)
     except ConfigError as exc:
         parser.exit(2, f"sparta bench {suite.name}: error: {exc}\n")
     from sparta.comm.launch import detect

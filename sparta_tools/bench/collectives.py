@@ -25,7 +25,7 @@ import torch
 
 from sparta.errors import ConfigError
 from sparta_tools.bench import records, traffic
-from sparta_tools.bench.options import human_size
+from sparta_tools.bench.options import BenchOptions, human_size
 from sparta_tools.bench.oracle import Oracle
 from sparta_tools.bench.runner import BenchContext
 
@@ -61,12 +61,14 @@ def _subset(text: str, known: tuple[str, ...], flag: str) -> list[str]:
     return chosen
 
 
-def check_collectives_options(extra: dict[str, Any]) -> None:
+def check_collectives_options(opts: BenchOptions) -> None:
+    extra = opts.extra
     _subset(str(extra["ops"]), OPS, "--ops")
     _subset(str(extra["variants"]), VARIANTS, "--variants")
 
 
-def check_alltoallv_options(extra: dict[str, Any]) -> None:
+def check_alltoallv_options(opts: BenchOptions) -> None:
+    extra = opts.extra
     patterns = _subset(str(extra["patterns"]), traffic.PATTERNS, "--patterns")
     _subset(str(extra["variants"]), VARIANTS, "--variants")
     if "file" in patterns and not extra["matrix"]:

@@ -41,14 +41,15 @@ from sparta_tools.bench.options import ENGINES, BenchOptions
 
 @dataclass(frozen=True)
 class Suite:
-    """One `sparta bench <name>`. add_arguments: its own flags; check(extra): validates them
-    (ConfigError) before anything launches; run(ctx): on every rank; peers(opts, extra): the
-    driver's records of tools outside Sparta; engines: those it runs on by default."""
+    """One `sparta bench <name>`. add_arguments: its own flags (they land in opts.extra);
+    check(opts): validates them (ConfigError) before anything launches; run(ctx): on every
+    rank; peers(opts, extra): the driver's records of tools outside Sparta; engines: those it
+    runs on by default."""
 
     name: str
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
-    check: Callable[[dict[str, Any]], None]
+    check: Callable[[BenchOptions], None]
     run: Callable[[Any], None]
     peers: Callable[[Any, dict[str, Any]], list[dict[str, Any]]] | None = None
     engines: tuple[str, ...] = ENGINES
@@ -294,31 +295,45 @@ class BenchContext:
         calls: dict[str, Callable[[], Any]],
         check: Callable[[str, Any], int] | None,
         fields: Callable[[float], dict[str, Any]],
+        unchecked: dict[str, str] | None = None,
+        annotate: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         """Check each variant's result (before timing and the last timed call's), time the
         variants together, and emit one point per variant. `fields(median_seconds)` adds the
-        bandwidths; `check(variant, result)` counts wrong elements."""
+        bandwidths; `check(variant, result)` counts wrong elements; `unchecked` names the
+        variants no oracle applies to, and why (their `wrong` is null, `unchecked` says why);
+        `annotate(points)` may add fields that need every variant's figures (rank 0)."""
+        unchecked = unchecked or {}
         wrong: dict[str, int] = {}
         last: dict[str, Any] = {}
         if check is not None and self.opts.check:
             for name, call in calls.items():
-                wrong[name] = check(name, call())
+                result = call()
+                wrong[name] = 0 if name in unchecked else check(name, result)
             recording = {name: (lambda c=call, n=name: last.__setitem__(n, c())) for name, call in calls.items()}
             times = self.measure(recording)
             for name in calls:
-                wrong[name] += check(name, last[name])
+                wrong[name] += 0 if name in unchecked else check(name, last[name])
         else:
             times = self.measure(calls)
         per_rank, wrongs = self.gather_times(times, wrong)
+        points = []
         for name in calls:
             stats = records.time_stats(per_rank[name], self.opts.combine)
             point = {"type": "point", "suite": self.opts.suite, "engine": self.engine, **base, "variant": name}
             point.update(stats)
             point.update(fields(stats["median_us"] / 1e6))
-            point["wrong"] = wrongs[name] if self.opts.check and check is not None else None
+            checked = self.opts.check and check is not None and name not in unchecked
+            point["wrong"] = wrongs[name] if checked else None
+            if name in unchecked:
+                point["unchecked"] = unchecked[name]
             point.update({"ranks": self.size, "nodes": len(set(self.node_of)), "iters": self.opts.iters})
             self.wrong += wrongs[name]
             self.points += 1
+            points.append(point)
+        if annotate is not None:
+            annotate(points)
+        for point in points:
             self.emit(point)
 
 

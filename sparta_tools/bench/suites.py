@@ -1,4 +1,6 @@
-"""The suites folded in from the scripts under benchmarks/, and the hook for `trainer`.
+"""The suites folded in from the scripts under benchmarks/ (moe.py: moe-layer from
+benchmarks/moe_layer.py, pipeline from benchmarks/moe_pipeline.py's plans on the launched ranks,
+dispatch), and the hook for `trainer`.
 
 trainer   the 3D trainer's step (benchmarks/trainer.py, being written). A module
           `sparta_tools.bench.trainer` with `add_arguments(parser)`, `check(extra)` and
@@ -10,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from typing import Any
 
+from sparta_tools.bench.options import BenchOptions
 from sparta_tools.bench.runner import BenchContext, Suite
 
 
@@ -19,7 +21,7 @@ def _no_flags(_: argparse.ArgumentParser) -> None:
     return None
 
 
-def _no_check(_: dict[str, Any]) -> None:
+def _no_check(_: BenchOptions) -> None:
     return None
 
 
@@ -38,4 +40,14 @@ def trainer_suite() -> Suite:
 
 
 def folded() -> list[Suite]:
-    return [trainer_suite()]
+    from sparta_tools.bench import moe
+
+    return [
+        Suite("moe-layer", "one MoE layer forward+backward: Sparta, DeepSpeed-MoE, a naive loop, the dense floor",
+              moe.add_layer_arguments, moe.check_layer, moe.run_layer, engines=("torch",)),
+        Suite("pipeline", "the co-scheduler's plans: pipeline degrees of the expert-parallel exchange, and auto",
+              moe.add_pipeline_arguments, moe.check_pipeline, moe.run_pipeline, engines=("torch",)),
+        Suite("dispatch", "route + dispatch + combine alone, by routing skew (Zipf bias on the router)",
+              moe.add_dispatch_arguments, moe.check_dispatch, moe.run_dispatch, engines=("torch",)),
+        trainer_suite(),
+    ]  # fmt: skip

@@ -233,3 +233,44 @@ def test_peer_outputs_parse() -> None:
     rows = parse_osu(osu, "all_reduce")
     got = [(r["bytes"], r["median_us"], r["min_us"], r["wrong"]) for r in rows]
     assert got == [(4, 1.52, 1.4, 0), (8, 1.55, 1.41, 1)]
+
+
+def test_moe_layer_checks_every_dropless_candidate(tmp_path: Path) -> None:
+    """Planted: rank 0's reference is off by one element at the first check, so exactly one
+    point is wrong and the run exits 1; every other checked candidate equals the reference."""
+    path = tmp_path / "m.jsonl"
+    candidates = "dense,naive,sparta_dropless,sparta_cap1.25,sparta_pipelined"
+    args = ["moe-layer", "--config", "tiny", *TINY, "--candidates", candidates, "-J", str(path), "--_plant-wrong"]
+    code, out = bench(args)
+    assert code == 1, out[-3000:]
+    recs = records.read_records(path)
+    got = {p["variant"]: p for p in points(recs)}
+    assert sorted(got) == ["dense", "sparta_cap1.25", "sparta_dropless", "sparta_pipelined"], sorted(got)
+    assert got["sparta_dropless"]["wrong"] == 1 and got["sparta_pipelined"]["wrong"] == 0, got
+    assert got["dense"]["wrong"] is None and "floor" in got["dense"]["unchecked"], got["dense"]
+    assert got["sparta_cap1.25"]["wrong"] is None and "capacity" in got["sparta_cap1.25"]["unchecked"]
+    assert got["dense"]["ratio_to_dense"] == 1.0 and all(p["imbalance"] >= 1.0 for p in got.values()), got
+    assert all(p["tokens_per_rank"] == 128 and p["ranks"] == 2 for p in got.values()), got
+    skipped = {r.get("candidate"): r["reason"] for r in recs if r["type"] == "skipped"}
+    assert "one process only" in skipped["naive"] and "PyPI" in skipped["tutel"], skipped
+
+
+def test_pipeline_plans_and_dispatch_skews(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    code, out = bench(["pipeline", "--config", "tiny", *TINY, "--degrees", "1;2,4;auto", "-J", str(path)])
+    assert code == 0, out[-3000:]
+    got = points(records.read_records(path))
+    names = [p["variant"] for p in got]
+    assert names[:3] == ["dense", "r=1", "r=(2, 4)"] and names[3].startswith("auto ("), names
+    assert [p["wrong"] for p in got] == [None, 0, 0, 0], got
+    path = tmp_path / "d.jsonl"
+    args = ["dispatch", "-b", "16K", "-e", "16K", *TINY, "--skews", "0,2", "--d-model", "64", "--experts", "8"]
+    code, out = bench([*args, "-J", str(path)])
+    assert code == 0, out[-3000:]
+    got = points(records.read_records(path))
+    assert {(p["pattern"], p["variant"]) for p in got} == {
+        (f"zipf-s{s}", v) for s in ("0", "2") for v in ("sparta", "naive")
+    }
+    assert all(p["wrong"] == 0 and p["tokens"] == 64 for p in got), got
+    skew = {p["pattern"]: p["imbalance"] for p in got}
+    assert skew["zipf-s2"] > skew["zipf-s0"] >= 1.0, skew  # the bias makes hot experts hotter
