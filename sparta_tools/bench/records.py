@@ -319,6 +319,7 @@ COLUMNS = (  # (field, title, width, format)
     ("candidate", "candidate", 18, "s"),
     ("engine", "engine", 7, "s"),
     ("config", "config", 6, "s"),
+    ("vocab", "vocab", 7, "d"),
     ("variant", "variant", 18, "s"),
     ("size", "size", 7, "s"),
     ("median_us", "median_us", 11, ".1f"),
@@ -331,6 +332,7 @@ COLUMNS = (  # (field, title, width, format)
     ("internode_busbw_GBps", "inter", 8, ".4g"),
     ("imbalance", "imbal", 6, ".2f"),
     ("ratio_to_dense", "x_dense", 8, ".3f"),
+    ("bytes_sent_per_step", "sent_B", 10, "d"),
     ("pct_peak", "%peak", 6, ".1f"),
     ("wrong", "#wrong", 7, "d"),
 )

@@ -1,6 +1,6 @@
 """The suites folded in from the scripts under benchmarks/ (moe.py: moe-layer from
 benchmarks/moe_layer.py, pipeline from benchmarks/moe_pipeline.py's plans on the launched ranks,
-dispatch), and the hook for `trainer`.
+dispatch; embedding.py: embedding from benchmarks/embedding.py), and the hook for `trainer`.
 
 trainer   the 3D trainer's step (benchmarks/trainer.py, being written). A module
           `sparta_tools.bench.trainer` with `add_arguments(parser)`, `check(extra)` and
@@ -40,7 +40,7 @@ def trainer_suite() -> Suite:
 
 
 def folded() -> list[Suite]:
-    from sparta_tools.bench import moe
+    from sparta_tools.bench import embedding, moe
 
     return [
         Suite("moe-layer", "one MoE layer forward+backward: Sparta, DeepSpeed-MoE, a naive loop, the dense floor",
@@ -49,5 +49,7 @@ def folded() -> list[Suite]:
               moe.add_pipeline_arguments, moe.check_pipeline, moe.run_pipeline, engines=("torch",)),
         Suite("dispatch", "route + dispatch + combine alone, by routing skew (Zipf bias on the router)",
               moe.add_dispatch_arguments, moe.check_dispatch, moe.run_dispatch, engines=("torch",)),
+        Suite("embedding", "a step of a large-table model: DDP, Horovod sparse/dense, Sparta row/column sharding",
+              embedding.add_arguments, embedding.check, embedding.run, engines=("torch", "horovod")),
         trainer_suite(),
     ]  # fmt: skip

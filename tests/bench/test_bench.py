@@ -274,3 +274,18 @@ def test_pipeline_plans_and_dispatch_skews(tmp_path: Path) -> None:
     assert all(p["wrong"] == 0 and p["tokens"] == 64 for p in got), got
     skew = {p["pattern"]: p["imbalance"] for p in got}
     assert skew["zipf-s2"] > skew["zipf-s0"] >= 1.0, skew  # the bias makes hot experts hotter
+
+
+def test_embedding_variants_equal_a_replayed_model(tmp_path: Path) -> None:
+    path = tmp_path / "e.jsonl"
+    args = ["embedding", "--vocabs", "500", "--dim", "16", "--batch", "2", "--seq", "8", *TINY, "--engines", "torch"]
+    code, out = bench([*args, "-J", str(path)])
+    assert code == 0, out[-3000:]
+    got = {p["variant"]: p for p in points(records.read_records(path))}
+    assert set(got) == {"ddp", "sparta_row", "sparta_column", "sparta_row_sparse", "sparta_column_sparse",
+                        "sparta_row_queue", "sparta_row_noqueue", "dense_block_alone"}, sorted(got)  # fmt: skip
+    for name, p in got.items():
+        assert p["wrong"] == (None if name == "dense_block_alone" else 0), p
+        assert p["vocab"] == 500 and p["ids_per_rank"] == 16, p
+    assert got["ddp"]["bytes_sent_per_step"] > got["sparta_row"]["bytes_sent_per_step"] > 0, got
+    assert got["ddp"]["table_bytes_per_rank"] == 2 * 500 * 16 * 4 == 2 * got["sparta_row"]["table_bytes_per_rank"]
