@@ -20,8 +20,10 @@ chunks that overlap the experts' compute; ``tune_schedule`` picks the chunking f
 profile, as an explicit step before training.
 
 Around the layer: ``moeify(model, ...)`` swaps an existing model's MLPs for MoE layers
-(upcycling their weights and biases); ``expert_parallel_groups`` / ``sync_gradients`` combine expert
-parallelism with data parallelism; ``state_dict()`` saves experts under their global ids and
+(upcycling their weights and biases); ``sparta.parallel.build_layout`` gives the expert-parallel
+groups (``layout.ep``, ``layout.expert_dp``) and ``sparta.parallel.DataParallel`` reduces the
+gradients (each expert's over its replicas only), inside the 3D trainer or a plain loop;
+``state_dict()`` saves experts under their global ids and
 ``full_state_dict`` gathers them, so a checkpoint reloads under any ``ep_size``.
 
 Soft MoE mixes tokens into ``E * slots_per_expert`` slots per sequence instead
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 from sparta.moe.checkpoint import full_state_dict
 from sparta.moe.config import ACTIVATIONS, ROUTERS, MoEConfig
-from sparta.moe.data_parallel import ExpertGroups, expert_parallel_groups, sharded_expert_parameters, sync_gradients
 from sparta.moe.dispatch import Dispatched, DispatchPlan, combine, dispatch, expert_capacity, plan_dispatch
 from sparta.moe.experts import GroupedExperts
 from sparta.moe.layer import MoELayer, MoEStats
@@ -57,7 +58,6 @@ __all__ = [
     "DispatchPlan",
     "Dispatched",
     "ExpertChoiceRouter",
-    "ExpertGroups",
     "GroupedExperts",
     "MoEConfig",
     "MoELayer",
@@ -73,12 +73,9 @@ __all__ = [
     "combine",
     "dispatch",
     "expert_capacity",
-    "expert_parallel_groups",
     "full_state_dict",
     "moeify",
     "plan_dispatch",
     "read_dense_mlp",
-    "sharded_expert_parameters",
-    "sync_gradients",
     "tune_schedule",
 ]

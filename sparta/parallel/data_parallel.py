@@ -395,8 +395,10 @@ class DataParallel:
         dims, mb = self.layout.dims, self.microbatches
         with torch.no_grad():
             # a parameter no loss reached counts zero, so that every rank sends the same tensors
-            for p in (*self.dense, *self.experts):
-                if p.grad is None and self.strategy in ("sparta", "horovod"):
+            # (the experts always: their sum over replicas is ours under every strategy)
+            ours = self.dense if self.strategy in ("sparta", "horovod") else []
+            for p in (*ours, *self.experts):
+                if p.grad is None:
                     p.grad = torch.zeros_like(p)
             experts = self._start_experts()
             if self.strategy == "sparta":
@@ -430,7 +432,7 @@ class DataParallel:
             if self.queue is not None and self.queue.expects(key):  # no lookup this step: an empty exchange
                 empty = table.weight.new_zeros(0, table.embedding_dim)
                 zeros = [0] * self.layout.dp.size
-                self.queue.submit(key, empty, op="all_to_all", send_splits=zeros, recv_splits=zeros)
+                self.queue.submit(key, empty, op="all_to_all", send_splits=zeros, recv_splits=zeros).wait()
         for task in self._tasks:
             assert task.handle is not None
             _unflatten(task.handle.wait(), [(_local_grad(p), lo, hi) for p, lo, hi in task.spans], scale)

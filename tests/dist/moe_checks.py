@@ -13,8 +13,9 @@ from runner import finish, raises, run_checks, start
 from torch import nn
 
 from sparta.comm import Communicator, HierarchicalAllToAll, World
-from sparta.errors import InputError
-from sparta.moe import MoELayer, expert_parallel_groups, full_state_dict, sync_gradients, tune_schedule
+from sparta.errors import ConfigError, InputError
+from sparta.moe import MoELayer, full_state_dict, tune_schedule
+from sparta.parallel import DataParallel, Layout, ParallelDims, build_layout
 
 EXPERTS, D_MODEL, D_FF, SEQ = 8, 8, 16, 9
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -30,6 +31,17 @@ CASES = [
     {"router": "expert_choice", "capacity_factor": None, "activation": "gelu"},
     {"router": "soft", "capacity_factor": None, "activation": "gelu"},
 ]
+
+
+_LAYOUTS: dict[int, Layout] = {}
+
+
+def layout(world: World, ep: int) -> Layout:
+    """The world as one data-parallel group with experts over ``ep`` consecutive ranks (its
+    ``ep`` and ``expert_dp`` communicators); built once per ``ep`` (a collective)."""
+    if ep not in _LAYOUTS:
+        _LAYOUTS[ep] = build_layout(ParallelDims(dp=world.size, ep=ep), world)
+    return _LAYOUTS[ep]
 
 
 def inputs(world_size: int, batches: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -100,8 +112,9 @@ def check_every_router_with_expert_data_parallel_groups(world: World) -> None:
     """ep_size = 2 inside a larger world: two expert-parallel groups side by side."""
     if world.size < 4:
         return
-    groups = expert_parallel_groups(world.comm, 2)
-    assert groups.ep.size == 2 and groups.expert_dp is not None and groups.expert_dp.size == world.size // 2
+    groups = layout(world, 2)
+    assert groups.ep is not None and groups.ep.size == 2
+    assert groups.expert_dp is not None and groups.expert_dp.size == world.size // 2
     for case in CASES:
         compare_with_one_process(world, groups.ep, case, [2] * world.size)
     # Counted over the whole world, the sigmoid bias stays the same on every replica.
@@ -192,7 +205,7 @@ def check_checkpoint_loads_under_other_expert_parallel_sizes(world: World) -> No
         want = written(x)
     sizes = [s for s in (1, 2, world.size // 2) if s < world.size]
     for ep_size in dict.fromkeys(sizes):
-        comm = expert_parallel_groups(world.comm, ep_size).ep if ep_size > 1 else None
+        comm = layout(world, ep_size).ep
         torch.manual_seed(99)  # other initial weights: everything must come from the checkpoint
         loaded = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=ep_size, comm=comm, **case).eval()
         loaded.load_state_dict(full)
@@ -216,32 +229,51 @@ class TinyModel(nn.Module):
 
 
 def check_gradients_equal_one_process_on_the_global_batch(world: World) -> None:
-    """Expert parallel inside data parallel: after sync_gradients every rank holds the
-    gradient of the mean loss over all ranks' batches."""
+    """Expert parallel inside data parallel: after DataParallel.finish every rank holds the
+    gradient of the mean loss over all ranks' batches (experts summed over their replicas
+    only), under "sparta" with and without its queue and the engine's own strategy; the
+    global norm counts each value once. A layer split over another group than the layout's
+    is refused before any gradient moves."""
     ep_size = 2 if world.size >= 4 else world.size
-    groups = expert_parallel_groups(world.comm, ep_size)
+    groups = layout(world, ep_size)
     torch.manual_seed(5)
     full = TinyModel(1, None)
-    torch.manual_seed(5)
-    model = TinyModel(ep_size, groups.ep)
     xs, _ = inputs(world.size, [3] * world.size)
     targets = [x.sum(-1, keepdim=True).tanh() for x in xs]
     # The whole global batch in one forward: the z-loss (a mean over tokens) is then the mean
-    # of the ranks' z-losses, as sync_gradients makes it. (Dropless top-k routes each token
+    # of the ranks' z-losses, as data parallelism makes it. (Dropless top-k routes each token
     # alone, so the batch split does not change routing.)
     full_loss = nn.functional.mse_loss(full(torch.cat(xs)), torch.cat(targets))
     full_loss.backward()
-    local_loss = nn.functional.mse_loss(model(xs[world.rank]), targets[world.rank])
-    local_loss.backward()
-    loss, norm = sync_gradients(model, world.comm, groups.expert_dp, loss=local_loss)
-    assert abs(loss - full_loss.item()) < 1e-5, (loss, full_loss.item())
     full_norm = torch.cat([p.grad.flatten() for p in full.parameters()]).norm()
-    torch.testing.assert_close(norm, full_norm, **TOL)
     local = EXPERTS // ep_size
+    assert groups.ep is not None
     mine = slice(groups.ep.rank * local, (groups.ep.rank + 1) * local)
-    for (name, p), q in zip(model.named_parameters(), full.parameters(), strict=True):
-        want = q.grad[mine] if name.startswith("moe.experts.") else q.grad
-        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    native = {"torch": "ddp", "horovod": "horovod"}.get(world.backend)
+    runs = [("sparta", {}), ("sparta", {"queue": False})] + ([(native, {})] if native else [])
+    for strategy, options in runs:
+        torch.manual_seed(5)
+        model = TinyModel(ep_size, groups.ep)
+        dp = DataParallel(groups, strategy, microbatches=1, zero_bubble=False, **options)  # type: ignore[arg-type]
+        wrapped = dp.wrap(model)
+        dp.start()
+        local_loss = nn.functional.mse_loss(wrapped(xs[world.rank]), targets[world.rank])
+        local_loss.backward()
+        dp.finish()
+        loss = world.comm.all_reduce(local_loss.detach().reshape(1), op="avg")
+        assert abs(float(loss) - full_loss.item()) < 1e-5, (strategy, float(loss), full_loss.item())
+        square = sum(p.grad.double().square().sum() / dp.replicas(p) for p in model.parameters())
+        norm = world.comm.all_reduce(square.reshape(1), op="sum").sqrt()  # type: ignore[union-attr]
+        torch.testing.assert_close(norm.float(), full_norm.reshape(1), **TOL)
+        for (name, p), q in zip(model.named_parameters(), full.parameters(), strict=True):
+            want = q.grad[mine] if name.startswith("moe.experts.") else q.grad
+            torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name, s=strategy: f"{s} {n}: {m}")
+        dp.close()
+    # experts split over the whole world while the layout's groups hold ep_size ranks
+    torch.manual_seed(5)
+    if world.size > ep_size:
+        with raises(ConfigError, "splits its experts over world ranks .* expert-parallel group is"):
+            DataParallel(groups, "sparta", 1, False).wrap(TinyModel(world.size, world.comm))
 
 
 def check_bad_input_on_one_rank_raises_on_every_rank(world: World) -> None:

@@ -2,13 +2,17 @@
 embeddings on 4 ranks trains like one process on the global batch (5 SGD steps, within
 1e-5) under the engine's own strategy and "sparta" with and without its priority queue; the
 path that averaged expert weights as dense ones is shown wrong and is refused
-(tests/dist/data_parallel_checks.py)."""
+(tests/dist/data_parallel_checks.py). In one process: a table's rows through the queue."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from launch import assert_all_ok, launch, require_launcher
 
+import sparta
+from sparta.embedding import SparseEmbedding
+from sparta.parallel import DataParallel, ParallelDims, build_layout
 from tests.dist.data_parallel_checks import CHECKS
 
 
@@ -17,3 +21,33 @@ def test_gpt2_with_experts_and_sparse_embeddings_equals_one_process(launcher: st
     require_launcher(launcher)
     results = launch(launcher, "data_parallel_checks.py", nprocs=4, timeout=400)
     assert_all_ok(results, nprocs=4, expected_checks=len(CHECKS))
+
+
+def test_queued_table_rows_and_a_step_that_never_looks_it_up() -> None:
+    """One process: with microbatches=1 the table's rows are a task of the queue and land in
+    its gradient at finish(); a step whose loss never reaches the table sends an empty task
+    (every rank would, so the queue stays in step) and leaves its gradient alone."""
+    world = sparta.init(backend="torch")
+    layout = build_layout(ParallelDims(dp=1), world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(SparseEmbedding(10, 4, comm=layout.dp), torch.nn.Linear(4, 1))
+    reference = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1))
+    reference.load_state_dict({"0.weight": model[0].full_weight(), **model[1].state_dict(prefix="1.")})
+    dp = DataParallel(layout, "sparta", microbatches=1, zero_bubble=False)
+    dp.wrap(model)
+    assert [key.name for _, key in dp.tables] == ["table 0 0"]
+    ids = torch.tensor([[1, 2, 2], [7, 1, 0]])
+    dp.start()
+    model[1](torch.ones(2, 4)).sum().backward()  # the table's rows never needed
+    dp.finish()
+    assert model[0].weight.grad is None and [k.name for k, _ in dp.queue.issue_log] == ["dense 0", "table 0 0"]
+    model.zero_grad()
+    dp.start()
+    model(ids).square().sum().backward()
+    assert model[0].weight.grad is None, "the rows were to wait in the queue until finish()"
+    dp.finish()
+    reference(ids).square().sum().backward()
+    torch.testing.assert_close(model[0].weight.grad, reference[0].weight.grad)
+    torch.testing.assert_close(model[1].weight.grad, reference[1].weight.grad)
+    dp.close()
+    assert model[0]._queue is None
