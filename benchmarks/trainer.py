@@ -172,14 +172,17 @@ TORCHTITAN_PP_REASON = (
     "torchtitan 0.3.0's pipeline path fails on CPU inside the schedule ('Expecting 2 arg_mbs but got 1', "
     "checked for issue 23) and is driven by its Trainer (data loader, tokenizer files); not run"
 )
+TORCHTITAN_DP_REASON = (
+    "torchtitan is compared at 1 rank, TP 2 and FSDP 4 (issue 23's peers); plain DDP is the floor for pure data "
+    "parallel, and torchtitan's replicate path was not tried"
+)
 TORCHTITAN_MOE_REASON = (
     "torchtitan is compared on the dense Llama only: the MoE GPT is Sparta's reference decoder "
     "(sparta.parallel.Decoder), which torchtitan cannot build; its own MoE models (deepseek_v3, qwen3) are other "
     "models and were not tried on CPU"
 )
-TORCHTITAN_INSTALL = (
-    "pip install --no-deps torchtitan==0.3.0 spmd-types torch-checkpointing torchdata==0.11.0 tyro "
-    "docstring-parser typeguard einops"
+TORCHTITAN_INSTALL = (  # what its import chain needs here; --no-deps keeps pip from replacing torch
+    "pip install --no-deps torchtitan==0.3.0 spmd-types==0.3.1 torchdata==0.11.0 tyro==1.0.16 docstring-parser==0.18.0"
 )
 
 
@@ -199,11 +202,15 @@ def plan_candidates(shape: ModelShape, layout: LayoutSpec, wanted: list[str]) ->
             run.append(name)
         elif name == "sparta_ddp" and layout.pure_dp:
             run.append(name)
-        elif name == "torchtitan":
-            if layout.name in TORCHTITAN_LAYOUTS and not moe:
+        elif name == "torchtitan":  # a peer: run, or say why not
+            if moe:
+                skipped[name] = TORCHTITAN_MOE_REASON
+            elif layout.name in TORCHTITAN_LAYOUTS:
                 run.append(name)
-            elif layout.name in TORCHTITAN_LAYOUTS or layout.pp > 1:
-                skipped[name] = TORCHTITAN_MOE_REASON if moe else TORCHTITAN_PP_REASON
+            elif layout.pp > 1:
+                skipped[name] = TORCHTITAN_PP_REASON
+            else:
+                skipped[name] = TORCHTITAN_DP_REASON
     return run, skipped
 
 
@@ -673,15 +680,19 @@ def torchtitan_worker(args: argparse.Namespace) -> None:
 
 
 def torchtitan_missing() -> str | None:
-    """None if torchtitan 0.3.0 imports here (with the patches), else why not."""
-    try:
-        import importlib.metadata
+    """None if torchtitan 0.3.0 and what its import chain needs are installed, else why not."""
+    import importlib.metadata
+    import importlib.util
 
+    try:
         version = importlib.metadata.version("torchtitan")
     except importlib.metadata.PackageNotFoundError:
         return f"torchtitan is not installed: {TORCHTITAN_INSTALL}"
     if version != "0.3.0":
         return f"torchtitan {version} is installed; the CPU patches here are for 0.3.0"
+    absent = [m for m in ("spmd_types", "torchdata", "tyro", "docstring_parser") if importlib.util.find_spec(m) is None]
+    if absent:
+        return f"torchtitan 0.3.0 needs {', '.join(absent)}: {TORCHTITAN_INSTALL}"
     return None
 
 
