@@ -622,7 +622,7 @@ class TorchtitanRun:
         self.model, self.utils = model, tt_utils
         self.optimizers = config.optimizer.build(model_parts=[model])
         self.loss_fn = config.loss.build(compile_config=config.compile)
-        self.params = int(sum(p.numel() for p in model.parameters()) * fsdp)  # FSDP shards: local x degree
+        self.params = sum(p.numel() for p in model.parameters())  # DTensors count their global size
         self.tp, self.fsdp = tp, fsdp
         self.dp_rank = self.dims.get_mesh("batch").get_local_rank() if self.dims.dp_enabled else 0
 
