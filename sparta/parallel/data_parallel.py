@@ -83,7 +83,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from sparta.comm import Handle
+from sparta.comm import Exchange, Handle
 from sparta.comm.priority import PriorityQueue, QueueConfig, TaskKey
 from sparta.embedding import SparseEmbedding, VocabParallelHead
 from sparta.errors import ConfigError, InputError
@@ -319,12 +319,12 @@ class DataParallel:
                 self._task_of.setdefault(p, []).append(index)
         self._layout_stale = False
 
-    def watch(self, exchange: object) -> ObservedExchange:
+    def watch(self, exchange: Exchange) -> ObservedExchange:
         """``exchange`` (the MoE layer's, any sparta.comm.Exchange) reporting its transfers to
         the partition's release: hand the layer / pipeline this instead (needs partition=)."""
         if self.release is None:
             raise ConfigError("DataParallel.watch needs partition= (the pieces released into the exchange's gaps)")
-        return self.release.watch(exchange)  # type: ignore[arg-type]
+        return self.release.watch(exchange)
 
     # ------------------------------------------------------------------- step
     def start(self) -> None:

@@ -88,9 +88,7 @@ class Dense(torch.nn.Module):
         self.dense = torch.nn.Parameter(value.clone())
 
 
-def test_backward_that_raises_leaves_no_thread_and_the_next_step_sends_its_pieces(
-    world: World, layout: Layout
-) -> None:
+def test_backward_that_raises_leaves_no_thread_and_the_next_step_sends_its_pieces(world: World, layout: Layout) -> None:
     g = torch.Generator().manual_seed(0)
     counts = torch.full((2,), 3)
     rows = torch.randn(6, 4, generator=g).requires_grad_()
