@@ -112,7 +112,7 @@ class ParallelModel:
     def _global_mean(self, losses: list[Tensor]) -> float:
         """The mean over the global batch of the last stage's micro-batch losses (one all-reduce)."""
         local = torch.stack(losses).detach().float().mean() if losses else torch.zeros((), device=self.layout.device)
-        total = self.layout.world.comm.all_reduce(local.reshape(1), op="sum")
+        total = self._sum_over_world(local.reshape(1))
         dims = self.layout.dims
         return float(total) / (dims.dp * dims.tp)  # type: ignore[arg-type]
 
@@ -147,7 +147,7 @@ class ParallelModel:
         for p in params:
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             square += grad.double().square().sum() / _replicas(p, self.layout.dims, experts, shards)
-        total = self.layout.world.comm.all_reduce(square.reshape(1), op="sum")
+        total = self._sum_over_world(square.reshape(1))
         norm = math.sqrt(float(total))  # type: ignore[arg-type]
         if norm > max_norm:
             factor = max_norm / (norm + 1e-6)
@@ -155,6 +155,10 @@ class ParallelModel:
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 grad.mul_(factor)
         return norm
+
+    def _sum_over_world(self, x: Tensor) -> Tensor:
+        # one process has nothing to add, and a checked all-reduce costs milliseconds
+        return x if self.layout.world.size == 1 else self.layout.world.comm.all_reduce(x, op="sum")  # type: ignore[return-value]
 
     def close(self) -> None:
         """Remove the data-parallel hooks."""
