@@ -7,38 +7,15 @@ data position, LR scheduler state, ...); ``load(model_parts, optimizer)`` reads 
 back into whatever layout the job now has, or returns None when there is none.
 
 Layout-free keys. A checkpoint names every tensor by what it is in the full model, never by
-which rank held it, so pp x dp x tp with experts on 8 ranks, 4 ranks and one process (with or
-without a process group) all read and write the same checkpoint:
-
-- ``model.<fqn>``: every parameter and persistent buffer under its full-model name
-  (``model.layers.3.attn.wq.weight``; stage modules are deep copies of the full model, so a
-  stage's names are the full model's). Tensor-parallel and FSDP2 parameters are DTensors,
-  which DCP saves as chunks of the global tensor and reshards on load.
-- ``model.<path>.experts.<w>.<id>``: one entry per global expert, as GroupedExperts'
-  ``state_dict`` already names them; replicas of an expert (ep smaller than dp) save the same
-  key, which DCP writes once.
-- ``model.<path>.weight`` of a SparseEmbedding: the whole ``[num_embeddings, dim]`` table as
-  one DCP tensor, of which each rank writes (and reads) the rows and columns it holds as a
-  chunk at their offset; the module's own local ``state_dict`` key
-  (``weight.rows<a>-<b>.cols<c>-<d>``) depends on the layout and is not used. A
-  VocabParallelHead's row shard is saved the same way, as its whole ``[vocab, d]`` weight, so
-  a plain ``nn.Embedding`` / ``nn.Linear`` of one process loads either. (The chunks go
-  through DCP's public planner interface: ``DefaultSavePlanner`` / ``DefaultLoadPlanner``
-  subclasses add their write and read items; DCP reads each chunk from whatever chunks the
-  checkpoint holds.)
-- ``optim.<fqn>.<state>``: each optimizer state tensor shaped like its parameter under the
-  parameter's key, cut the same way (AdamW's ``exp_avg`` per expert, per embedding chunk, per
-  TP shard); other state (AdamW's ``step``) is saved as is under every key of its parameter.
-  ``optim.param_groups``: rank 0's hyperparameters (lr, betas, ...), restored on load as
-  ``Optimizer.load_state_dict`` does.
-- ``extra``: the dict given to ``save``, from rank 0 (so it must be the same on every rank);
-  ``rng.<rank>``: each rank's torch RNG state (CPU, and CUDA where initialised), restored on
-  load when the world size is the one that saved (another layout reseeds nothing: the
-  trainer's model and data draw no random numbers once built).
-
-A fresh optimizer has no state to load into: ``load`` first creates it with one step at zero
-gradients and a zero learning rate (as torch's own ``set_optimizer_state_dict`` does; the
-parameters do not move), then DCP fills it in place.
+which rank held it (``sparta.parallel.checkpoint_state`` has the scheme), so pp x dp x tp
+with experts on 8 ranks, 4 ranks and one process (with or without a process group) all read
+and write the same checkpoint. The optimizer's hyperparameters are restored as
+``Optimizer.load_state_dict`` does; a fresh optimizer's state is created by ``load`` itself
+(one step at zero learning rate: the parameters do not move), so build it before loading.
+``extra`` is saved from rank 0, so it must be the same on every rank. Each rank's torch RNG
+state (CPU, and CUDA where initialised) is restored when the world size is the one that saved
+(another layout reseeds nothing: the trainer's model and data draw no random numbers once
+built).
 
 Atomic writes. DCP writes into ``directory/.tmp-step_<N>`` (each file fsynced, the metadata
 last); after every rank has written, rank 0 fsyncs that directory and renames it to
@@ -71,7 +48,6 @@ one with exactly the losses of a run never stopped.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import re
 import shutil
@@ -86,39 +62,32 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    ReadItem,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.checkpoint.metadata import Metadata
 
 from sparta.comm.launch import detect
-from sparta.embedding.layer import SparseEmbedding
-from sparta.embedding.vocab_parallel import VocabParallelHead
 from sparta.errors import ConfigError, SpartaError
-from sparta.moe.experts import GroupedExperts
+from sparta.parallel.checkpoint_state import (
+    PARAM_GROUPS,
+    Piece,
+    PieceLoadPlanner,
+    PieceSavePlanner,
+    ScalarRef,
+    StateError,
+    compare,
+    dcp_state_dict,
+    forget_optimizer_state,
+    key_sizes,
+    materialise_optimizer_state,
+    model_slots,
+    restore_param_groups,
+    restore_scalars,
+)
 
 STEP_PREFIX = "step_"  # a complete checkpoint: directory/step_<N>
 _TMP_PREFIX = ".tmp-step_"  # being written; never read
 _OLD_PREFIX = ".old-step_"  # a complete checkpoint of the same step being replaced
 _STEP_DIR = re.compile(r"step_(\d+)")
-_MODEL, _OPTIM, _GROUPS, _EXTRA, _RNG = "model.", "optim.", "optim.param_groups", "extra", "rng."
-_LISTED = 12  # keys named in an error message, per kind
+_EXTRA, _RNG = "extra", "rng."
 
 
 class CheckpointError(SpartaError, RuntimeError):
@@ -184,11 +153,11 @@ class Checkpointer:
         group = _Group(self.process_group)
         problem = _check_step_extra(step, extra)
         state: dict[str, Any] = {}
-        pieces: dict[str, _Piece] = {}
+        pieces: dict[str, Piece] = {}
         if problem is None:
             try:
-                slots = _model_slots(_as_list(model_parts))
-                state, pieces, _ = _save_state(slots, _optimizers(optimizer), group.rank)
+                slots = model_slots(_as_list(model_parts))
+                state, pieces, _ = dcp_state_dict(slots, _optimizers(optimizer), group.rank)
             except Exception as exc:  # on this rank only: agreed on below, so no rank waits alone
                 problem = _describe(exc)
         if problem is None and group.rank == 0:
@@ -213,7 +182,7 @@ class Checkpointer:
                 dcp.save(
                     state,
                     storage_writer=FileSystemWriter(tmp, sync_files=True),
-                    planner=_SavePlanner(pieces),
+                    planner=PieceSavePlanner(pieces),
                     process_group=group.pg,
                 )
         except (Exception, CheckpointException) as exc:  # DCP raises the same exception on every rank
@@ -277,33 +246,32 @@ class Checkpointer:
             problem = f"cannot read {path}: {_reason(exc)}"
         optimizers = _optimizers(optimizer)
         state: dict[str, Any] = {}
-        pieces: dict[str, _Piece] = {}
-        scalars: list[tuple[str, dict[str, Any], str]] = []
+        pieces: dict[str, Piece] = {}
+        scalars: list[ScalarRef] = []
         created: list[tuple[torch.optim.Optimizer, Tensor]] = []
         if problem is None:
             try:
-                slots = _model_slots(_as_list(model_parts))
-                created = _materialise_state(optimizers)
-                state, pieces, scalars = _save_state(slots, optimizers, group.rank, with_groups=False)
+                slots = model_slots(_as_list(model_parts))
+                created = materialise_optimizer_state(optimizers)
+                state, pieces, scalars = dcp_state_dict(slots, optimizers, group.rank, with_groups=False)
             except Exception as exc:  # on this rank only: agreed on below, so no rank waits alone
                 problem = _describe(exc)
-        needs = {key: _global_size(value) for key, value in state.items()}
-        needs.update({key: tuple(piece.size) for key, piece in pieces.items()})
+        needs = key_sizes(state, pieces)
         answers = group.gather((problem, needs, bool(optimizers)))
         problems = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(answers) if p is not None]
         if not problems:
             assert metadata is not None
-            verdict = _compare(path, metadata, [n for _, n, _ in answers], any(o for _, _, o in answers))
+            verdict = compare(metadata, [n for _, n, _ in answers], any(o for _, _, o in answers))
             problems = [verdict] if verdict else []
         if problems:
-            _forget(created)
+            forget_optimizer_state(created)
             raise CheckpointError(f"loading {path} failed: " + "; ".join(problems))
 
         assert metadata is not None
         held = metadata.state_dict_metadata
         state[_EXTRA] = None
-        if optimizers and _GROUPS in held:
-            state[_GROUPS] = None
+        if optimizers and PARAM_GROUPS in held:
+            state[PARAM_GROUPS] = None
         world = sum(key.startswith(_RNG) for key in held)
         mine = f"{_RNG}{group.rank}"
         if self.rng and world == group.size and mine in held:
@@ -311,46 +279,23 @@ class Checkpointer:
         try:
             with _quiet(group):
                 reader = FileSystemReader(path)
-                dcp.load(state, storage_reader=reader, planner=_LoadPlanner(pieces), process_group=group.pg)
+                dcp.load(state, storage_reader=reader, planner=PieceLoadPlanner(pieces), process_group=group.pg)
         except (Exception, CheckpointException) as exc:  # DCP raises the same exception on every rank
-            _forget(created)
+            forget_optimizer_state(created)
             raise CheckpointError(f"loading {path} failed: reading it failed: {_reason(exc)}") from None
         # DCP filled the tensors in place; objects it loads by replacing them in the dict.
-        _restore_scalars(state, scalars)
-        if _GROUPS in state:
-            _restore_groups(state[_GROUPS], optimizers, path)
+        restore_scalars(state, scalars)
+        if PARAM_GROUPS in state:
+            try:
+                restore_param_groups(state[PARAM_GROUPS], optimizers, path)
+            except StateError as exc:  # the same saved groups and optimizers on every rank
+                raise CheckpointError(str(exc)) from None
         if mine in state:
             _set_rng_state(state[mine])
         return dict(state[_EXTRA])
 
 
-# ---------------------------------------------------------------------- slots
-@dataclass(frozen=True)
-class _Slot:
-    """One checkpoint key and where its tensor lives on this rank: ``tensor`` (a parameter or
-    buffer), or its row ``index`` (an expert of a GroupedExperts weight), or a chunk of a
-    global table at ``offsets`` in ``size`` (a SparseEmbedding shard)."""
-
-    key: str
-    tensor: Any
-    index: int | None = None
-    offsets: tuple[int, ...] | None = None
-    size: tuple[int, ...] | None = None
-
-    def view(self, t: Tensor) -> Tensor:
-        """The part of ``t`` (shaped like ``tensor``) that this key names."""
-        return t[self.index] if self.index is not None else t
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """A chunk of a global tensor that this rank writes or reads: ``local`` at ``offsets``."""
-
-    local: Tensor
-    offsets: tuple[int, ...]
-    size: tuple[int, ...]
-
-
+# ------------------------------------------------------------------ arguments
 def _as_list(model_parts: Sequence[nn.Module] | nn.Module) -> list[nn.Module]:
     parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
     if not parts or not all(isinstance(p, nn.Module) for p in parts):
@@ -372,281 +317,6 @@ def _optimizers(
                 f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(opt).__name__}"
             )
     return optimizers
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The module under DDP's wrapper (whose state_dict keys start with ``module.``)."""
-    while isinstance(module, DistributedDataParallel):
-        module = module.module
-    return module
-
-
-def _model_slots(parts: list[nn.Module]) -> list[_Slot]:
-    """Every layout-free key of this rank's model parts, in a deterministic order.
-
-    The keys are the parts' own ``state_dict`` keys (so persistent buffers and extra state
-    come too), except that a SparseEmbedding's local shard key becomes its table's
-    ``weight`` chunk and a GroupedExperts' per-expert keys point at rows of its weights.
-    """
-    slots: dict[str, _Slot] = {}
-    for part in parts:
-        root = _unwrap(part)
-        for module in root.modules():
-            if isinstance(module, FSDPModule):  # FSDP2: parameters back to their sharded DTensors
-                module.reshard()
-        special: dict[str, _Slot] = {}
-        # every path of a shared module (a table tied to a head is under both), as state_dict does
-        for path, module in root.named_modules(remove_duplicate=False):
-            prefix = f"{path}." if path else ""
-            if isinstance(module, VocabParallelHead) and not hasattr(module, "tied"):
-                _refuse_dtensor(module.weight, prefix + "weight")
-                layout = module.layout
-                size = (layout.num_embeddings, layout.embedding_dim)
-                offsets = (layout.row_range(layout.rank)[0], 0)
-                special[prefix + "weight"] = _Slot(prefix + "weight", module.weight, offsets=offsets, size=size)
-            elif isinstance(module, SparseEmbedding):
-                _refuse_dtensor(module.weight, prefix + "weight")
-                layout = module.layout
-                offsets = (layout.row_range(layout.rank)[0], layout.col_range(layout.rank)[0])
-                size = (module.num_embeddings, module.embedding_dim)
-                own = prefix + module.shard_key()
-                special[own] = _Slot(prefix + "weight", module.weight, offsets=offsets, size=size)
-            elif isinstance(module, GroupedExperts):
-                for name, weight in module.named_weights():
-                    _refuse_dtensor(weight, prefix + name)
-                    for local in range(module.num_experts):
-                        key = f"{prefix}{name}.{module.first_expert + local}"
-                        special[key] = _Slot(key, weight, index=local)
-        for key, value in root.state_dict(keep_vars=True).items():
-            if not isinstance(value, Tensor):
-                raise CheckpointError(
-                    f"{key} is a module's extra state ({type(value).__name__}), which the checkpointer does not "
-                    "save; keep such state in the extra dict of save()"
-                )
-            slot = special.pop(key, None) or _Slot(key, value)
-            other = slots.get(slot.key)
-            if other is not None and other.tensor is not slot.tensor:
-                raise CheckpointError(
-                    f"two model parts of this rank hold different tensors named {slot.key!r}; stage modules "
-                    "must each own the modules they keep (a deep copy with the others' modules deleted)"
-                )
-            slots[slot.key] = slot
-        if special:
-            raise CheckpointError(
-                f"these keys of the model's sharded layers are not in its state_dict: {sorted(special)[:_LISTED]}; "
-                "a module overrides state_dict in a way the checkpointer does not know"
-            )
-    return list(slots.values())
-
-
-def _refuse_dtensor(tensor: Tensor, name: str) -> None:
-    if isinstance(tensor, DTensor):
-        raise CheckpointError(
-            f"{name} is a DTensor (e.g. wrapped by FSDP2), but the layer is already sharded by its own "
-            "communicator: leave its sharded weights out of fully_shard"
-        )
-
-
-def _save_state(
-    slots: list[_Slot], optimizers: list[torch.optim.Optimizer], rank: int, with_groups: bool = True
-) -> tuple[dict[str, Any], dict[str, _Piece], list[tuple[str, dict[str, Any], str]]]:
-    """(DCP state dict, chunks of global tensors, optimizer state that is not a tensor) of
-    the model and the optimizers.
-
-    The state dict's tensors share storage with the parameters and optimizer state, so a
-    DCP load writes straight into them; the last list says where to put back the values
-    that DCP loads by replacing them in the dict: (key, the parameter's state, name).
-    """
-    state: dict[str, Any] = {}
-    pieces: dict[str, _Piece] = {}
-    scalars: list[tuple[str, dict[str, Any], str]] = []
-
-    def put(key: str, slot: _Slot, value: Any, like_param: bool) -> None:
-        if isinstance(value, Tensor) and like_param:
-            if slot.offsets is not None:
-                assert slot.size is not None
-                pieces[key] = _Piece(value.detach(), slot.offsets, slot.size)
-            else:
-                state[key] = slot.view(value.detach())
-        else:
-            state[key] = value.detach() if isinstance(value, Tensor) else value
-
-    by_param: dict[int, list[_Slot]] = {}
-    for slot in slots:
-        put(_MODEL + slot.key, slot, slot.tensor, True)
-        if isinstance(slot.tensor, nn.Parameter):
-            by_param.setdefault(id(slot.tensor), []).append(slot)
-    for opt in optimizers:
-        for group in opt.param_groups:
-            for param in group["params"]:
-                if id(param) not in by_param:
-                    raise CheckpointError(
-                        f"the optimizer holds a parameter of shape {tuple(param.shape)} that none of model_parts "
-                        "has; pass every module whose parameters the optimizer steps"
-                    )
-                entries = opt.state.get(param, {})
-                for name, value in entries.items():
-                    shaped = isinstance(value, Tensor) and value.shape == param.shape and value.dim() > 0
-                    for slot in by_param[id(param)]:
-                        put(f"{_OPTIM}{slot.key}.{name}", slot, value, shaped)
-                        if not isinstance(value, Tensor):
-                            scalars.append((f"{_OPTIM}{slot.key}.{name}", entries, name))
-    if with_groups and optimizers and rank == 0:
-        state[_GROUPS] = [[_hyper(g) for g in opt.param_groups] for opt in optimizers]
-    return state, pieces, scalars
-
-
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _global_size(value: Any) -> tuple[int, ...] | None:
-    return tuple(value.shape) if isinstance(value, Tensor) else None
-
-
-def _materialise_state(optimizers: list[torch.optim.Optimizer]) -> list[tuple[torch.optim.Optimizer, Tensor]]:
-    """Create the optimizer state a fresh optimizer lacks (for DCP to load into) by one step
-    with zero gradients and a zero learning rate, as torch's own state_dict helpers do; the
-    parameters do not change. Returns the (optimizer, parameter) pairs it created state for."""
-    created: list[tuple[torch.optim.Optimizer, Tensor]] = []
-    for opt in optimizers:
-        params = [p for g in opt.param_groups for p in g["params"]]
-        fresh = [p for p in params if p.requires_grad and not opt.state.get(p)]
-        if not fresh:
-            continue
-        saved_grads = {id(p): p.grad for p in params}
-        saved_lrs = [g.get("lr") for g in opt.param_groups]
-        try:
-            for p in params:
-                p.grad = None
-            for p in fresh:
-                grad = torch.zeros_like(p)
-                p.grad = grad.to_sparse() if isinstance(opt, torch.optim.SparseAdam) else grad
-            for g in opt.param_groups:
-                if "lr" in g:
-                    g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], Tensor) else 0.0
-            opt.step()
-        finally:
-            for g, lr in zip(opt.param_groups, saved_lrs, strict=True):
-                if lr is not None:
-                    g["lr"] = lr
-            for p in params:
-                p.grad = saved_grads[id(p)]
-        created.extend((opt, p) for p in fresh if opt.state.get(p))
-    return created
-
-
-def _forget(created: list[tuple[torch.optim.Optimizer, Tensor]]) -> None:
-    """Drop the state ``_materialise_state`` made, when the load does not happen."""
-    for opt, param in created:
-        opt.state.pop(param, None)
-
-
-def _restore_scalars(state: dict[str, Any], scalars: list[tuple[str, dict[str, Any], str]]) -> None:
-    """Put back the optimizer state that DCP loads by replacing it in ``state`` (values that
-    are not tensors, e.g. a Python step count), rather than by filling a tensor in place."""
-    for key, entries, name in scalars:
-        entries[name] = state[key]
-
-
-def _restore_groups(saved: list[list[dict[str, Any]]], optimizers: list[torch.optim.Optimizer], path: Path) -> None:
-    for i, opt in enumerate(optimizers):
-        groups = saved[min(i, len(saved) - 1)]
-        if len(groups) != len(opt.param_groups):
-            raise CheckpointError(
-                f"{path} holds {len(groups)} parameter groups for optimizer {i}, this one has "
-                f"{len(opt.param_groups)}: build the optimizer with the groups it was saved with"
-            )
-        for group, hyper in zip(opt.param_groups, groups, strict=True):
-            group.update(hyper)
-
-
-def _compare(path: Path, metadata: Metadata, needs: list[dict[str, Any]], with_optimizer: bool) -> str:
-    """What does not fit between the checkpoint and every rank's needs ("" when all fits)."""
-    held = metadata.state_dict_metadata
-    needed: dict[str, Any] = {}
-    for rank_needs in needs:
-        needed.update(rank_needs)
-    missing = sorted(k for k in needed if k not in held)
-    counted = (_MODEL, _OPTIM) if with_optimizer else (_MODEL,)
-    unexpected = sorted(k for k in held if k.startswith(counted) and k != _GROUPS and k not in needed)
-    mismatched = []
-    for key, size in sorted(needed.items()):
-        md = held.get(key)
-        if size is not None and isinstance(md, TensorStorageMetadata) and tuple(md.size) != size:
-            mismatched.append(f"{key} (checkpoint {tuple(md.size)}, model {size})")
-    if not (missing or unexpected or mismatched):
-        return ""
-    parts = []
-    for what, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", mismatched)):
-        if keys:
-            more = f" and {len(keys) - _LISTED} more" if len(keys) > _LISTED else ""
-            parts.append(f"{what} ({len(keys)}): {', '.join(keys[:_LISTED])}{more}")
-    return (
-        f"the checkpoint does not fit this model: {'; '.join(parts)}. It was saved from another model "
-        "(or another optimizer): load it into the model it was saved from"
-    )
-
-
-# -------------------------------------------------------------------- planners
-class _SavePlanner(DefaultSavePlanner):
-    """The default planner, plus chunks of global tensors that this rank writes at their
-    offsets (SparseEmbedding shards and their optimizer state)."""
-
-    def __init__(self, pieces: dict[str, _Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = pieces
-
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        items = [
-            WriteItem(
-                index=MetadataIndex(key, torch.Size(piece.offsets)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(torch.Size(piece.offsets), piece.local.shape),
-                    properties=TensorProperties.create_from_tensor(piece.local),
-                    size=torch.Size(piece.size),
-                ),
-            )
-            for key, piece in self.pieces.items()
-        ]
-        self.plan = SavePlan([*plan.items, *items], storage_data=plan.storage_data, planner_data=plan.planner_data)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> Tensor | io.BytesIO:
-        piece = self.pieces.get(write_item.index.fqn)
-        if piece is not None:
-            return piece.local
-        return super().resolve_data(write_item)
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    """The default planner, plus chunks of global tensors that this rank reads from whatever
-    chunks the checkpoint holds (DCP's own resharding of overlapping regions)."""
-
-    def __init__(self, pieces: dict[str, _Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = pieces
-
-    def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
-        items: list[ReadItem] = []
-        for key, piece in self.pieces.items():
-            md = self.metadata.state_dict_metadata[key] if self.metadata is not None else None
-            assert isinstance(md, TensorStorageMetadata)
-            chunk = ChunkStorageMetadata(torch.Size(piece.offsets), piece.local.shape)
-            items.extend(create_read_items_for_chunk_list(key, md, [chunk]))
-        return LoadPlan([*plan.items, *items], storage_data=plan.storage_data, planner_data=plan.planner_data)
-
-    def resolve_tensor(self, read_item: ReadItem) -> Tensor:
-        piece = self.pieces.get(read_item.dest_index.fqn)
-        if piece is None:
-            return super().resolve_tensor(read_item)
-        region = piece.local
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
-            region = region.narrow(dim, start, length)
-        return region
 
 
 # ------------------------------------------------------------------- agreement
