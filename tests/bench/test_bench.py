@@ -88,9 +88,12 @@ def test_alltoallv_patterns_against_the_oracle(tmp_path: Path) -> None:
     matrix.write_text(json.dumps([[400, 1200], [0, 2000]]))  # bytes: rank 1 sends itself everything
     path = tmp_path / "v.jsonl"
     args = ["alltoallv", "-b", "2K", "-e", "8K", "-f", "4", *TINY, "--engines", "torch", "-J", str(path)]
-    code, out = bench([*args, "--patterns", "uniform,zipf,moe,file", "--matrix", str(matrix)])
+    code, out = bench([*args, "--patterns", "uniform,zipf,moe,file", "--matrix", str(matrix), "--bind", "core"])
     assert code == 0, out[-4000:]
     recs = records.read_records(path)
+    pinned = recs[0]["binding"]["affinity_per_rank"]
+    cores = sorted(os.sched_getaffinity(0))
+    assert recs[0]["binding"]["mode"] == "core" and pinned == [[cores[0]], [cores[1 % len(cores)]]], recs[0]["binding"]
     got = points(recs)
     by = {(p["pattern"], p["variant"], p["bytes"]) for p in got}
     assert {pattern for pattern, _, _ in by} == {"uniform", "zipf", "moe", "file"}, by
@@ -289,3 +292,33 @@ def test_embedding_variants_equal_a_replayed_model(tmp_path: Path) -> None:
         assert p["vocab"] == 500 and p["ids_per_rank"] == 16, p
     assert got["ddp"]["bytes_sent_per_step"] > got["sparta_row"]["bytes_sent_per_step"] > 0, got
     assert got["ddp"]["table_bytes_per_rank"] == 2 * 500 * 16 * 4 == 2 * got["sparta_row"]["table_bytes_per_rank"]
+
+
+def test_ranks_times_combine_per_call() -> None:
+    per_rank = [[1.0, 5.0, 2.0], [3.0, 1.0, 2.0]]  # seconds, [rank][call]
+    assert records.combine(per_rank, "max") == [3.0, 5.0, 2.0]
+    assert records.combine(per_rank, "min") == [1.0, 1.0, 2.0]
+    assert records.combine(per_rank, "avg") == [2.0, 3.0, 2.0]
+    assert records.combine(per_rank, "rank0") == [1.0, 5.0, 2.0]
+    stats = records.time_stats(per_rank, "max")
+    assert (stats["median_us"], stats["min_us"], stats["max_us"], stats["p99_us"]) == (3e6, 2e6, 5e6, 5e6)
+    assert stats["rank_spread_us"] == 0.0 and stats["slowest_rank"] == 0  # both ranks' medians are 2 s
+
+
+def test_trainer_suite_skips_with_the_hook_named_until_it_exists() -> None:
+    from sparta_tools.bench.suites import trainer_suite
+
+    suite = trainer_suite()
+    skipped: list[tuple[str, dict]] = []
+
+    class Ctx:
+        def skip(self, reason: str, **what: object) -> None:
+            skipped.append((reason, what))
+
+    try:
+        import sparta_tools.bench.trainer  # noqa: F401
+    except ModuleNotFoundError:
+        suite.run(Ctx())
+        assert skipped and "sparta_tools/bench/trainer.py" in skipped[0][0], skipped
+    else:  # the trainer helper's module landed: the suite is its
+        assert suite.run.__module__ == "sparta_tools.bench.trainer"
