@@ -31,8 +31,8 @@ from sparta_tools.bench.runner import Suite
 
 COMMON_DESTS = frozenset(
     ("minbytes", "maxbytes", "stepfactor", "iters", "warmup_iters", "check", "datatype", "average", "output",
-     "engines", "nprocs", "device", "seed", "bind", "timeout", "expect_ranks", "expect_nodes", "peak", "_worker",
-     "plant_wrong", "command", "suite")
+     "engines", "nprocs", "device", "seed", "bind", "timeout", "expect_ranks", "expect_nodes", "ranks_per_node",
+     "peak", "_worker", "plant_wrong", "command", "suite")
 )  # fmt: skip
 
 

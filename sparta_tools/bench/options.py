@@ -9,7 +9,8 @@
 
 and Sparta's own: --engines, --nprocs (ranks to start when no launcher started us), --device,
 --seed, --bind, --timeout, --expect-ranks / --expect-nodes (refuse a launch that did not join
-them all), --peak (GB/s to compare busbw against).
+them all), --ranks-per-node (pose consecutive ranks as nodes: inter-node figures on one machine
+or an emulated cluster), --peak (GB/s to compare busbw against).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class BenchOptions:
     timeout_s: float = 600.0
     expect_ranks: int = 0
     expect_nodes: int = 0
+    ranks_per_node: int = 0
     peak_gbps: float = 0.0
     extra: dict[str, object] = field(default_factory=dict)  # the suite's own flags
 
@@ -119,6 +121,8 @@ class BenchOptions:
             raise ConfigError(f"--timeout {self.timeout_s}: give seconds > 0")
         if self.expect_ranks < 0 or self.expect_nodes < 0:
             raise ConfigError("--expect-ranks / --expect-nodes must be >= 0 (0: no expectation)")
+        if self.ranks_per_node < 0:
+            raise ConfigError(f"--ranks-per-node {self.ranks_per_node}: give >= 1 (0: nodes by host name)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -160,6 +164,12 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--timeout", type=float, default=600.0, help="seconds for a launch and for any one collective")
     r.add_argument("--expect-ranks", type=int, default=0, help="refuse to run unless the world has this many ranks")
     r.add_argument("--expect-nodes", type=int, default=0, help="refuse to run unless the ranks span this many hosts")
+    r.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=0,
+        help="pose consecutive ranks as nodes of this size (one machine, an emulated cluster); default: by host",
+    )
     r.add_argument("--peak", type=float, default=0.0, help="link peak in GB/s: records add busbw as %% of it")
     parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_plant-wrong", dest="plant_wrong", action="store_true", help=argparse.SUPPRESS)
@@ -189,6 +199,7 @@ def options_from(args: argparse.Namespace, suite: str, extra: dict[str, object])
         timeout_s=args.timeout,
         expect_ranks=args.expect_ranks,
         expect_nodes=args.expect_nodes,
+        ranks_per_node=args.ranks_per_node,
         peak_gbps=args.peak,
         extra=extra,
     )

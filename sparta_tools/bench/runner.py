@@ -386,7 +386,9 @@ def worker(opts: BenchOptions, suite_run: Callable[[BenchContext], None], comman
         )
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     pin(opts.bind)
-    world = sparta.init(backend=engine, config=CommConfig(timeout_s=opts.timeout_s))
+    world = sparta.init(
+        backend=engine, ranks_per_node=opts.ranks_per_node or None, config=CommConfig(timeout_s=opts.timeout_s)
+    )
     problem = check_world(opts, world)
     if problem:
         if world.rank == 0:

@@ -88,7 +88,8 @@ def test_alltoallv_patterns_against_the_oracle(tmp_path: Path) -> None:
     matrix.write_text(json.dumps([[400, 1200], [0, 2000]]))  # bytes: rank 1 sends itself everything
     path = tmp_path / "v.jsonl"
     args = ["alltoallv", "-b", "2K", "-e", "8K", "-f", "4", *TINY, "--engines", "torch", "-J", str(path)]
-    code, out = bench([*args, "--patterns", "uniform,zipf,moe,file", "--matrix", str(matrix), "--bind", "core"])
+    args += ["--bind", "core", "--ranks-per-node", "1"]  # two posed nodes: inter-node figures
+    code, out = bench([*args, "--patterns", "uniform,zipf,moe,file", "--matrix", str(matrix)])
     assert code == 0, out[-4000:]
     recs = records.read_records(path)
     pinned = recs[0]["binding"]["affinity_per_rank"]
@@ -106,6 +107,8 @@ def test_alltoallv_patterns_against_the_oracle(tmp_path: Path) -> None:
     assert file_point["algbw_GBps"] == pytest.approx(3200 / t / 1e9, rel=1e-3)
     assert file_point["busbw_noself_GBps"] == pytest.approx(1200 / t / 1e9, rel=1e-3)
     assert file_point["imbalance"] == pytest.approx(3200 / ((1600 + 3200) / 2), rel=1e-3)
+    assert recs[0]["nodes"] == 2 and file_point["nodes"] == 2, recs[0]["ranks_per_node"]
+    assert file_point["internode_busbw_GBps"] == pytest.approx(1200 / t / 1e9, rel=1e-3)  # the other rank is off-node
     zipf = next(p for p in got if p["pattern"] == "zipf")
     assert zipf["imbalance"] > 1.0, zipf
 
