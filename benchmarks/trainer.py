@@ -3,6 +3,10 @@
     python benchmarks/trainer.py                        # every model, layout and peer (root: + the cluster)
     python benchmarks/trainer.py --size tiny --repeats 1 --layouts 1 --models dense --no-memory   # smoke
 
+The models, layouts and candidates' steps live in sparta_tools/bench/trainer.py, which is also
+`sparta bench trainer` (the same candidates on the ranks of one launch, as a suite of
+`sparta bench`); this script adds the launches per layout, torchtitan, memory and the cluster.
+
 Prints JSON lines: one ``trainer_header`` record (models, layouts, candidates, how it is
 timed), then per (model, layout) one ``trainer`` record per candidate, ``trainer_memory``
 records, ``skipped`` records for every peer that cannot run there (with the reason),
@@ -82,7 +86,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -93,273 +97,26 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # sparta_tools lives beside the package
 
-LR, MAX_NORM, SEED, TOL = 3e-4, 1.0, 0, 1e-5
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """One benchmark model. kind: "llama" (HF Llama through HFLlama; SwiGLU width d_ff) or
-    "moe_gpt" (sparta.parallel.Decoder with MoE MLPs, each expert of width d_ff).
-    batch: sequences per data-parallel rank per step; seq_len: tokens per sequence."""
-
-    name: str
-    kind: str
-    vocab_size: int
-    seq_len: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    d_ff: int
-    batch: int
-    num_experts: int = 0
-    top_k: int = 0
-
-
-SIZES: dict[str, dict[str, ModelShape]] = {
-    "debug": {
-        # torchtitan's llama3 "debugmodel": dim 256, 6 layers, 16 heads, vocab 2048, ffn 768
-        "dense": ModelShape("dense", "llama", 2048, 512, 256, 6, 16, 768, 2),
-        "moe": ModelShape("moe", "moe_gpt", 2048, 256, 256, 4, 8, 512, 4, num_experts=8, top_k=2),
-    },
-    "tiny": {
-        # 4 layers: ZBVZeroBubble on 2 ranks runs 4 stages of at least one layer each
-        "dense": ModelShape("dense", "llama", 128, 16, 32, 4, 4, 64, 2),
-        "moe": ModelShape("moe", "moe_gpt", 128, 16, 32, 4, 4, 32, 2, num_experts=4, top_k=2),
-    },
-}
-# torchtitan's debug model is fixed at dim 256 etc.; at --size tiny it keeps that shape
-# (it has no smaller flavour) and only seq_len and batch follow the size.
-
-
-@dataclass(frozen=True)
-class LayoutSpec:
-    """A layout: degrees, the pipeline schedule, and Sparta's data-parallel strategy."""
-
-    name: str
-    pp: int = 1
-    dp: int = 1
-    tp: int = 1
-    schedule: str = "1F1B"
-    stages_per_rank: int = 1
-    microbatches: int = 1
-    data_parallel: str = "sparta"
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    @property
-    def pure_dp(self) -> bool:
-        return self.pp == 1 and self.tp == 1 and self.dp > 1 and self.data_parallel != "fsdp"
-
-
-LAYOUTS = {
-    spec.name: spec
-    for spec in (
-        LayoutSpec("1"),
-        LayoutSpec("dp2", dp=2),
-        LayoutSpec("dp4", dp=4),
-        LayoutSpec("tp2", tp=2),
-        LayoutSpec("pp2_1f1b", pp=2, schedule="1F1B", microbatches=2),
-        LayoutSpec("pp2_zbv", pp=2, schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=2),
-        LayoutSpec("fsdp4", dp=4, data_parallel="fsdp"),
-    )
-}
-CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_ddp", "torchtitan")
-DEFAULT_CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "torchtitan")
-TORCHTITAN_LAYOUTS = {"1": (1, 1), "tp2": (2, 1), "fsdp4": (1, 4)}  # layout -> (tp, fsdp) degrees
-TORCHTITAN_PP_REASON = (
-    "torchtitan 0.3.0's pipeline path fails on CPU inside the schedule ('Expecting 2 arg_mbs but got 1', "
-    "checked for issue 23) and is driven by its Trainer (data loader, tokenizer files); not run"
+from sparta_tools.bench.trainer import (  # noqa: E402
+    CANDIDATES,
+    DEFAULT_CANDIDATES,
+    LAYOUTS,
+    LR,
+    MAX_NORM,
+    SEED,
+    SIZES,
+    TOL,
+    TORCHTITAN_INSTALL,
+    TORCHTITAN_LAYOUTS,
+    LayoutSpec,
+    ModelShape,
+    SpartaRun,
+    Step,
+    build_step,
+    local_batch,
+    oracle,
+    plan_candidates,
 )
-TORCHTITAN_DP_REASON = (
-    "torchtitan is compared at 1 rank, TP 2 and FSDP 4 (issue 23's peers); plain DDP is the floor for pure data "
-    "parallel, and torchtitan's replicate path was not tried"
-)
-TORCHTITAN_MOE_REASON = (
-    "torchtitan is compared on the dense Llama only: the MoE GPT is Sparta's reference decoder "
-    "(sparta.parallel.Decoder), which torchtitan cannot build; its own MoE models (deepseek_v3, qwen3) are other "
-    "models and were not tried on CPU"
-)
-TORCHTITAN_INSTALL = (  # what its import chain needs here; --no-deps keeps pip from replacing torch
-    "pip install --no-deps torchtitan==0.3.0 spmd-types==0.3.1 torchdata==0.11.0 tyro==1.0.16 docstring-parser==0.18.0"
-)
-
-
-def plan_candidates(shape: ModelShape, layout: LayoutSpec, wanted: list[str]) -> tuple[list[str], dict[str, str]]:
-    """(candidates to run, {candidate: why it is skipped}) for one model and layout."""
-    run: list[str] = []
-    skipped: dict[str, str] = {}
-    moe = shape.kind == "moe_gpt"
-    for name in wanted:
-        if name == "eager" and layout.world_size == 1:
-            run.append(name)
-        elif name == "ddp" and layout.pure_dp:
-            run.append(name)
-        elif name == "sparta":
-            run.append(name)
-        elif name == "sparta_ep" and moe and layout.pure_dp:
-            run.append(name)
-        elif name == "sparta_ddp" and layout.pure_dp:
-            run.append(name)
-        elif name == "torchtitan":  # a peer: run, or say why not
-            if moe:
-                skipped[name] = TORCHTITAN_MOE_REASON
-            elif layout.name in TORCHTITAN_LAYOUTS:
-                run.append(name)
-            elif layout.pp > 1:
-                skipped[name] = TORCHTITAN_PP_REASON
-            else:
-                skipped[name] = TORCHTITAN_DP_REASON
-    return run, skipped
-
-
-# ----------------------------------------------------------------------------- data
-
-
-def global_batch(shape: ModelShape, dp: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step ``step``'s global batch: ids and targets [dp * batch, seq_len] (int64)."""
-    g = torch.Generator().manual_seed(10_000 + step)
-    ids = torch.randint(0, shape.vocab_size, (dp * shape.batch, shape.seq_len + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
-
-
-def local_batch(shape: ModelShape, dp: int, dp_rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids, targets = global_batch(shape, dp, step)
-    rows = slice(dp_rank * shape.batch, (dp_rank + 1) * shape.batch)
-    return ids[rows], targets[rows]
-
-
-# ----------------------------------------------------------------------------- models
-
-
-def build_model(shape: ModelShape) -> torch.nn.Module:
-    """The full model, initialised from SEED (the same on every rank and candidate). The
-    MoE GPT's MLPs are still dense here: `sparta.parallel.moe_layers` (or parallelize's
-    MoESpec) turns them into MoE layers with their own seeded experts."""
-    torch.manual_seed(SEED)
-    if shape.kind == "llama":
-        import transformers
-
-        from sparta.parallel.hf import HFLlama
-
-        config = transformers.LlamaConfig(
-            vocab_size=shape.vocab_size,
-            hidden_size=shape.d_model,
-            intermediate_size=shape.d_ff,
-            num_hidden_layers=shape.n_layers,
-            num_attention_heads=shape.n_heads,
-            num_key_value_heads=shape.n_heads,
-            max_position_embeddings=shape.seq_len,
-            rope_theta=500000.0,  # torchtitan's
-            attention_dropout=0.0,
-            tie_word_embeddings=False,  # torchtitan's debug model is untied too
-        )
-        config._attn_implementation = "sdpa"
-        return HFLlama(transformers.LlamaForCausalLM(config))
-    from sparta.parallel import Decoder, DecoderConfig
-
-    return Decoder(
-        DecoderConfig(shape.vocab_size, shape.seq_len, shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff)
-    )
-
-
-def moe_spec(shape: ModelShape) -> Any:
-    from sparta.parallel import MoESpec
-
-    return MoESpec(num_experts=shape.num_experts, top_k=shape.top_k) if shape.kind == "moe_gpt" else None
-
-
-def one_process_model(shape: ModelShape) -> torch.nn.Module:
-    """The model as one process trains it (MoE layers unsplit)."""
-    from sparta.parallel import moe_layers
-
-    model = build_model(shape)
-    spec = moe_spec(shape)
-    if spec is not None:
-        moe_layers(model, spec, None)
-    return model
-
-
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-@torch.no_grad()
-def oracle(shape: ModelShape, dp: int) -> tuple[float, int]:
-    """One process: (the mean loss of the untrained model over step 0's global batch, its
-    number of parameters)."""
-    ids, targets = global_batch(shape, dp, 0)
-    model = one_process_model(shape)
-    return float(_loss(model(ids), targets)), sum(p.numel() for p in model.parameters())
-
-
-# ----------------------------------------------------------------------------- candidates
-
-Step = Callable[[torch.Tensor, torch.Tensor], float]  # local ids, targets -> global mean loss
-
-
-def build_eager(shape: ModelShape) -> Step:
-    model = one_process_model(shape)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step(ids: torch.Tensor, targets: torch.Tensor) -> float:
-        loss = _loss(model(ids), targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-        return float(loss.detach())
-
-    return step
-
-
-def build_ddp(shape: ModelShape) -> Step:
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = DistributedDataParallel(one_process_model(shape))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step(ids: torch.Tensor, targets: torch.Tensor) -> float:
-        loss = _loss(model(ids), targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().reshape(1)
-        dist.all_reduce(mean)  # the global mean, as Sparta's step returns it (equal local batches)
-        return float(mean) / dist.get_world_size()
-
-    return step
-
-
-class SpartaRun:
-    """Sparta's trainer on ``layout``: parallelize, then step / clip / AdamW per step."""
-
-    def __init__(self, shape: ModelShape, spec: LayoutSpec, layout: Any, data_parallel: str) -> None:
-        from sparta.parallel import ParallelConfig, parallelize
-
-        model = build_model(shape)
-        config = ParallelConfig(
-            schedule=spec.schedule,
-            microbatches=spec.microbatches,
-            stages_per_rank=spec.stages_per_rank,
-            data_parallel=data_parallel,
-            moe=moe_spec(shape),
-        )
-        stages = spec.pp * spec.stages_per_rank
-        # several stages: balanced by measured time on one micro-batch, as a user would run it
-        sample = local_batch(shape, spec.dp, 0, 0)[0][: shape.batch // spec.microbatches] if stages > 1 else None
-        self.pm = parallelize(model, layout, config, sample=sample)
-        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=LR)
-
-    def __call__(self, ids: torch.Tensor, targets: torch.Tensor) -> float:
-        loss = self.pm.step(ids, targets)
-        self.pm.clip_grad_norm_(MAX_NORM)
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss
-
 
 # ----------------------------------------------------------------------------- timing
 
@@ -466,13 +223,7 @@ def sparta_worker(args: argparse.Namespace) -> None:
     layout = layout_for(1)
     steps: dict[str, Step] = {}
     for name in args.candidates.split(","):
-        if name == "eager":
-            steps[name] = build_eager(shape)
-        elif name == "ddp":
-            steps[name] = build_ddp(shape)
-        else:
-            strategy = "ddp" if name == "sparta_ddp" else spec.data_parallel
-            steps[name] = SpartaRun(shape, spec, layout_for(spec.dp if name == "sparta_ep" else 1), strategy)
+        steps[name] = build_step(name, shape, spec, layout_for)
 
     def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return local_batch(shape, spec.dp, layout.dp_rank, step)

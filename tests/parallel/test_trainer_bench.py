@@ -107,3 +107,28 @@ def test_bad_arguments_exit_with_a_message(args: list[str], message: str) -> Non
     code, out = _bench(args, 60)
     assert code == 2, out[-3000:]
     assert message in out, out[-3000:]
+
+
+def _suite(args: list[str], timeout: float) -> tuple[int, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "sparta.cli", "bench", "trainer", "--size", "tiny", "-n", "2", "-w", "1", *args]
+    return run_killing_on_timeout(cmd, env, timeout, "sparta bench trainer")
+
+
+def test_bench_suite_times_the_layouts_of_its_world_and_checks_the_first_loss(tmp_path: Path) -> None:
+    out_file = tmp_path / "run.jsonl"
+    args = ["--nprocs", "1", "--layouts", "1,dp2", "--models", "dense", "-J", str(out_file)]
+    code, out = _suite(args, 300)
+    assert code == 0, out[-3000:]
+    records = [json.loads(line) for line in out_file.read_text().splitlines()]
+    points = {r["variant"]: r for r in records if r["type"] == "point"}
+    assert sorted(points) == ["eager", "sparta"], records
+    for point in points.values():
+        assert point["wrong"] == 0 and point["layout"] == "1" and point["tokens_per_s"] > 0, point
+        assert point["tokens_per_step"] == 2 * 16 and point["median_us"] > 0, point
+    reasons = {r.get("layout", r.get("candidate")): r["reason"] for r in records if r["type"] == "skipped"}
+    assert "--nprocs 2" in reasons["dp2"] and "benchmarks/trainer.py" in reasons["torchtitan"], reasons
+    # a planted wrong oracle fails the run: the first-step check is live
+    code, out = _suite(["--nprocs", "1", "--layouts", "1", "--models", "dense", "--candidates", "sparta",
+                        "--_plant-wrong"], 300)  # fmt: skip
+    assert code == 1, out[-3000:]

@@ -1,0 +1,416 @@
+"""The 3D trainer's benchmark pieces, and the `sparta bench trainer` suite built on them.
+
+benchmarks/trainer.py (the full comparison: every layout in launches of its own, torchtitan
+patched for CPU in its own processes, peak memory per candidate, the co-scheduler on the
+emulated cluster) builds on what is here: the models (`SIZES`), the layouts (`LAYOUTS`),
+the synthetic batches, and the candidates' steps (plain eager, plain DDP, Sparta's trainer).
+
+    sparta bench trainer --nprocs 2 --layouts dp2,tp2,pp2_1f1b --models dense -n 7 -w 2 -J run.jsonl
+
+runs, on the ranks of one launch, each named layout whose world size is the launch's (others
+are recorded as skipped, with the --nprocs they need): its candidates alternating (-w
+untimed steps each, then -n rounds in a rotated order, a barrier before each step). Each
+point's ``wrong`` compares the variant's first-step loss (the mean over the global batch) with
+one process's forward of the same model on the same batch (1e-5); later steps train on, so
+only the first is checked. torchtitan is benchmarks/trainer.py's alone (its CPU patches stay
+out of Sparta's processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sparta.errors import ConfigError
+
+LR, MAX_NORM, SEED, TOL = 3e-4, 1.0, 0, 1e-5
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """One benchmark model. kind: "llama" (HF Llama through HFLlama; SwiGLU width d_ff) or
+    "moe_gpt" (sparta.parallel.Decoder with MoE MLPs, each expert of width d_ff).
+    batch: sequences per data-parallel rank per step; seq_len: tokens per sequence."""
+
+    name: str
+    kind: str
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    batch: int
+    num_experts: int = 0
+    top_k: int = 0
+
+
+SIZES: dict[str, dict[str, ModelShape]] = {
+    "debug": {
+        # torchtitan's llama3 "debugmodel": dim 256, 6 layers, 16 heads, vocab 2048, ffn 768
+        "dense": ModelShape("dense", "llama", 2048, 512, 256, 6, 16, 768, 2),
+        "moe": ModelShape("moe", "moe_gpt", 2048, 256, 256, 4, 8, 512, 4, num_experts=8, top_k=2),
+    },
+    "tiny": {
+        # 4 layers: ZBVZeroBubble on 2 ranks runs 4 stages of at least one layer each
+        "dense": ModelShape("dense", "llama", 128, 16, 32, 4, 4, 64, 2),
+        "moe": ModelShape("moe", "moe_gpt", 128, 16, 32, 4, 4, 32, 2, num_experts=4, top_k=2),
+    },
+}
+# torchtitan's debug model is fixed at dim 256 etc.; at --size tiny it keeps that shape
+# (it has no smaller flavour) and only seq_len and batch follow the size.
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """A layout: degrees, the pipeline schedule, and Sparta's data-parallel strategy."""
+
+    name: str
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    schedule: str = "1F1B"
+    stages_per_rank: int = 1
+    microbatches: int = 1
+    data_parallel: str = "sparta"
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def pure_dp(self) -> bool:
+        return self.pp == 1 and self.tp == 1 and self.dp > 1 and self.data_parallel != "fsdp"
+
+
+LAYOUTS = {
+    spec.name: spec
+    for spec in (
+        LayoutSpec("1"),
+        LayoutSpec("dp2", dp=2),
+        LayoutSpec("dp4", dp=4),
+        LayoutSpec("tp2", tp=2),
+        LayoutSpec("pp2_1f1b", pp=2, schedule="1F1B", microbatches=2),
+        LayoutSpec("pp2_zbv", pp=2, schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=2),
+        LayoutSpec("fsdp4", dp=4, data_parallel="fsdp"),
+    )
+}
+CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_ddp", "torchtitan")
+DEFAULT_CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "torchtitan")
+TORCHTITAN_LAYOUTS = {"1": (1, 1), "tp2": (2, 1), "fsdp4": (1, 4)}  # layout -> (tp, fsdp) degrees
+TORCHTITAN_PP_REASON = (
+    "torchtitan 0.3.0's pipeline path fails on CPU inside the schedule ('Expecting 2 arg_mbs but got 1', "
+    "checked for issue 23) and is driven by its Trainer (data loader, tokenizer files); not run"
+)
+TORCHTITAN_DP_REASON = (
+    "torchtitan is compared at 1 rank, TP 2 and FSDP 4 (issue 23's peers); plain DDP is the floor for pure data "
+    "parallel, and torchtitan's replicate path was not tried"
+)
+TORCHTITAN_MOE_REASON = (
+    "torchtitan is compared on the dense Llama only: the MoE GPT is Sparta's reference decoder "
+    "(sparta.parallel.Decoder), which torchtitan cannot build; its own MoE models (deepseek_v3, qwen3) are other "
+    "models and were not tried on CPU"
+)
+TORCHTITAN_INSTALL = (  # what its import chain needs here; --no-deps keeps pip from replacing torch
+    "pip install --no-deps torchtitan==0.3.0 spmd-types==0.3.1 torchdata==0.11.0 tyro==1.0.16 docstring-parser==0.18.0"
+)
+
+
+def plan_candidates(shape: ModelShape, layout: LayoutSpec, wanted: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(candidates to run, {candidate: why it is skipped}) for one model and layout."""
+    run: list[str] = []
+    skipped: dict[str, str] = {}
+    moe = shape.kind == "moe_gpt"
+    for name in wanted:
+        if name == "eager" and layout.world_size == 1:
+            run.append(name)
+        elif name == "ddp" and layout.pure_dp:
+            run.append(name)
+        elif name == "sparta":
+            run.append(name)
+        elif name == "sparta_ep" and moe and layout.pure_dp:
+            run.append(name)
+        elif name == "sparta_ddp" and layout.pure_dp:
+            run.append(name)
+        elif name == "torchtitan":  # a peer: run, or say why not
+            if moe:
+                skipped[name] = TORCHTITAN_MOE_REASON
+            elif layout.name in TORCHTITAN_LAYOUTS:
+                run.append(name)
+            elif layout.pp > 1:
+                skipped[name] = TORCHTITAN_PP_REASON
+            else:
+                skipped[name] = TORCHTITAN_DP_REASON
+    return run, skipped
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def global_batch(shape: ModelShape, dp: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch: ids and targets [dp * batch, seq_len] (int64)."""
+    g = torch.Generator().manual_seed(10_000 + step)
+    ids = torch.randint(0, shape.vocab_size, (dp * shape.batch, shape.seq_len + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def local_batch(shape: ModelShape, dp: int, dp_rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, targets = global_batch(shape, dp, step)
+    rows = slice(dp_rank * shape.batch, (dp_rank + 1) * shape.batch)
+    return ids[rows], targets[rows]
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def build_model(shape: ModelShape) -> torch.nn.Module:
+    """The full model, initialised from SEED (the same on every rank and candidate). The
+    MoE GPT's MLPs are still dense here: `sparta.parallel.moe_layers` (or parallelize's
+    MoESpec) turns them into MoE layers with their own seeded experts."""
+    torch.manual_seed(SEED)
+    if shape.kind == "llama":
+        import transformers
+
+        from sparta.parallel.hf import HFLlama
+
+        config = transformers.LlamaConfig(
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.d_model,
+            intermediate_size=shape.d_ff,
+            num_hidden_layers=shape.n_layers,
+            num_attention_heads=shape.n_heads,
+            num_key_value_heads=shape.n_heads,
+            max_position_embeddings=shape.seq_len,
+            rope_theta=500000.0,  # torchtitan's
+            attention_dropout=0.0,
+            tie_word_embeddings=False,  # torchtitan's debug model is untied too
+        )
+        config._attn_implementation = "sdpa"
+        return HFLlama(transformers.LlamaForCausalLM(config))
+    from sparta.parallel import Decoder, DecoderConfig
+
+    return Decoder(
+        DecoderConfig(shape.vocab_size, shape.seq_len, shape.d_model, shape.n_layers, shape.n_heads, shape.d_ff)
+    )
+
+
+def moe_spec(shape: ModelShape) -> Any:
+    from sparta.parallel import MoESpec
+
+    return MoESpec(num_experts=shape.num_experts, top_k=shape.top_k) if shape.kind == "moe_gpt" else None
+
+
+def one_process_model(shape: ModelShape) -> torch.nn.Module:
+    """The model as one process trains it (MoE layers unsplit)."""
+    from sparta.parallel import moe_layers
+
+    model = build_model(shape)
+    spec = moe_spec(shape)
+    if spec is not None:
+        moe_layers(model, spec, None)
+    return model
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+@torch.no_grad()
+def oracle(shape: ModelShape, dp: int) -> tuple[float, int]:
+    """One process: (the mean loss of the untrained model over step 0's global batch, its
+    number of parameters)."""
+    ids, targets = global_batch(shape, dp, 0)
+    model = one_process_model(shape)
+    return float(_loss(model(ids), targets)), sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- candidates
+
+Step = Callable[[torch.Tensor, torch.Tensor], float]  # local ids, targets -> global mean loss
+
+
+def build_eager(shape: ModelShape) -> Step:
+    model = one_process_model(shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(ids: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = _loss(model(ids), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    return step
+
+
+def build_ddp(shape: ModelShape) -> Step:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(one_process_model(shape))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(ids: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = _loss(model(ids), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().reshape(1)
+        dist.all_reduce(mean)  # the global mean, as Sparta's step returns it (equal local batches)
+        return float(mean) / dist.get_world_size()
+
+    return step
+
+
+class SpartaRun:
+    """Sparta's trainer on ``layout``: parallelize, then step / clip / AdamW per step."""
+
+    def __init__(self, shape: ModelShape, spec: LayoutSpec, layout: Any, data_parallel: str) -> None:
+        from sparta.parallel import ParallelConfig, parallelize
+
+        model = build_model(shape)
+        config = ParallelConfig(
+            schedule=spec.schedule,
+            microbatches=spec.microbatches,
+            stages_per_rank=spec.stages_per_rank,
+            data_parallel=data_parallel,
+            moe=moe_spec(shape),
+        )
+        stages = spec.pp * spec.stages_per_rank
+        # several stages: balanced by measured time on one micro-batch, as a user would run it
+        sample = local_batch(shape, spec.dp, 0, 0)[0][: shape.batch // spec.microbatches] if stages > 1 else None
+        self.pm = parallelize(model, layout, config, sample=sample)
+        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=LR)
+
+    def __call__(self, ids: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = self.pm.step(ids, targets)
+        self.pm.clip_grad_norm_(MAX_NORM)
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss
+
+
+def build_step(name: str, shape: ModelShape, spec: LayoutSpec, layout_for: Callable[[int], Any]) -> Step:
+    """Candidate ``name`` (not torchtitan) built on this rank; ``layout_for(ep)`` gives the
+    Sparta Layout of ``spec`` with ``ep`` expert-parallel ranks (collective: every rank
+    builds the same candidates in the same order)."""
+    if name == "eager":
+        return build_eager(shape)
+    if name == "ddp":
+        return build_ddp(shape)
+    strategy = "ddp" if name == "sparta_ddp" else spec.data_parallel
+    return SpartaRun(shape, spec, layout_for(spec.dp if name == "sparta_ep" else 1), strategy)
+
+
+# ----------------------------------------------------------------------------- the suite
+SUITE_CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_ddp")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated: {', '.join(LAYOUTS)}")
+    parser.add_argument("--size", default="debug", help=f"model sizes: {', '.join(SIZES)} (tiny: for tests)")
+    parser.add_argument("--candidates", default="eager,ddp,sparta,sparta_ep", help=f"of {', '.join(SUITE_CANDIDATES)}")
+
+
+def _names(opts: Any, flag: str, known: Any) -> list[str]:
+    given = [n for n in str(opts.extra[flag]).split(",") if n]
+    unknown = [n for n in given if n not in known]
+    if unknown or not given:
+        raise ConfigError(f"--{flag} {opts.extra[flag]!r}: unknown {unknown}; choose among {', '.join(known)}")
+    return given
+
+
+def check(opts: Any) -> None:
+    """ConfigError for an unknown size, model, layout or candidate (before any rank starts)."""
+    if opts.extra["size"] not in SIZES:
+        raise ConfigError(f"--size {opts.extra['size']!r}: choose one of {', '.join(SIZES)}")
+    _names(opts, "models", SIZES[str(opts.extra["size"])])
+    _names(opts, "layouts", LAYOUTS)
+    _names(opts, "candidates", SUITE_CANDIDATES)
+    if opts.device != "cpu":
+        raise ConfigError("--device cuda: the trainer suite runs on CPU ranks (gloo) for now; use --device cpu")
+
+
+class _Stepper:
+    """One candidate as the suite calls it: each call trains on the next batch and returns
+    that step's loss; ``steps`` counts the calls (the first is the one the oracle checks)."""
+
+    def __init__(self, step: Step, shape: ModelShape, dp: int, dp_rank: int) -> None:
+        self.step, self.shape, self.dp, self.dp_rank, self.steps = step, shape, dp, dp_rank, 0
+
+    def __call__(self) -> float:
+        loss = self.step(*local_batch(self.shape, self.dp, self.dp_rank, self.steps))
+        self.steps += 1
+        return loss
+
+
+def run(ctx: Any) -> None:
+    """Every rank: each asked-for layout of ctx.size ranks, each model, its candidates timed together."""
+    from sparta.parallel import ParallelDims, build_layout
+
+    torch.set_num_threads(1)
+    size = str(ctx.opts.extra["size"])
+    wanted = _names(ctx.opts, "candidates", SUITE_CANDIDATES)
+    ctx.skip("benchmarks/trainer.py times it: its CPU patches run in processes of their own", candidate="torchtitan")
+    for layout_name in _names(ctx.opts, "layouts", LAYOUTS):
+        spec = LAYOUTS[layout_name]
+        if spec.world_size != ctx.size:
+            ctx.skip(f"needs {spec.world_size} ranks: --nprocs {spec.world_size}", layout=layout_name)
+            continue
+        layouts: dict[int, Any] = {}
+
+        def layout_for(ep: int, spec: LayoutSpec = spec, layouts: dict[int, Any] = layouts) -> Any:
+            if ep not in layouts:
+                layouts[ep] = build_layout(ParallelDims(pp=spec.pp, dp=spec.dp, tp=spec.tp, ep=ep), ctx.world)
+            return layouts[ep]
+
+        for model in _names(ctx.opts, "models", SIZES[size]):
+            _time_model(ctx, SIZES[size][model], spec, wanted, layout_for)
+
+
+def _time_model(
+    ctx: Any, shape: ModelShape, spec: LayoutSpec, wanted: list[str], layout_for: Callable[[int], Any]
+) -> None:
+    names, _ = plan_candidates(shape, spec, wanted)
+    dp_rank = layout_for(1).dp_rank
+    built = {name: build_step(name, shape, spec, layout_for) for name in names}
+    calls = {name: _Stepper(step, shape, spec.dp, dp_rank) for name, step in built.items()}
+    want, params = oracle(shape, spec.dp)
+
+    def check_loss(name: str, loss: float) -> int:
+        # only the first step has a one-process oracle: later ones have trained on
+        if calls[name].steps != 1:
+            return 0
+        expected = float(ctx.plant(torch.tensor([want], dtype=torch.float64))[0])  # --_plant-wrong proves it fails
+        return int(abs(loss - expected) > TOL)
+
+    tokens = spec.dp * shape.batch * shape.seq_len
+    base = {
+        "model": shape.name,
+        "layout": spec.name,
+        "params": params,
+        "oracle_loss": round(want, 6),
+        "pp": spec.pp,
+        "dp": spec.dp,
+        "tp": spec.tp,
+        "tokens_per_step": tokens,
+    }
+    ctx.time_points(
+        base,
+        calls,
+        check_loss,
+        lambda seconds: {
+            "tokens_per_s": round(tokens / seconds, 1),
+            "tokens_per_s_per_rank": round(tokens / seconds / ctx.size, 1),
+        },
+    )
+    for step in built.values():
+        if isinstance(step, SpartaRun):
+            step.pm.close()
