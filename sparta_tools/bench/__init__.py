@@ -32,7 +32,7 @@ from sparta_tools.bench.runner import Suite
 COMMON_DESTS = frozenset(
     ("minbytes", "maxbytes", "stepfactor", "iters", "warmup_iters", "check", "datatype", "average", "output",
      "engines", "nprocs", "device", "seed", "bind", "timeout", "expect_ranks", "expect_nodes", "ranks_per_node",
-     "peak", "_worker", "plant_wrong", "command", "suite")
+     "rate", "peak", "_worker", "plant_wrong", "command", "suite")
 )  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """Suite `embedding`: a training step of a model with a large embedding table, by how its
 gradients travel (benchmarks/embedding.py's variants, on the launched ranks).
 
-Model per rank: an embedding [vocab, dim] + a dense block (dim -> dim -> dim, GELU), loss =
+Model per rank: an embedding [vocab, dim] + a dense block (--block mlp: dim -> dim -> dim, GELU;
+--block transformer: one encoder layer, attention + MLP), loss =
 mean square of its output, SGD (lr 0.1); each step looks up --batch x --seq ids drawn from a
 Zipf distribution (--zipf-s) seeded by (seed, rank, step). Variants, alternating:
     ddp                 nn.Embedding under torch DDP (the table's dense gradient all-reduced)   [torch]
@@ -19,7 +20,9 @@ rank's batches (the mean loss over ranks is what data parallelism trains): a tab
 dense weight that any step updated wrongly shows. Fields: bytes_sent_per_step (rank 0's:
 ring all-reduce 2(w-1)/w of a gradient, allgather (w-1) x the looked-up rows, all-to-all the
 rows and ids to other ranks), table_bytes_per_rank (the embedding's parameter + gradient).
-The embedding race on an emulated cluster (issue 24) is benchmarks/embedding.py's, not this.
+On an emulated cluster (`--rate 1gbit --nprocs 2 --ranks-per-node 1`, root) the torch
+variants run across shaped links: the setting of issue 24's embedding race (Horovod's
+baselines need horovodrun, which the emulated cluster does not start).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of the ids")
+    parser.add_argument("--block", default="mlp", choices=("mlp", "transformer"), help="the dense block on top")
     parser.add_argument("--variants", default="", help=f"comma-separated subset of {','.join(ALL_VARIANTS)}")
     parser.add_argument("--rtol", type=float, default=1e-4, help="check tolerance against the replayed model")
 
@@ -80,10 +84,20 @@ def check(opts: BenchOptions) -> None:
 
 
 class Model(nn.Module):
-    def __init__(self, vocab: int, dim: int, sparse: bool = False) -> None:
+    """The table [vocab, dim] and a block on top: "mlp" (dim -> dim -> dim, GELU), or
+    "transformer" (one pre-norm encoder layer: 8-head attention + a 4 dim MLP, no dropout)."""
+
+    def __init__(self, vocab: int, dim: int, sparse: bool = False, block: str = "mlp") -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, dim, sparse=sparse)
-        self.block = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
+        self.block: nn.Module
+        if block == "transformer":
+            heads = 8 if dim % 8 == 0 else 1
+            self.block = nn.TransformerEncoderLayer(
+                dim, heads, dim_feedforward=4 * dim, dropout=0.0, batch_first=True, norm_first=True
+            )
+        else:
+            self.block = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         return self.block(self.emb(ids))
@@ -111,9 +125,9 @@ class Batches:
 class Reference:
     """One process replaying the data-parallel steps: SGD on the mean loss over every rank's batch."""
 
-    def __init__(self, vocab: int, dim: int, ranks: int, batches: Batches) -> None:
+    def __init__(self, vocab: int, dim: int, ranks: int, batches: Batches, block: str) -> None:
         torch.manual_seed(0)
-        self.model = Model(vocab, dim)
+        self.model = Model(vocab, dim, block=block)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
         self.ranks, self.batches, self.steps = ranks, batches, 0
 
@@ -130,7 +144,9 @@ class Reference:
 class Variant:
     """One variant's model, optimizer and step counter; `step()` is the timed call."""
 
-    def __init__(self, name: str, ctx: BenchContext, layout: Any, vocab: int, dim: int, batches: Batches) -> None:
+    def __init__(
+        self, name: str, ctx: BenchContext, layout: Any, vocab: int, dim: int, batches: Batches, block: str
+    ) -> None:
         from sparta.comm import QueueConfig
         from sparta.embedding import swap_embeddings
         from sparta.parallel import DataParallel
@@ -138,7 +154,7 @@ class Variant:
         self.name, self.ctx, self.batches, self.steps, self.dp = name, ctx, batches, 0, None
         torch.manual_seed(0)
         sparse = name.startswith("hvd") or name.endswith("_sparse")
-        self.model = Model(vocab, dim, sparse=sparse)
+        self.model = Model(vocab, dim, sparse=sparse, block=block)
         params = list(self.model.parameters())
         self.net: Any = self.model
         if name == "ddp":
@@ -191,7 +207,7 @@ class Variant:
 
     def sent_bytes(self, vocab: int, dim: int) -> int:
         """Bytes this rank sends per step (see the module docstring)."""
-        w, numel = self.ctx.size, dim * dim * 2 + dim * 2
+        w, numel = self.ctx.size, sum(p.numel() for p in self.model.block.parameters())
         ring = lambda n: 2 * (w - 1) * n * 4 // w  # noqa: E731
         ids = self.batches.shape[0] * self.batches.shape[1]
         if self.name in ("ddp", "hvd_dense"):
@@ -218,14 +234,15 @@ def run(ctx: BenchContext) -> None:
     rtol = float(str(opts.extra["rtol"]))
     for vocab in _vocabs(str(opts.extra["vocabs"])):
         batches = Batches(vocab, batch, seq, float(str(opts.extra["zipf_s"])), opts.seed)
-        reference = Reference(vocab, dim, ctx.size, batches)
+        block = str(opts.extra["block"])
+        reference = Reference(vocab, dim, ctx.size, batches, block)
         variants: dict[str, Variant] = {}
         for name in wanted:
             if name not in VARIANTS[ctx.engine]:
                 ctx.skip(f"not a variant of the {ctx.engine} engine ({', '.join(VARIANTS[ctx.engine])})",
                          variant=name, vocab=vocab)  # fmt: skip
                 continue
-            variants[name] = Variant(name, ctx, layout, vocab, dim, batches)
+            variants[name] = Variant(name, ctx, layout, vocab, dim, batches, block)
 
         def check_one(name: str, _result: Any, variants: dict[str, Variant] = variants,
                       reference: Reference = reference, batches: Batches = batches) -> int:  # fmt: skip
@@ -248,6 +265,7 @@ def run(ctx: BenchContext) -> None:
                 "vocab": vocab,
                 "dim": dim,
                 "ids_per_rank": batch * seq,
+                "block": block,
                 "zipf_s": opts.extra["zipf_s"],
             },  # fmt: skip
             {name: v.step for name, v in variants.items()},

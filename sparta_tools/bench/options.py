@@ -10,7 +10,8 @@
 and Sparta's own: --engines, --nprocs (ranks to start when no launcher started us), --device,
 --seed, --bind, --timeout, --expect-ranks / --expect-nodes (refuse a launch that did not join
 them all), --ranks-per-node (pose consecutive ranks as nodes: inter-node figures on one machine
-or an emulated cluster), --peak (GB/s to compare busbw against).
+or an emulated cluster), --rate (start the ranks on an emulated cluster of network namespaces
+whose links are shaped to this rate: sparta_tools.cluster, root), --peak (GB/s to compare busbw against).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class BenchOptions:
     expect_ranks: int = 0
     expect_nodes: int = 0
     ranks_per_node: int = 0
+    rate: str = ""
     peak_gbps: float = 0.0
     extra: dict[str, object] = field(default_factory=dict)  # the suite's own flags
 
@@ -123,6 +125,16 @@ class BenchOptions:
             raise ConfigError("--expect-ranks / --expect-nodes must be >= 0 (0: no expectation)")
         if self.ranks_per_node < 0:
             raise ConfigError(f"--ranks-per-node {self.ranks_per_node}: give >= 1 (0: nodes by host name)")
+        if self.rate:
+            from sparta_tools.cluster import ClusterConfig
+
+            per_node = self.ranks_per_node or 1
+            if self.nprocs % per_node or self.nprocs // per_node < 2:
+                raise ConfigError(
+                    f"--rate {self.rate}: --nprocs {self.nprocs} must make at least 2 nodes of --ranks-per-node "
+                    f"{per_node}"
+                )
+            ClusterConfig(nodes=self.nprocs // per_node, ranks_per_node=per_node, rate=self.rate)  # checks the rate
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -170,6 +182,12 @@ def add_common(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="pose consecutive ranks as nodes of this size (one machine, an emulated cluster); default: by host",
     )
+    r.add_argument(
+        "--rate",
+        default="",
+        help="run on an emulated cluster (root): nodes of --ranks-per-node ranks (default 1) behind links of this "
+        "rate (tc units: 100mbit, 1gbit), the torch engine only",
+    )
     r.add_argument("--peak", type=float, default=0.0, help="link peak in GB/s: records add busbw as %% of it")
     parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_plant-wrong", dest="plant_wrong", action="store_true", help=argparse.SUPPRESS)
@@ -200,6 +218,7 @@ def options_from(args: argparse.Namespace, suite: str, extra: dict[str, object])
         expect_ranks=args.expect_ranks,
         expect_nodes=args.expect_nodes,
         ranks_per_node=args.ranks_per_node,
+        rate=args.rate,
         peak_gbps=args.peak,
         extra=extra,
     )

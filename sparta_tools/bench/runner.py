@@ -116,6 +116,25 @@ def run_launch(cmd: list[str], timeout_s: float) -> tuple[int, str]:
     return proc.returncode, (out or "")[-4000:]
 
 
+def run_on_cluster(opts: BenchOptions, argv: list[str]) -> tuple[int, str]:
+    """The job's ranks in an emulated cluster (sparta_tools.cluster): nodes of --ranks-per-node
+    ranks behind links of --rate, each rank started as torchrun would start it."""
+    from sparta_tools.cluster import ClusterConfig, ClusterUnavailableError, EmulatedCluster
+
+    per_node = opts.ranks_per_node or 1
+    config = ClusterConfig(nodes=opts.nprocs // per_node, ranks_per_node=per_node, rate=opts.rate)
+    cmd = [sys.executable, "-m", "sparta.cli", "bench", *argv, "--ranks-per-node", str(per_node)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        with EmulatedCluster(config) as cluster:
+            codes = cluster.run(cmd, timeout_s=opts.timeout_s, env=env)
+    except ClusterUnavailableError as exc:
+        return 1, f"sparta bench: no emulated cluster here: {exc}"
+    except TimeoutError as exc:
+        return 124, str(exc)
+    return max(codes, key=abs), f"emulated cluster {config}: rank exit codes {codes}"
+
+
 def merge(headers: list[dict[str, Any]], command: Sequence[str], output: str) -> dict[str, Any]:
     """One header for a run of several jobs (one per engine): the first job's facts, each
     job's engine, launcher and launch command under `launches`."""
@@ -139,17 +158,22 @@ def drive(opts: BenchOptions, argv: Sequence[str], command: Sequence[str], engin
     with tempfile.TemporaryDirectory(prefix="sparta-bench-") as tmp:
         for engine in engines:
             why = engine_missing(engine)
+            if opts.rate and engine != "torch":
+                why = "the emulated cluster (--rate) starts ranks as torchrun does: the torch engine only"
             if why:
                 points.append({"type": "skipped", "suite": opts.suite, "engine": engine, "reason": why})
                 continue
             out = Path(tmp) / f"{engine}.jsonl"
             worker = [*argv, "--_worker", "-J", str(out), "--engines", engine,
                       "--expect-ranks", str(opts.nprocs), "--_command", json.dumps(list(command))]  # fmt: skip
-            cmd = launch_command(engine, opts.nprocs, worker)
-            print(
-                f"# {opts.suite}: {engine} on {opts.nprocs} ranks ({LAUNCHER_OF[engine]})", file=sys.stderr, flush=True
-            )
-            code, tail = run_launch(cmd, opts.timeout_s)
+            if opts.rate:
+                cmd = ["sparta_tools.cluster", f"rate={opts.rate}", *worker]
+                print(f"# {opts.suite}: {engine} on {opts.nprocs} ranks, links of {opts.rate}", file=sys.stderr)
+                code, tail = run_on_cluster(opts, worker)
+            else:
+                cmd = launch_command(engine, opts.nprocs, worker)
+                print(f"# {opts.suite}: {engine} on {opts.nprocs} ranks ({LAUNCHER_OF[engine]})", file=sys.stderr)
+                code, tail = run_launch(cmd, opts.timeout_s)
             got = records.read_records(out) if out.exists() and out.stat().st_size else []
             if got:
                 got[0]["launch_command"] = cmd

@@ -325,3 +325,24 @@ def test_trainer_suite_skips_with_the_hook_named_until_it_exists() -> None:
         assert skipped and "sparta_tools/bench/trainer.py" in skipped[0][0], skipped
     else:  # the trainer helper's module landed: the suite is its
         assert suite.run.__module__ == "sparta_tools.bench.trainer"
+
+
+def test_embedding_with_a_transformer_block_on_an_emulated_cluster(tmp_path: Path) -> None:
+    """--rate: two emulated nodes behind 1 Gbit/s links (root only, as tests/scheduling/test_cluster.py)."""
+    from sparta_tools.cluster import can_emulate
+
+    why = can_emulate()
+    if why:
+        pytest.skip(why)
+    path = tmp_path / "er.jsonl"
+    args = ["embedding", "--rate", "1gbit", "--vocabs", "500", "--dim", "16", "--batch", "2", "--seq", "8", *TINY]
+    args += ["--block", "transformer", "--variants", "ddp,sparta_row,sparta_row_queue"]
+    code, out = bench([*args, "-J", str(path)])
+    assert code == 0, out[-3000:]
+    recs = records.read_records(path)
+    assert recs[0]["nodes"] == 2 and recs[0]["options"]["rate"] == "1gbit", recs[0]
+    got = points(recs)
+    assert [(p["variant"], p["wrong"], p["block"]) for p in got] == [
+        ("ddp", 0, "transformer"), ("sparta_row", 0, "transformer"), ("sparta_row_queue", 0, "transformer")
+    ]  # fmt: skip
+    assert any(r["type"] == "skipped" and "torch engine only" in r["reason"] for r in recs), recs
