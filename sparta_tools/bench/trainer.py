@@ -234,17 +234,24 @@ def oracle(shape: ModelShape, dp: int) -> tuple[float, int]:
 Step = Callable[[torch.Tensor, torch.Tensor], float]  # local ids, targets -> global mean loss
 
 
+def _plain_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """One plain PyTorch step (forward, backward, clip, AdamW); returns the local loss."""
+    loss = _loss(model(ids), targets)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
 def build_eager(shape: ModelShape) -> Step:
     model = one_process_model(shape)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(ids: torch.Tensor, targets: torch.Tensor) -> float:
-        loss = _loss(model(ids), targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-        return float(loss.detach())
+        return float(_plain_step(model, opt, ids, targets))
 
     return step
 
@@ -256,12 +263,7 @@ def build_ddp(shape: ModelShape) -> Step:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(ids: torch.Tensor, targets: torch.Tensor) -> float:
-        loss = _loss(model(ids), targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().reshape(1)
+        mean = _plain_step(model, opt, ids, targets).reshape(1)
         dist.all_reduce(mean)  # the global mean, as Sparta's step returns it (equal local batches)
         return float(mean) / dist.get_world_size()
 
