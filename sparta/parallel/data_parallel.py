@@ -206,6 +206,12 @@ class DataParallel:
             )
         self.layout, self.strategy, self.microbatches = layout, strategy, microbatches
         self.zero_bubble, self.bucket_bytes = zero_bubble, int(bucket_mb * 2**20)
+        # one data-parallel rank and no table rows to queue: nothing to send, only the scaling (a
+        # sum over one rank would still copy every gradient twice: 10% of a small MoE model's step)
+        self._alone = (
+            layout.dims.dp == 1 and partition is None
+            and (strategy == "horovod" or (strategy == "sparta" and (not queue or microbatches > 1)))
+        )  # fmt: skip
         self.experts: list[nn.Parameter] = []
         self.shards: list[nn.Parameter] = []
         self.dense: list[nn.Parameter] = []
@@ -263,7 +269,7 @@ class DataParallel:
         self.dense += dense
         if self.strategy in ("sparta", "horovod"):
             self._broadcast(dense)
-        if self.strategy == "sparta":
+        if self.strategy == "sparta" and not self._alone:
             self._hooks += [p.register_post_accumulate_grad_hook(self._arrived) for p in dense]
             self._layout_stale = True
             if self.queue is not None and self.microbatches == 1:
@@ -330,7 +336,7 @@ class DataParallel:
     def start(self) -> None:
         """Begin a step (before its backward runs; its forward may come before or after)."""
         self._started = True
-        if self.strategy != "sparta":
+        if self.strategy != "sparta" or self._alone:
             return
         if self._layout_stale:
             self._plan()
@@ -396,12 +402,14 @@ class DataParallel:
         with torch.no_grad():
             # a parameter no loss reached counts zero, so that every rank sends the same tensors
             # (the experts always: their sum over replicas is ours under every strategy)
-            ours = self.dense if self.strategy in ("sparta", "horovod") else []
+            ours = self.dense if self.strategy in ("sparta", "horovod") and not self._alone else []
             for p in (*ours, *self.experts):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             experts = self._start_experts()
-            if self.strategy == "sparta":
+            if self._alone:
+                _scale([p for p in self.dense if p.grad is not None], 1.0 / mb)
+            elif self.strategy == "sparta":
                 self._finish_sparta(1.0 / (dims.dp * mb))
             elif self.strategy == "horovod":
                 self._horovod_all_reduce([p for p in self.dense if p.grad is not None], 1.0 / (dims.dp * mb))
@@ -459,7 +467,8 @@ class DataParallel:
         elif isinstance(p, DTensor):
             split = 1
             for size, placement in zip(p.device_mesh.shape, p.placements, strict=True):
-                split *= size if placement.is_shard() else 1
+                # any placement but Replicate splits (Shard, and FSDP2's _StridedShard under TP)
+                split *= 1 if placement.is_replicate() else size
         else:
             split = 1
         return dims.dp * dims.tp // split

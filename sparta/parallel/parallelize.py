@@ -227,7 +227,11 @@ def parallelize(
         costs = dict(zip(names, agreed.tolist(), strict=True))  # type: ignore[union-attr]
         stages = plan_stages(model, num_stages, None, costs)
     mine = stage_ids(config.schedule, dims.pp, layout.pp_rank, config.stages_per_rank)
-    data_parallel = DataParallel(layout, config.data_parallel, config.microbatches, zero_bubble, config.bucket_mb)
+    # one dp rank: no queue, so DataParallel sends nothing (see its `_alone`)
+    queue = config.data_parallel != "sparta" or dims.dp > 1
+    data_parallel = DataParallel(
+        layout, config.data_parallel, config.microbatches, zero_bubble, config.bucket_mb, queue=queue
+    )
     tp_plan: dict[str, str] = {}
     modules, pipeline_stages = [], []
     moe_exchange = hierarchical_ep(layout) if config.moe is not None and config.moe.hierarchical and layout.ep else None
