@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from sparta.errors import InputError
 from sparta.moe import MoELayer
 from sparta.parallel.data_parallel import DataParallel
-from sparta.parallel.dims import Layout, ParallelDims
+from sparta.parallel.dims import Layout
 
 if TYPE_CHECKING:
     from sparta.parallel.parallelize import ParallelConfig, ParallelPlan
@@ -24,23 +24,6 @@ IGNORE_INDEX = -100  # targets of padding positions: the loss skips them
 def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean cross-entropy of logits [b, T, vocab] against targets [b, T], padding ignored."""
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-
-
-def _replicas(p: nn.Parameter, dims: ParallelDims, experts: set[nn.Parameter], shards: set[nn.Parameter]) -> int:
-    """How many ranks of one stage hold the same values as this rank's ``p`` (dp x tp of them
-    hold copies of a replicated value)."""
-    if p in experts:
-        split = dims.ep
-    elif p in shards:
-        split = dims.dp
-    elif isinstance(p, DTensor):
-        split = 1
-        for size, placement in zip(p.device_mesh.shape, p.placements, strict=True):
-            # any placement but Replicate splits (Shard, and FSDP2's _StridedShard under TP)
-            split *= 1 if placement.is_replicate() else size
-    else:
-        split = 1
-    return dims.dp * dims.tp // split
 
 
 class ParallelModel:
@@ -143,10 +126,9 @@ class ParallelModel:
         once) is at most ``max_norm``; returns the norm before clipping. Collective."""
         params = [p for p in self.parameters() if p.grad is not None]
         square = torch.zeros((), dtype=torch.float64, device=self.layout.device)
-        experts, shards = set(self.data_parallel.experts), set(self.data_parallel.shards)
         for p in params:
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            square += grad.double().square().sum() / _replicas(p, self.layout.dims, experts, shards)
+            square += grad.double().square().sum() / self.data_parallel.replicas(p)
         total = self._sum_over_world(square.reshape(1))
         norm = math.sqrt(float(total))  # type: ignore[arg-type]
         if norm > max_norm:
