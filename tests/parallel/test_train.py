@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -99,7 +100,10 @@ def test_the_demo_file_under_mpirun(tmp_path: Path) -> None:
     sets = ["train.steps=4", "train.eval_every=2", f"output.metrics={metrics}"]
     args = ["train", "--config", str(DEMO), *[a for s in sets for a in ("--set", s)]]
     out = _run(command("mpirun", 8, SPARTA, args), 600, "mpirun sparta train")
-    summary = json.loads([line for line in out.splitlines() if line.startswith('{"steps"')][-1])
+    # launchers merge the ranks' stdout and stderr: another rank's text may precede it on its line
+    found = re.findall(r'\{"steps": .*\}', out)
+    assert found, f"no summary line in the output; tail:\n{out[-4000:]}"
+    summary = json.loads(found[-1])
     assert summary["backend"] == "mpi" and summary["ranks"] == 8 and summary["steps"] == 4, summary
     records = _records(metrics)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
