@@ -103,11 +103,22 @@ def schedule_actions(schedule: str, pp: int, microbatches: int, stages_per_rank:
     n = pp * stages_per_rank
     if issubclass(cls, torch_schedules.PipelineScheduleSingle):
         order = cls(_StageShape(0, n, pp, 0), microbatches).pipeline_order  # type: ignore[arg-type]
-    else:
-        shapes = [_StageShape(i, n, pp, 0) for i in stage_ids(schedule, pp, 0, stages_per_rank)]
-        order = cls(shapes, microbatches).pipeline_order  # type: ignore[arg-type]
+        assert order is not None
+        return {
+            rank: _forwards_in_order([str(a) for a in acts if a is not None]) for rank, acts in sorted(order.items())
+        }
+    shapes = [_StageShape(i, n, pp, 0) for i in stage_ids(schedule, pp, 0, stages_per_rank)]
+    order = cls(shapes, microbatches).pipeline_order  # type: ignore[arg-type]
     assert order is not None
     return {rank: [str(a) for a in actions if a is not None] for rank, actions in sorted(order.items())}
+
+
+def _forwards_in_order(actions: list[str]) -> list[str]:
+    """A one-stage rank runs its forwards in micro-batch order, as torch's step does; torch
+    2.13's 1F1B table numbers the last rank's forwards from 1 ("1F1 1B0 ... 1F4" for 4
+    micro-batches), so they are renumbered 0, 1, ... here."""
+    forwards = iter(range(len(actions)))
+    return [f"{a[: a.index('F')]}F{next(forwards)}" if "F" in a else a for a in actions]
 
 
 def format_actions(actions: dict[int, list[str]]) -> str:

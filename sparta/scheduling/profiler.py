@@ -139,8 +139,8 @@ class Profiler:
         """Wait for the work queued on the profiled device."""
         torch.get_device_module(self.device).synchronize(self.device)
 
-    def _time(self, run: Callable[[], object]) -> float:
-        """Median seconds of `run` on this rank, then the slowest rank's."""
+    def time(self, run: Callable[[], object]) -> float:
+        """Median seconds of `run` on this rank, then the slowest rank's (collective over `comm`)."""
         for _ in range(self.config.warmup):
             run()
         self.synchronize()
@@ -167,13 +167,13 @@ class Profiler:
                 for nbytes in self.config.bytes:
                     n = max(group.size, nbytes // 4 // group.size * group.size)  # float32, divisible
                     x = torch.ones(n, device=self.device)
-                    samples.append((n * 4, self._time(lambda op=op, x=x, g=group: getattr(g, op)(x))))
+                    samples.append((n * 4, self.time(lambda op=op, x=x, g=group: getattr(g, op)(x))))
                 fits[f"{op}/{name}"] = LinearFit.fit(samples)
         return Profile(fits)
 
     def compute(self, name: str, make: Callable[[int], Callable[[], object]]) -> Profile:
         """Time `make(rows)()` at every row count; fit under `name`."""
-        return Profile({name: LinearFit.fit([(n, self._time(make(n))) for n in self.config.rows])})
+        return Profile({name: LinearFit.fit([(n, self.time(make(n))) for n in self.config.rows])})
 
     def forward_backward(
         self,

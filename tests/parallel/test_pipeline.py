@@ -16,6 +16,9 @@ CFG = DecoderConfig(vocab_size=300, seq_len=8, d_model=16, n_layers=6, n_heads=2
 def test_action_lists_are_data() -> None:
     gpipe = schedule_actions("GPipe", pp=2, microbatches=2)
     assert gpipe[0][:4] == ["0F0", "0F1", "0B0", "0B1"]
+    # every micro-batch's forward once, in order, on the last rank too (torch's table says 1F1 .. 1F4)
+    one_f_one_b = schedule_actions("1F1B", pp=2, microbatches=4)
+    assert [a for a in one_f_one_b[1] if "F" in a] == ["1F0", "1F1", "1F2", "1F3"]
     zbv = schedule_actions("ZBVZeroBubble", pp=2, microbatches=4, stages_per_rank=2)
     assert set(zbv) == {0, 1}
     # the V: rank 0 holds stages 0 and 3, and zero-bubble splits backward into I and W
