@@ -63,6 +63,14 @@ def _train(args: argparse.Namespace) -> int:
     from sparta.parallel.config import load_config
 
     overrides = list(args.set or [])
+    if args.plan:
+        from sparta.planner import plan_overrides, workload
+
+        try:
+            overrides = plan_overrides(args.plan, workload(load_config(args.config, overrides))) + overrides
+        except ConfigError as e:
+            print(f"sparta train: {e}", file=sys.stderr, flush=True)
+            return 2
     if args.trace:
         overrides.append(f"output.trace={json.dumps(args.trace)}")
     try:
@@ -74,6 +82,12 @@ def _train(args: argparse.Namespace) -> int:
     from sparta.parallel.train import run
 
     return run(config, backend=args.backend)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from sparta.planner.command import main
+
+    return main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="override one field, e.g. --set train.steps=20 --set parallel.schedule=GPipe (repeatable; a TOML "
         "value or a bare string; validated like the file)",
     )
+    train.add_argument(
+        "--plan", default="", help="apply a plan file from `sparta plan` (its [parallel]; --set still wins)"
+    )
     train.add_argument("--trace", default="", help="write a Chrome trace here (output.trace; see output.trace_steps)")
     train.add_argument(
         "--backend",
@@ -133,6 +150,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="communication engine; auto picks it from the launcher",
     )
     train.set_defaults(run=_train)
+    plan = sub.add_parser(
+        "plan",
+        help="measure a model's costs, then search layouts, schedules and micro-batches under a memory budget",
+        description="With --measure (under a launcher, on as many ranks as you will train on): time the run "
+        "file's model parts, collectives and optimizer, and save them. With --costs: predict every plan the "
+        "trainer can run on --world ranks, print the fastest within --memory GiB per rank and why the others were "
+        "left out, and write the best to --out for `sparta train --plan`. See sparta/planner/.",
+    )
+    plan.add_argument("--config", required=True, help="the run file whose model and batch are planned")
+    plan.add_argument("--measure", default="", help="measure the costs on the launched ranks and save them here")
+    plan.add_argument("--costs", default="", help="costs saved by --measure")
+    plan.add_argument("--world", type=int, default=0, help="ranks to plan for")
+    plan.add_argument("--memory", type=float, default=0.0, help="memory budget per rank, GiB")
+    plan.add_argument("--out", default="", help="write the best plan here (for `sparta train --plan`)")
+    plan.add_argument("--top", type=int, default=10, help="plans to print")
+    plan.add_argument("--trace", default="", help="write the best plan's predicted timeline (Chrome trace JSON)")
+    plan.add_argument("--any-hardware", action="store_true", help="use costs measured on other hardware, on purpose")
+    plan.set_defaults(run=_plan)
     sub.add_parser(
         "bench",
         add_help=False,

@@ -1,0 +1,38 @@
+"""sparta.planner: choose the 3D trainer's plan from measured costs (Galvatron, dPRO).
+
+    costs = measure_costs(world.comm, model_cfg, moe_spec)          # every rank, once per hardware
+    result = search(costs, Workload(model_cfg, moe_spec, global_batch), world=8, memory_bytes=2 * GIB,
+                    base=ParallelConfig(moe=moe_spec))
+    best = result.best                                              # Ranked(plan, prediction)
+    simulate(costs, workload, best.plan, trace=True).spans          # the predicted timeline
+
+Pieces: costs.py (what is measured, saved and checked against the model and hardware),
+simulate.py (a plan replayed on the costs: step time, peak memory, timeline), search.py (the
+plans the trainer can run, ranked under a memory budget; plan files), command.py (`sparta plan`).
+It sits above sparta.parallel: it plans for the trainer and imports it, never the reverse.
+"""
+
+from sparta.planner.command import workload
+from sparta.planner.costs import ModelCosts, PartCost, measure_costs, model_fingerprint
+from sparta.planner.search import GIB, Ranked, SearchResult, layouts, plan_overrides, search, write_plan
+from sparta.planner.simulate import Plan, Prediction, Workload, simulate, stage_layers
+
+__all__ = [
+    "GIB",
+    "ModelCosts",
+    "PartCost",
+    "Plan",
+    "Prediction",
+    "Ranked",
+    "SearchResult",
+    "Workload",
+    "layouts",
+    "measure_costs",
+    "model_fingerprint",
+    "plan_overrides",
+    "search",
+    "simulate",
+    "stage_layers",
+    "workload",
+    "write_plan",
+]

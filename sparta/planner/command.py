@@ -1,0 +1,102 @@
+"""`sparta plan`: measure a model's costs on this hardware, then search its plans.
+
+    torchrun --nproc-per-node 8 -m sparta.cli plan --config run.toml --measure costs.json
+    sparta plan --config run.toml --costs costs.json --world 8 --memory 2 --out plan.toml
+    torchrun --nproc-per-node 8 -m sparta.cli train --config run.toml --plan plan.toml
+
+The first runs on as many ranks as the plans will (so collectives of every group size and
+the ranks' competition for shared cores are measured); the second is one process, pure
+arithmetic on the saved costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from sparta.errors import ConfigError
+from sparta.parallel.config import RunConfig, load_config
+from sparta.scheduling.trace import write_chrome_trace
+
+from .costs import ModelCosts, hardware_fingerprint, measure_costs
+from .search import GIB, SearchResult, search, write_plan
+from .simulate import Workload, simulate
+
+
+def workload(config: RunConfig) -> Workload:
+    return Workload(config.model, config.parallel.moe, config.train.global_batch)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+        if args.measure:
+            return _measure(config, args.measure)
+        if not args.costs or args.world < 1 or args.memory <= 0:
+            raise ConfigError("give --costs FILE (from --measure), --world N >= 1 and --memory GiB > 0")
+        costs = ModelCosts.load(args.costs)
+        work = workload(config)
+        here = hardware_fingerprint(_device(config), args.world)
+        costs.check(work.model, work.moe, None if args.any_hardware else here)
+        result = search(costs, work, args.world, args.memory * GIB, config.parallel)
+        _report(result, args.top)
+        best = result.best
+    except ConfigError as e:
+        print(f"sparta plan: {e}", file=sys.stderr, flush=True)
+        return 2
+    if args.out:
+        write_plan(args.out, best, work, args.world, costs)
+        print(f"wrote {args.out}: sparta train --config {args.config} --plan {args.out}")
+    if args.trace:
+        spans = simulate(costs, work, best.plan, trace=True).spans
+        write_chrome_trace(args.trace, spans)
+    return 0
+
+
+def _device(config: RunConfig) -> torch.device:
+    return torch.device(config.train.device)
+
+
+def _measure(config: RunConfig, path: str) -> int:
+    import sparta
+
+    world = sparta.init()
+    try:
+        costs = measure_costs(world.comm, config.model, config.parallel.moe, _device(config))
+        if world.rank == 0:
+            costs.save(path)
+            print(f"wrote {path}: {len(costs.parts)} parts, {len(costs.comm)} collective fits, {world.size} ranks")
+    finally:
+        world.shutdown()
+    return 0
+
+
+def _report(result: SearchResult, top: int) -> None:
+    """The best plans, one JSON record each, then why the others were left out."""
+    for rank, r in enumerate(result.fits[:top]):
+        p = r.prediction
+        record = {
+            "rank": rank + 1,
+            "plan": r.plan.describe(),
+            "step_s": round(p.step_s, 6),
+            "pipeline_s": round(p.pipeline_s, 6),
+            "sync_s": round(p.sync_s, 6),
+            "optimizer_s": round(p.optimizer_s, 6),
+            "peak_gib": round(p.max_peak_bytes / GIB, 4),
+        }
+        print(json.dumps(record))
+    print(
+        json.dumps(
+            {
+                "fit": len(result.fits),
+                "over_budget": len(result.over_budget),
+                "smallest_over_budget_gib": round(result.over_budget[0].prediction.max_peak_bytes / GIB, 4)
+                if result.over_budget
+                else None,
+                "rejected": result.rejected,
+            }
+        )
+    )

@@ -1,0 +1,335 @@
+"""What the planner knows of a model on some hardware: per-part compute and memory, and the
+network's collectives, measured once and saved as JSON.
+
+Parts are what a pipeline stage is made of: ``embed`` (token + position tables, first stage),
+``attention`` and ``mlp`` (the two residual halves of a transformer block, norm included),
+``moe`` (the MLP half as an MoE layer, all experts local: with expert parallelism every rank
+still routes its own tokens and computes tokens x top_k expert rows, only spread over other
+ranks' experts), ``head`` (final norm, output projection, loss; last stage). Each part has
+forward and backward seconds as linear fits in tokens (the backward also as its input-gradient
+half alone, which zero-bubble schedules run apart from the weight gradients), the bytes it
+saves for backward per token, and its parameter count.
+
+Collectives are fitted per group size g ("all_reduce/g4": seconds vs bytes per rank), over
+groups of g consecutive ranks, and ``p2p`` (a send from one rank to the next: what a
+pipeline stage hands its neighbour). ``adamw`` is the optimizer step, seconds vs parameters.
+
+`measure_costs` runs on every rank of a launch at once (torchrun, mpirun, horovodrun):
+every rank times the same parts together and the slowest rank's median counts, so sharing a
+host's cores or a node's memory bandwidth is in the figures, as it is in training. On GPUs
+each rank times its own device.
+
+A `ModelCosts` records the hardware (`hardware_fingerprint`) and the model shape it was
+measured for; `ModelCosts.check` refuses to plan with costs from other hardware or another
+model rather than silently predicting from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparta.comm.communicator import Communicator
+from sparta.errors import ConfigError
+from sparta.parallel.decoder import Block, DecoderConfig
+from sparta.parallel.experts import MoESpec, moe_layers
+from sparta.scheduling.profiler import LinearFit, ProfileConfig, Profiler
+
+PARTS = ("embed", "attention", "mlp", "moe", "head")
+# what must match for costs to hold here (threads and ranks are the measuring launch's, recorded)
+HARDWARE_KEYS = ("device", "device_type", "torch")
+FLOAT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class PartCost:
+    """One part's costs. fwd, bwd: seconds vs tokens (bwd: input and weight gradients
+    together; bwd_input: the input gradients alone); saved_bytes_per_token: what its forward
+    keeps for backward, per token; params: parameter count (all experts of an MoE layer)."""
+
+    fwd: LinearFit
+    bwd: LinearFit
+    bwd_input: LinearFit
+    saved_bytes_per_token: float
+    params: int
+
+
+@dataclass
+class ModelCosts:
+    """Everything a plan's step time and memory are predicted from (see the module doc).
+
+    model: the DecoderConfig and MoESpec fields it was measured for; hardware: where;
+    world: ranks of the measuring launch (collectives are fitted for group sizes up to it).
+    """
+
+    parts: dict[str, PartCost]
+    comm: dict[str, LinearFit]
+    optimizer: LinearFit
+    model: dict[str, Any]
+    hardware: dict[str, Any]
+    world: int
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def collective(self, op: str, group: int, nbytes: float) -> float:
+        """Seconds of ``op`` ("all_reduce", "all_gather", "all_to_all", "p2p") over ``group``
+        ranks moving ``nbytes`` per rank; 0 for a group of one."""
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        key = "p2p" if op == "p2p" else f"{op}/g{group}"
+        if key not in self.comm:
+            raise ConfigError(
+                f"the costs have no fit for {key!r} (measured on {self.world} ranks: {sorted(self.comm)}); "
+                f"measure them on a launch of at least {group} ranks"
+            )
+        return self.comm[key](nbytes)
+
+    def check(self, model: DecoderConfig, moe: MoESpec | None, hardware: dict[str, Any] | None = None) -> None:
+        """ConfigError if these costs were measured for another model shape or (when
+        ``hardware`` is given) other hardware: another device model, device type or torch."""
+        want = model_fingerprint(model, moe)
+        if want != self.model:
+            diff = {k: (self.model.get(k), v) for k, v in want.items() if self.model.get(k) != v}
+            raise ConfigError(
+                f"the costs were measured for another model ({diff}, as (measured, asked)); "
+                "measure them again for this one (sparta plan --measure)"
+            )
+        if hardware is not None:
+            diff = {
+                k: (self.hardware.get(k), hardware.get(k))
+                for k in HARDWARE_KEYS
+                if self.hardware.get(k) != hardware.get(k)
+            }
+        if hardware is not None and diff:
+            raise ConfigError(
+                f"the costs were measured on other hardware ({diff}, as (measured, here)); measure them here "
+                "(sparta plan --measure), or pass --any-hardware to predict that hardware on purpose"
+            )
+
+    def check_world(self, world: int) -> None:
+        """ConfigError unless every group size a layout of ``world`` ranks can have was measured."""
+        missing = [g for g in range(2, world + 1) if world % g == 0 and f"all_reduce/g{g}" not in self.comm]
+        if missing or (world > 1 and "p2p" not in self.comm):
+            raise ConfigError(
+                f"the costs were measured on {self.world} ranks and lack groups of {missing or [2]} ranks, which "
+                f"layouts of {world} ranks use: measure them on a launch of {world} ranks (sparta plan --measure)"
+            )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1, sort_keys=True))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelCosts:
+        try:
+            raw = json.loads(Path(path).read_text())
+
+            def fit(f: dict[str, Any]) -> LinearFit:
+                return LinearFit(f["alpha"], f["beta"], f["rel_error"], tuple(map(tuple, f["samples"])))
+
+            return cls(
+                parts={
+                    k: PartCost(
+                        fit(p["fwd"]), fit(p["bwd"]), fit(p["bwd_input"]), p["saved_bytes_per_token"], p["params"]
+                    )
+                    for k, p in raw["parts"].items()
+                },
+                comm={k: fit(f) for k, f in raw["comm"].items()},
+                optimizer=fit(raw["optimizer"]),
+                model=raw["model"],
+                hardware=raw["hardware"],
+                world=raw["world"],
+                notes=raw.get("notes", {}),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path} is not a costs file written by sparta plan --measure: {exc}") from exc
+
+
+def model_fingerprint(model: DecoderConfig, moe: MoESpec | None) -> dict[str, Any]:
+    """The fields that change a part's cost: the decoder's shape and the MoE's."""
+    out: dict[str, Any] = asdict(model)
+    if moe is not None:
+        out.update(num_experts=moe.num_experts, top_k=moe.top_k, router=moe.router, moe_every=moe.every)
+    return out
+
+
+def hardware_fingerprint(device: torch.device, ranks: int) -> dict[str, Any]:
+    """What makes measured costs hold elsewhere: device model, torch, threads, and the ranks
+    measured together (on a shared host they compete for its cores)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    return {
+        "device": name,
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "ranks": ranks,
+    }
+
+
+def _saved_bytes(fn: Callable[[], Any]) -> int:
+    """Bytes of the distinct tensors autograd saves for backward while ``fn`` runs."""
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            seen[(t.untyped_storage().data_ptr(), t.storage_offset())] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+class _Residual(nn.Module):
+    """x + fn(norm(x)): one half of a pre-norm block."""
+
+    def __init__(self, norm: nn.Module, fn: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.fn = norm, fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fn(self.norm(x))
+
+
+class _Embed(nn.Module):
+    """The first stage's extras: ids [B, T] -> [B, T, d]."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+
+
+class _Head(nn.Module):
+    """The last stage's extras and the loss: [B, T, d] -> scalar."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.output(self.norm(h))
+        targets = torch.zeros(logits.shape[:-1], dtype=torch.long, device=h.device)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _parts(cfg: DecoderConfig, moe: MoESpec | None) -> dict[str, nn.Module]:
+    """The parts as modules of the trainer's own classes (Block, moeify's MoELayer)."""
+    block = Block(cfg)
+    parts: dict[str, nn.Module] = {
+        "embed": _Embed(cfg),
+        "attention": _Residual(block.attn_norm, block.attn),
+        "mlp": _Residual(block.mlp_norm, block.mlp),
+        "head": _Head(cfg),
+    }
+    if moe is not None:
+        holder = nn.Module()
+        holder.layers = nn.ModuleDict({"0": Block(cfg)})
+        moe_layers(holder, dataclasses.replace(moe, every=1), None)
+        moe_block = holder.layers["0"]
+        parts["moe"] = _Residual(moe_block.mlp_norm, moe_block.mlp)
+    return parts
+
+
+def measure_costs(
+    comm: Communicator,
+    model: DecoderConfig,
+    moe: MoESpec | None,
+    device: torch.device | str = "cpu",
+    group_sizes: tuple[int, ...] | None = None,
+    config: ProfileConfig | None = None,
+) -> ModelCosts:
+    """Time every part, every collective over groups of each size in ``group_sizes`` (default:
+    every divisor of ``comm.size`` above 1: the group sizes a layout of it can have), the
+    pipeline's point-to-point and AdamW's step. ``config.rows`` are token counts (whole
+    sequences). Collective over ``comm``: every rank calls it and gets the same result."""
+    device = torch.device(device)
+    seq = model.seq_len
+    cfg = config or ProfileConfig(rows=(seq, 2 * seq, 4 * seq))
+    if any(r % seq for r in cfg.rows):
+        raise ConfigError(f"ProfileConfig.rows={cfg.rows} must be multiples of seq_len={seq} (whole sequences)")
+    sizes = group_sizes or tuple(g for g in range(2, comm.size + 1) if comm.size % g == 0)
+    groups: dict[str, Communicator] = {}
+    for g in sizes:
+        if comm.size % g:
+            raise ConfigError(f"group size {g} does not divide the launch's {comm.size} ranks")
+        sub = comm.split_groups([list(range(s, s + g)) for s in range(0, comm.size, g)])
+        assert sub is not None
+        groups[f"g{g}"] = sub
+    profiler = Profiler(comm, groups, cfg, device)
+    fits = dict(profiler.collectives().fits)
+    if "g2" in groups:
+        pair = groups["g2"]
+        # a Communicator has no send/recv: the pair's all-to-all of 2n bytes sends n to the other rank
+        fits["p2p"] = _fit(
+            profiler, cfg.bytes, lambda n: _call(pair.all_to_all, torch.ones(2 * max(1, n // 4), device=device))
+        )
+    torch.manual_seed(0)
+    parts: dict[str, PartCost] = {}
+    for name, module in _parts(model, moe).items():
+        module.to(device)
+        make = _ids(model, device) if name == "embed" else _hidden(model, device)
+        fwd = _fit(profiler, cfg.rows, lambda rows, m=module, make=make: _call(m, make(rows)))
+        bwd = _fit(profiler, cfg.rows, lambda rows, m=module, make=make: _backward(m, make(rows), False))
+        if name == "embed":  # ids take no gradient: the first stage's input half is empty
+            bwd_input = LinearFit(0.0, 0.0, 0.0, ())
+        else:
+            bwd_input = _fit(profiler, cfg.rows, lambda rows, m=module, make=make: _backward(m, make(rows), True))
+        saved = _saved_bytes(_call(module, make(cfg.rows[-1])))
+        params = sum(p.numel() for p in module.parameters())
+        parts[name] = PartCost(fwd, bwd, bwd_input, saved / cfg.rows[-1], params)
+    optimizer = _fit(profiler, (100_000, 400_000, 1_600_000), lambda n: _adamw(n, device))
+    return ModelCosts(
+        parts=parts,
+        comm=fits,
+        optimizer=optimizer,
+        model=model_fingerprint(model, moe),
+        hardware=hardware_fingerprint(device, comm.size),
+        world=comm.size,
+    )
+
+
+def _fit(profiler: Profiler, sizes: tuple[int, ...], make: Callable[[int], Callable[[], object]]) -> LinearFit:
+    """Seconds of ``make(n)()`` at every size n (the slowest rank's median), fitted."""
+    return LinearFit.fit([(n, profiler.time(make(n))) for n in sizes])
+
+
+def _call(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Callable[[], Any]:
+    return lambda: fn(x)
+
+
+def _ids(cfg: DecoderConfig, device: torch.device) -> Callable[[int], torch.Tensor]:
+    return lambda tokens: torch.randint(0, cfg.vocab_size, (tokens // cfg.seq_len, cfg.seq_len), device=device)
+
+
+def _hidden(cfg: DecoderConfig, device: torch.device) -> Callable[[int], torch.Tensor]:
+    return lambda tokens: torch.randn(
+        tokens // cfg.seq_len, cfg.seq_len, cfg.d_model, device=device, requires_grad=True
+    )
+
+
+def _backward(m: nn.Module, x: torch.Tensor, input_only: bool) -> Callable[[], object]:
+    """Backward alone, through a graph built untimed (kept for the repeats): every gradient,
+    or (``input_only``) the input's alone, as a zero-bubble schedule's I step computes it."""
+    out = m(x)
+    grad = torch.ones_like(out)
+    if input_only:
+        return lambda: torch.autograd.grad(out, x, grad, retain_graph=True)
+    return lambda: out.backward(grad, retain_graph=True)
+
+
+def _adamw(n: int, device: torch.device) -> Callable[[], object]:
+    p = nn.Parameter(torch.zeros(n, device=device))
+    p.grad = torch.ones_like(p)
+    return torch.optim.AdamW([p], lr=1e-3).step

@@ -1,0 +1,218 @@
+"""The search: every plan the trainer can run for a model on N ranks, predicted on measured
+costs, the ones that fit the memory budget ranked by step time; and the plan file that
+`sparta train --plan` takes.
+
+The space (Galvatron's, cut to what `sparta.parallel` runs): every pp x dp x tp x ep whose
+product is the world (pp up to the layers, tp dividing the heads and the MLP width, ep
+dividing dp and the experts), every schedule with one stage per rank and with two (looped
+or V), every micro-batch count dividing a dp rank's batch, and data parallelism by the
+"sparta" strategy (replicated, bucketed) or "fsdp" (sharded, for memory). Each candidate's
+stages are balanced on the predicted per-layer cost (the exact split of
+`pipeline.split_by_cost`, counting embedding and head), then checked by the trainer's own
+`ParallelConfig.check`; what it refuses is rejected with its message. Activation
+recomputation is not searched: the trainer does not run it yet.
+
+A plan file is TOML: ``[plan]`` records the model it was made for and the prediction,
+``[parallel]`` holds the fields `sparta train` applies on top of the run file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sparta.errors import ConfigError
+from sparta.parallel.dims import ParallelDims
+from sparta.parallel.parallelize import ParallelConfig
+from sparta.parallel.pipeline import SCHEDULES, ModelParts, split_by_cost
+
+from .costs import ModelCosts, model_fingerprint
+from .simulate import Plan, Prediction, Workload, simulate
+
+STRATEGIES = ("sparta", "fsdp")
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A plan and its prediction."""
+
+    plan: Plan
+    prediction: Prediction
+
+
+@dataclass
+class SearchResult:
+    """fits: plans within the budget, fastest first; over_budget: those that run but do not
+    fit, smallest peak first; rejected: why the others cannot run, {reason: count}."""
+
+    fits: list[Ranked]
+    over_budget: list[Ranked]
+    rejected: dict[str, int]
+
+    @property
+    def best(self) -> Ranked:
+        if not self.fits:
+            raise ConfigError(self.no_fit_message())
+        return self.fits[0]
+
+    def no_fit_message(self) -> str:
+        if not self.over_budget:
+            reasons = "; ".join(f"{n} x {why}" for why, n in self.rejected.items())
+            return f"no plan of this model runs on these ranks ({reasons})"
+        small = self.over_budget[0]
+        return (
+            f"no plan fits the memory budget: the smallest found, {small.plan.describe()}, needs "
+            f"{small.prediction.max_peak_bytes / GIB:.3f} GiB per rank; raise --memory to that, or add ranks"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(world: int, work: Workload) -> Iterator[ParallelDims]:
+    """Every pp x dp x tp (x ep) of ``world`` ranks that the model's shape admits."""
+    m = work.model
+    for pp in _divisors(world):
+        if pp > m.n_layers:
+            continue
+        for tp in _divisors(world // pp):
+            if m.n_heads % tp or m.d_ff % tp or m.d_model % tp:
+                continue
+            dp = world // (pp * tp)
+            for ep in _divisors(dp):
+                if (work.moe is None and ep > 1) or (work.moe is not None and work.moe.num_experts % ep):
+                    continue
+                yield ParallelDims(pp=pp, dp=dp, tp=tp, ep=ep)
+
+
+def _schedules(pp: int) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        yield "1F1B", 1  # one stage: every schedule runs the same forward then backward
+        return
+    for name, style in SCHEDULES.items():
+        yield name, 1 if style == "single" else 2
+
+
+def layer_costs(costs: ModelCosts, work: Workload, tokens: float) -> dict[str, float]:
+    """Forward + backward seconds per layer and for the first/last stage's extras, at
+    ``tokens`` per micro-batch: what `split_by_cost` balances."""
+    parts = costs.parts
+    out = {"embed": parts["embed"].fwd(tokens) + parts["embed"].bwd(tokens)}
+    for i in range(work.model.n_layers):
+        mlp = "moe" if work.moe is not None and i % work.moe.every == 0 else "mlp"
+        out[f"layers.{i}"] = sum(parts[p].fwd(tokens) + parts[p].bwd(tokens) for p in ("attention", mlp))
+    out["head"] = parts["head"].fwd(tokens) + parts["head"].bwd(tokens)
+    return out
+
+
+def search(costs: ModelCosts, work: Workload, world: int, memory_bytes: float, base: ParallelConfig) -> SearchResult:
+    """Predict every plan (see the module doc); ``base`` gives the fields not searched
+    (embedding, moe, bucket size...)."""
+    costs.check(work.model, work.moe)
+    costs.check_world(world)
+    parts = ModelParts(("embed",), tuple(f"layers.{i}" for i in range(work.model.n_layers)), ("head",), ())
+    fits: list[Ranked] = []
+    over: list[Ranked] = []
+    rejected: Counter[str] = Counter()
+    for dims in layouts(world, work):
+        per_dp = work.global_batch // dims.dp if work.global_batch % dims.dp == 0 else 0
+        if not per_dp:
+            rejected[f"global_batch={work.global_batch} does not divide over dp"] += 1
+            continue
+        for schedule, spr in _schedules(dims.pp):
+            for mb in _divisors(per_dp):
+                tokens = per_dp // mb * work.model.seq_len
+                stages = (
+                    split_by_cost(parts, dims.pp * spr, layer_costs(costs, work, tokens))
+                    if (dims.pp * spr <= work.model.n_layers)
+                    else None
+                )
+                for strategy in STRATEGIES:
+                    try:
+                        if stages is None:
+                            raise ConfigError(f"{dims.pp * spr} stages but {work.model.n_layers} layers")
+                        config = dataclasses.replace(
+                            base,
+                            schedule=schedule,
+                            microbatches=mb,
+                            stages_per_rank=spr,
+                            split_points=tuple(s[0] for s in stages[1:]),
+                            data_parallel=strategy,
+                        )
+                        plan = Plan(dims, config)
+                        prediction = simulate(costs, work, plan)
+                    except ConfigError as exc:
+                        rejected[_reason(str(exc))] += 1
+                        continue
+                    ranked = Ranked(plan, prediction)
+                    (fits if prediction.max_peak_bytes <= memory_bytes else over).append(ranked)
+    fits.sort(key=lambda r: r.prediction.step_s)
+    over.sort(key=lambda r: r.prediction.max_peak_bytes)
+    return SearchResult(fits, over, dict(rejected.most_common()))
+
+
+def _reason(message: str) -> str:
+    """A refusal without its numbers' particulars, so equal reasons count together."""
+    return message.split(":")[0][:160]
+
+
+# ----------------------------------------------------------------------------- plan files
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))
+
+
+PLAN_FIELDS = ("pp", "dp", "tp", "ep", "schedule", "microbatches", "stages_per_rank", "split_points", "data_parallel")
+
+
+def write_plan(path: str | Path, ranked: Ranked, work: Workload, world: int, costs: ModelCosts) -> None:
+    """The plan file: what `sparta train --plan` applies, and what it was made for."""
+    plan, pred = ranked.plan, ranked.prediction
+    fields = {**dataclasses.asdict(plan.dims), **dataclasses.asdict(plan.config)}
+    lines = [
+        "# written by `sparta plan`; `sparta train --config RUN --plan THIS` applies [parallel] on top of RUN",
+        "[plan]",
+        f"world = {world}",
+        f"global_batch = {work.global_batch}",
+        f"predicted_step_s = {pred.step_s!r}",
+        f"predicted_peak_gib = {pred.max_peak_bytes / GIB!r}",
+        f"hardware = {_toml_value(json.dumps(costs.hardware, sort_keys=True))}",
+        "",
+        "[plan.model]",
+        *(f"{k} = {_toml_value(v)}" for k, v in model_fingerprint(work.model, work.moe).items()),
+        "",
+        "[parallel]",
+        *(f"{k} = {_toml_value(fields[k])}" for k in PLAN_FIELDS),
+    ]
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def plan_overrides(path: str | Path, work: Workload) -> list[str]:
+    """The ``--set`` assignments a plan file stands for, after checking it was made for this
+    model; ConfigError naming the mismatch otherwise. (A plan for another world size fails
+    the trainer's own check: pp x dp x tp must equal the ranks running.)"""
+    from sparta.parallel.config import read_file
+
+    tree = read_file(path)
+    meta, parallel = tree.get("plan"), tree.get("parallel")
+    if not isinstance(meta, dict) or not isinstance(parallel, dict) or set(parallel) != set(PLAN_FIELDS):
+        raise ConfigError(f"{path} is not a plan file written by `sparta plan` (sections [plan] and [parallel])")
+    want = model_fingerprint(work.model, work.moe)
+    if meta.get("model") != want:
+        diff = {k: (meta.get("model", {}).get(k), v) for k, v in want.items() if meta.get("model", {}).get(k) != v}
+        raise ConfigError(f"{path} was made for another model: {diff} (plan, run); run `sparta plan` for this one")
+    return [f"parallel.{k}={_toml_value(v)}" for k, v in parallel.items()]

@@ -1,0 +1,277 @@
+"""Replay a plan on measured costs: the step time and each pipeline rank's peak memory, and
+the predicted timeline as a Chrome trace beside a measured one (dPRO's idea, for our trainer).
+
+A `Plan` is exactly what the trainer runs: `ParallelDims` and `ParallelConfig` (its
+``split_points`` set). A `Workload` is the model and the batch. `simulate` replays the
+schedule's own action list (`sparta.parallel.schedule_actions`, torch's schedules) rank by
+rank, each rank running its actions strictly in order as torch does, an action starting when
+its rank is free and its inputs have arrived:
+
+    F(s, m)       after F(s-1, m) (plus the point-to-point hop when s-1 is on another rank)
+    B/I(s, m)     after F(s, m), and B/I(s+1, m) plus the hop (the last stage: after its F)
+    W(s, m)       after I(s, m)
+
+DualPipeV's overlapped pairs ("(0F3;3B1)OVERLAP_F_B") run as their two actions in turn, and
+the schedules' REDUCE_GRAD markers take no time here (the gradient sync is counted after).
+
+An action's seconds are its stage's parts at the micro-batch's tokens (`ModelCosts` fits):
+attention and dense MLPs split over tp (plus two tp all-reduces of the activations per block
+forward and two backward), MoE layers replicated over tp (as the trainer runs them) with two
+ep all-to-alls of tokens x top_k rows each way, the embedding on the first stage and the head
+on the last. After the last action the rank's gradient sync runs: the dense gradients'
+all-reduce over dp, which the bucketed strategies overlap with the last micro-batch's
+backward (only what sticks out past it counts), the experts' over their replicas, and
+under fsdp a parameter all-gather per micro-batch forward and backward; then AdamW.
+
+Memory per pipeline rank: parameters, gradients and AdamW's two moments (16 bytes per
+float32 parameter; fsdp divides them by dp), plus the activations of the micro-batches in
+flight, tracked through the replay (saved at F, freed at B, or at W under zero-bubble).
+
+Every dp and tp rank of one pipeline rank runs the same actions, so a plan's step is the
+slowest pipeline rank's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from sparta.errors import ConfigError
+from sparta.parallel.decoder import DecoderConfig
+from sparta.parallel.dims import ParallelDims
+from sparta.parallel.experts import MoESpec
+from sparta.parallel.parallelize import ParallelConfig
+from sparta.parallel.pipeline import ZERO_BUBBLE, schedule_actions, stage_ids
+from sparta.scheduling.trace import Span
+
+from .costs import FLOAT_BYTES, ModelCosts
+
+ADAMW_BYTES = 4 * FLOAT_BYTES  # parameter, gradient, two moments
+_ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and the batch a plan trains: global_batch sequences of model.seq_len tokens per step."""
+
+    model: DecoderConfig
+    moe: MoESpec | None
+    global_batch: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.global_batch, int) or self.global_batch < 1:
+            raise ConfigError(f"Workload.global_batch={self.global_batch!r} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A layout and how the trainer cuts and wraps the model: what `sparta train` runs."""
+
+    dims: ParallelDims
+    config: ParallelConfig
+
+    def describe(self) -> str:
+        d, c = self.dims, self.config
+        where = ",".join(c.split_points or ())
+        return (
+            f"pp{d.pp} dp{d.dp} tp{d.tp} ep{d.ep} {c.schedule} x{c.microbatches}"
+            + (f" v{c.stages_per_rank}" if c.stages_per_rank > 1 else "")
+            + f" {c.data_parallel}"
+            + (f" split@{where}" if where else "")
+        )
+
+
+@dataclass
+class Prediction:
+    """step_s: predicted seconds per optimizer step; pipeline_s, sync_s, optimizer_s: its
+    parts on the slowest pipeline rank; peak_bytes: each pipeline rank's peak memory;
+    spans: the predicted timeline, {pipeline rank: spans} (times in seconds from 0)."""
+
+    step_s: float
+    pipeline_s: float
+    sync_s: float
+    optimizer_s: float
+    peak_bytes: dict[int, float]
+    spans: dict[int, list[Span]] = field(repr=False, default_factory=dict)
+
+    @property
+    def max_peak_bytes(self) -> float:
+        return max(self.peak_bytes.values())
+
+
+def stage_layers(plan: Plan, n_layers: int) -> list[list[int]]:
+    """Layer indices of each stage, from the plan's split points ("layers.K" where stage i+1 begins)."""
+    stages = plan.dims.pp * plan.config.stages_per_rank
+    points = plan.config.split_points
+    if points is None:
+        raise ConfigError("a plan needs split_points to be simulated (the planner balances them; see search.py)")
+    try:
+        cuts = [int(p.removeprefix("layers.")) for p in points]
+    except ValueError:
+        raise ConfigError(f"split_points={points} must name layers as 'layers.K'") from None
+    bounds = [0, *cuts, n_layers]
+    if len(cuts) != stages - 1 or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ConfigError(f"split_points={points} do not cut {n_layers} layers into {stages} non-empty stages")
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+@dataclass(frozen=True)
+class _Stage:
+    fwd: float
+    bwd: float
+    bwd_input: float
+    saved: float  # activation bytes per micro-batch
+    params: float  # float32 parameters this rank holds for the stage
+    dense_params: float  # of which reduced over dp
+    expert_params: float  # of which reduced over the expert's replicas
+
+
+def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: list[int], tokens: float) -> _Stage:
+    dims, cfg, moe = plan.dims, work.model, work.moe
+    n_stages = dims.pp * plan.config.stages_per_rank
+    act = tokens * cfg.d_model * FLOAT_BYTES
+    fwd = bwd = bwd_in = saved = dense = expert = 0.0
+
+    def add(part: str, split: int) -> None:
+        nonlocal fwd, bwd, bwd_in, saved, dense
+        p = costs.parts[part]
+        fwd += p.fwd(tokens) / split
+        bwd += p.bwd(tokens) / split
+        bwd_in += p.bwd_input(tokens) / split
+        saved += p.saved_bytes_per_token * tokens / split
+        dense += p.params / split
+
+    if index == 0:
+        add("embed", 1)
+    for layer in layers:
+        add("attention", dims.tp)
+        is_moe = moe is not None and layer % moe.every == 0
+        tp_comm = costs.collective("all_reduce", dims.tp, act)
+        if is_moe:
+            assert moe is not None
+            p = costs.parts["moe"]
+            fwd, bwd, bwd_in = fwd + p.fwd(tokens), bwd + p.bwd(tokens), bwd_in + p.bwd_input(tokens)
+            saved += p.saved_bytes_per_token * tokens
+            router = cfg.d_model * moe.num_experts
+            expert += (p.params - router) / dims.ep
+            dense += router
+            a2a = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k)
+            fwd, bwd, bwd_in = fwd + a2a + tp_comm, bwd + a2a + tp_comm, bwd_in + a2a + tp_comm
+        else:
+            add("mlp", dims.tp)
+            fwd, bwd, bwd_in = fwd + 2 * tp_comm, bwd + 2 * tp_comm, bwd_in + 2 * tp_comm
+    if index == n_stages - 1:
+        add("head", 1)
+    if plan.config.embedding == "sparse" and index == 0:
+        dense -= costs.parts["embed"].params * (1 - 1 / dims.dp)  # tables' rows are sharded over dp
+    return _Stage(fwd, bwd, bwd_in, saved, dense + expert, dense, expert)
+
+
+def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False) -> Prediction:
+    """Predict ``plan``'s step on ``costs`` (see the module doc). Pure: no process group."""
+    dims, config = plan.dims, plan.config
+    config.check(dims, work.model.n_layers)
+    if work.global_batch % (dims.dp * config.microbatches):
+        raise ConfigError(
+            f"global_batch={work.global_batch} does not divide into dp={dims.dp} x microbatches={config.microbatches}"
+        )
+    tokens = work.global_batch // (dims.dp * config.microbatches) * work.model.seq_len
+    layers = stage_layers(plan, work.model.n_layers)
+    stages = [_stage(costs, work, plan, i, ls, tokens) for i, ls in enumerate(layers)]
+    owner = {s: r for r in range(dims.pp) for s in stage_ids(config.schedule, dims.pp, r, config.stages_per_rank)}
+    hop = costs.collective("p2p", 2, tokens * work.model.d_model * FLOAT_BYTES)
+    actions = schedule_actions(config.schedule, dims.pp, config.microbatches, config.stages_per_rank)
+    spans, finish, peak = _replay(actions, stages, owner, hop, config.schedule in ZERO_BUBBLE, len(stages))
+
+    step = pipeline_s = sync_s = opt_s = 0.0
+    peak_bytes: dict[int, float] = {}
+    for rank in range(dims.pp):
+        mine = [stages[s] for s in owner if owner[s] == rank]
+        dense = sum(s.dense_params for s in mine)
+        expert = sum(s.expert_params for s in mine)
+        held = sum(s.params for s in mine)
+        if config.data_parallel == "fsdp":
+            gather = costs.collective("all_gather", dims.dp, dense * FLOAT_BYTES / dims.dp)
+            sync = 2 * config.microbatches * gather + costs.collective("all_reduce", dims.dp, dense * FLOAT_BYTES)
+            held = held - dense + dense / dims.dp
+        else:
+            reduce = costs.collective("all_reduce", dims.dp, dense * FLOAT_BYTES)
+            last_bwd = sum(s.bwd for s in mine)  # the last micro-batch's backward, which the buckets overlap
+            sync = max(reduce - last_bwd, reduce / 4) if reduce else 0.0
+        sync += costs.collective("all_reduce", dims.dp // dims.ep, expert * FLOAT_BYTES)
+        opt = costs.optimizer(held)
+        total = finish[rank] + sync + opt
+        if trace:
+            spans[rank].append(Span("grad sync", "comm", finish[rank], finish[rank] + sync))
+            spans[rank].append(Span("optimizer", "compute", finish[rank] + sync, total))
+        peak_bytes[rank] = held * ADAMW_BYTES + peak[rank]
+        if total > step:
+            step, pipeline_s, sync_s, opt_s = total, finish[rank], sync, opt
+    return Prediction(step, pipeline_s, sync_s, opt_s, peak_bytes, spans if trace else {})
+
+
+def _replay(
+    actions: Mapping[int, list[str]],
+    stages: list[_Stage],
+    owner: Mapping[int, int],
+    hop: float,
+    zero_bubble: bool,
+    n_stages: int,
+) -> tuple[dict[int, list[Span]], dict[int, float], dict[int, float]]:
+    """Run every rank's actions in order; returns the spans, each rank's finish time and its
+    peak activation bytes."""
+    queues = {r: [m.groups() for a in acts for m in _ACTION.finditer(a)] for r, acts in actions.items()}
+    pos = dict.fromkeys(queues, 0)
+    free = dict.fromkeys(queues, 0.0)
+    live = dict.fromkeys(queues, 0.0)
+    peak = dict.fromkeys(queues, 0.0)
+    done: dict[tuple[int, str, int], float] = {}
+    spans: dict[int, list[Span]] = {r: [] for r in queues}
+
+    def ready(stage: int, kind: str, mb: int, rank: int) -> float | None:
+        """When the inputs of (stage, kind, mb) are on ``rank``, or None if not yet produced."""
+        deps: list[tuple[int, str]] = []
+        if kind == "F" and stage > 0:
+            deps.append((stage - 1, "F"))
+        if kind in "BI":
+            deps.append((stage, "F"))
+            if stage < n_stages - 1:
+                deps.append((stage + 1, "G"))  # its input gradient, from a B or an I
+        if kind == "W":
+            deps.append((stage, "G"))
+        at = 0.0
+        for s, k in deps:
+            key = (s, k, mb)
+            if key not in done:
+                return None
+            at = max(at, done[key] + (hop if owner[s] != rank else 0.0))
+        return at
+
+    remaining = sum(len(q) for q in queues.values())
+    while remaining:
+        progressed = False
+        for rank, queue in queues.items():
+            while pos[rank] < len(queue):
+                stage_, kind, mb_ = queue[pos[rank]]
+                stage, mb = int(stage_), int(mb_)
+                at = ready(stage, kind, mb, rank)
+                if at is None:
+                    break
+                st = stages[stage]
+                seconds = {"F": st.fwd, "B": st.bwd, "I": st.bwd_input, "W": max(st.bwd - st.bwd_input, 0.0)}[kind]
+                start = max(at, free[rank])
+                free[rank] = done[(stage, "G" if kind in "BI" else kind, mb)] = start + seconds
+                spans[rank].append(Span(f"{stage}{kind}{mb}", "compute", start, start + seconds))
+                if kind == "F":
+                    live[rank] += st.saved
+                    peak[rank] = max(peak[rank], live[rank])
+                elif kind == "B" or (kind == "W" and zero_bubble):
+                    live[rank] -= st.saved
+                pos[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: "".join(q[pos[r]]) for r, q in queues.items() if pos[r] < len(q)}
+            raise ConfigError(f"the schedule's actions wait on each other (next actions: {stuck})")
+    return spans, free, peak

@@ -1,0 +1,90 @@
+"""`sparta plan` as a user runs it: costs measured on 4 real ranks (torchrun, gloo), the
+search in one process, and the plan it writes trained by `sparta train --plan` on 4 ranks,
+whose losses equal one process training the same run on the global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from launch import free_port, run_killing_on_timeout
+
+from sparta.parallel.config import read_file
+from sparta.planner import ModelCosts
+
+PY = sys.executable
+RUN = """
+[model]
+vocab_size = 128
+seq_len = 16
+d_model = 32
+n_layers = 4
+n_heads = 2
+d_ff = 32
+[parallel.moe]
+num_experts = 4
+top_k = 2
+[train]
+steps = 3
+global_batch = 8
+lr = 1e-2
+warmup_steps = 1
+eval_every = 0
+[data]
+source = "random"
+random_tokens = 20000
+"""
+
+
+def _run(cmd: list[str], what: str, timeout: float = 300) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)
+    code, out = run_killing_on_timeout(cmd, env, timeout, what)
+    assert code == 0, f"{what} exited with {code}; output tail:\n{out[-4000:]}"
+    return out
+
+
+def _torchrun(n: int) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", f"--nproc-per-node={n}", f"--master-port={free_port()}"]
+
+
+def test_a_measured_plan_trains_like_one_process(tmp_path: Path) -> None:
+    run = tmp_path / "run.toml"
+    run.write_text(RUN)
+    costs_path, plan_path = tmp_path / "costs.json", tmp_path / "plan.toml"
+    cli = ["-m", "sparta.cli"]
+    _run([*_torchrun(4), *cli, "plan", "--config", str(run), "--measure", str(costs_path)], "plan --measure")
+    costs = ModelCosts.load(costs_path)
+    assert set(costs.parts) == {"embed", "attention", "mlp", "moe", "head"} and costs.world == 4
+    assert {"all_reduce/g2", "all_reduce/g4", "all_to_all/g4", "all_gather/g2", "p2p"} <= set(costs.comm)
+    assert all(p.fwd(64) > 0 and p.bwd(64) > 0 and p.saved_bytes_per_token > 0 for p in costs.parts.values())
+
+    out = _run(
+        [PY, *cli, "plan", "--config", str(run), "--costs", str(costs_path), "--world", "4", "--memory", "1"]
+        + ["--out", str(plan_path), "--top", "3", "--trace", str(tmp_path / "predicted.json")],
+        "plan --costs",
+    )
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    ranked = [r for r in records if "rank" in r]
+    assert [r["rank"] for r in ranked] == [1, 2, 3] and ranked[0]["step_s"] <= ranked[-1]["step_s"]
+    assert records[-1]["fit"] >= 3 and records[-1]["rejected"], records[-1]
+    trace = json.loads((tmp_path / "predicted.json").read_text())
+    assert trace["traceEvents"], "the predicted timeline is empty"
+
+    def losses(launcher: list[str], name: str, *extra: str) -> list[float]:
+        metrics = tmp_path / f"{name}.jsonl"
+        _run([*launcher, *cli, "train", "--config", str(run), "--set", f"output.metrics={metrics}", *extra], name)
+        return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+    planned = losses(_torchrun(4), "planned", "--plan", str(plan_path))
+    # one process on the global batch in the plan's dp x micro-batch chunks (routing and the
+    # MoE aux loss are per chunk), as the trainer's parity tests compare
+    chosen = read_file(plan_path)["parallel"]
+    chunks = chosen["dp"] * chosen["microbatches"]
+    single = losses([PY], "single", "--set", f"parallel.microbatches={chunks}")
+    assert len(planned) == 3
+    assert planned == pytest.approx(single, abs=1e-5), (planned, single, plan_path.read_text())

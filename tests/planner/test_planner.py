@@ -1,0 +1,160 @@
+"""The planner on hand-made cost tables (one process, no launch): the simulator replays small
+schedules to the second a hand computation gives, the search finds the known best plan,
+plan files round-trip into `sparta train`'s overrides, and bad input is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from sparta.errors import ConfigError
+from sparta.parallel import DecoderConfig, MoESpec, ParallelConfig, ParallelDims, schedule_actions
+from sparta.parallel.config import load_config
+from sparta.planner import GIB, ModelCosts, PartCost, Plan, Workload, model_fingerprint, search, simulate
+from sparta.planner.search import plan_overrides, write_plan
+from sparta.scheduling.profiler import LinearFit
+
+MODEL = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=4, d_ff=32)
+WORK = Workload(MODEL, None, global_batch=8)
+
+
+def const(seconds: float) -> LinearFit:
+    return LinearFit(seconds, 0.0, 0.0, ())
+
+
+def per_16_tokens(seconds: float) -> LinearFit:
+    return LinearFit(0.0, seconds / 16, 0.0, ())
+
+
+def part(fwd: float, bwd: float, saved: float = 1.0, params: int = 1000) -> PartCost:
+    """Seconds per 16 tokens (two sequences); bytes saved per token."""
+    return PartCost(per_16_tokens(fwd), per_16_tokens(bwd), per_16_tokens(bwd / 2), saved, params)
+
+
+def costs(layer_fwd: float = 0.5, comm_s: float = 0.0, groups: tuple[int, ...] = (2, 4), moe: MoESpec | None = None):
+    """Each block: attention and MLP take layer_fwd / 2 forward each per 16 tokens, twice that
+    backward; embedding and head cost nothing; every collective ``comm_s`` seconds; no
+    optimizer time. The batch is 64 tokens (8 sequences of 8)."""
+    half = layer_fwd / 2
+    comm = {f"{op}/g{g}": const(comm_s) for g in groups for op in ("all_reduce", "all_gather", "all_to_all")}
+    comm["p2p"] = const(0.0)
+    return ModelCosts(
+        parts={
+            "embed": part(0.0, 0.0, saved=0.0, params=0),
+            "attention": part(half, 2 * half),
+            "mlp": part(half, 2 * half),
+            "moe": part(half, 2 * half),
+            "head": part(0.0, 0.0, saved=0.0, params=0),
+        },
+        comm=comm,
+        optimizer=const(0.0),
+        model=model_fingerprint(MODEL, moe),
+        hardware={"device": "test", "device_type": "cpu", "torch": "x"},
+        world=max(groups),
+    )
+
+
+def plan(pp: int, schedule: str, mb: int, split: tuple[str, ...], spr: int = 1, **dims: int) -> Plan:
+    return Plan(
+        ParallelDims(pp=pp, **dims),
+        ParallelConfig(schedule=schedule, microbatches=mb, stages_per_rank=spr, split_points=split),
+    )
+
+
+def test_the_simulator_replays_small_schedules_exactly() -> None:
+    c = costs()  # two layers per stage: F = 1 s, B = 2 s per micro-batch
+    # 1F1B, 2 stages, 4 micro-batches, worked by hand from the action lists:
+    # rank 0: F0 0-1, F1 1-2, B0 4-6, F2 6-7, B1 7-9, F3 9-10, B2 10-12, B3 13-15
+    # rank 1: F0 1-2, B0 2-4, F1 4-5, B1 5-7, F2 7-8, B2 8-10, F3 10-11, B3 11-13
+    assert schedule_actions("1F1B", 2, 4)[1][:4] == ["1F0", "1B0", "1F1", "1B1"]
+    p = simulate(c, WORK, plan(2, "1F1B", 4, ("layers.2",)), trace=True)
+    assert p.step_s == pytest.approx(15.0) and p.sync_s == 0 and p.optimizer_s == 0
+    starts = {s.name: (s.start_s, s.end_s) for s in p.spans[0]}
+    assert starts["0B0"] == (4.0, 6.0) and starts["0F3"] == (9.0, 10.0) and starts["0B3"] == (13.0, 15.0)
+    # activations: 1F1B holds two micro-batches on rank 0, GPipe all four (same time at 2 stages)
+    tokens = 8 // 4 * MODEL.seq_len
+    per_mb = 2 * 2 * tokens  # two layers x two parts x 1 byte per token
+    gpipe = simulate(c, WORK, plan(2, "GPipe", 4, ("layers.2",)))
+    assert gpipe.step_s == pytest.approx(15.0)
+    params = (2 * 2 * 1000) * 16  # two layers x two parts x 1000 parameters x (param, grad, 2 moments)
+    assert p.peak_bytes[0] == pytest.approx(params + 2 * per_mb)
+    assert gpipe.peak_bytes[0] == pytest.approx(params + 4 * per_mb)
+    # one stage: forward then backward of every micro-batch, 4 x (2 + 4) s
+    assert simulate(c, WORK, plan(1, "1F1B", 4, ())).step_s == pytest.approx(24.0)
+
+
+def test_collectives_enter_where_the_layout_puts_them() -> None:
+    c = costs(comm_s=0.25)
+    base = simulate(c, WORK, plan(1, "1F1B", 1, ())).step_s  # no group of more than one rank
+    assert base == pytest.approx(4 * 2.0 + 4 * 4.0)  # 64 tokens: 2 s forward, 4 s backward per block
+    # tp2: each block's compute halves, two all-reduces forward and two backward per block
+    tp = simulate(c, WORK, plan(1, "1F1B", 1, (), tp=2)).step_s
+    assert tp == pytest.approx(4 * (1.0 + 2 * 0.25) + 4 * (2.0 + 2 * 0.25))
+    # dp2: the gradient all-reduce overlaps the backward; a quarter of it always shows
+    assert simulate(c, WORK, plan(1, "1F1B", 1, (), dp=2)).sync_s == pytest.approx(0.25 / 4)
+
+
+def test_the_search_finds_the_known_best_plan() -> None:
+    # collectives so dear that the one layout without any (four pipeline stages) must win,
+    # with its most micro-batches (the bubble shrinks) on a schedule with the least bubble
+    c = costs(comm_s=100.0)
+    result = search(c, WORK, world=4, memory_bytes=GIB, base=ParallelConfig())
+    best = result.best
+    assert (best.plan.dims.pp, best.plan.dims.dp, best.plan.dims.tp) == (4, 1, 1), best.plan.describe()
+    assert best.plan.config.split_points == ("layers.1", "layers.2", "layers.3")
+    assert best.prediction.step_s == min(r.prediction.step_s for r in result.fits)
+    # 1F1B with 8 micro-batches of 8 tokens, 0.25 s forward, 0.5 s backward per stage: (8 + 3) x 0.75 s
+    one_f_one_b = [r for r in result.fits if r.plan.config.schedule == "1F1B" and r.plan.dims.pp == 4]
+    assert min(r.prediction.step_s for r in one_f_one_b) == pytest.approx(11 * 0.75)
+    assert best.prediction.step_s <= 11 * 0.75
+    assert result.rejected, "the searched space holds schedules that cannot run (e.g. 1F1B with 1 micro-batch)"
+    # a budget under every plan's peak: refused, naming the smallest plan and what it needs
+    smallest = min(r.prediction.max_peak_bytes for r in result.fits)
+    tight = search(c, WORK, world=4, memory_bytes=smallest / 2, base=ParallelConfig())
+    with pytest.raises(ConfigError, match=rf"needs {smallest / GIB:.3f} GiB per rank; raise --memory"):
+        _ = tight.best
+
+
+def test_bad_input_is_refused_by_name(tmp_path: Path) -> None:
+    c = costs()
+    other = Workload(dataclasses.replace(MODEL, d_model=32), None, 8)
+    with pytest.raises(ConfigError, match=r"measured for another model \(\{'d_model': \(16, 32\)\}"):
+        search(c, other, 4, GIB, ParallelConfig())
+    with pytest.raises(ConfigError, match=r"lack groups of \[8\] ranks.*launch of 8 ranks"):
+        search(c, WORK, 8, GIB, ParallelConfig())
+    with pytest.raises(ConfigError, match=r"other hardware \(\{'device': \('test', 'H100'\)\}"):
+        c.check(MODEL, None, {"device": "H100", "device_type": "cpu", "torch": "x"})
+    # a world no layout divides the batch over: every layout refused, with the reason
+    odd = costs(groups=(5,))  # 5 ranks: 5 stages > 4 layers, tp5 splits no head, dp5 no batch of 8
+    with pytest.raises(ConfigError, match=r"no plan of this model runs on these ranks \(1 x global_batch=8 does not"):
+        _ = search(odd, WORK, 5, GIB, ParallelConfig()).best
+    with pytest.raises(ConfigError, match="not a costs file written by sparta plan"):
+        ModelCosts.load(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match=r"split_points=\('layers.9',\) do not cut 4 layers into 2"):
+        simulate(c, WORK, plan(2, "1F1B", 2, ("layers.9",)))
+
+
+def test_a_plan_file_round_trips_into_the_run_config(tmp_path: Path) -> None:
+    moe = MoESpec(num_experts=4, top_k=2)
+    c = costs(moe=moe)
+    work = Workload(MODEL, moe, 8)
+    result = search(c, work, 4, GIB, ParallelConfig(moe=moe))
+    path = tmp_path / "plan.toml"
+    write_plan(path, result.best, work, 4, c)
+    run = tmp_path / "run.toml"
+    run.write_text(
+        "[model]\nvocab_size = 300\nseq_len = 8\nd_model = 16\nn_layers = 4\nn_heads = 4\nd_ff = 32\n"
+        "[parallel.moe]\nnum_experts = 4\ntop_k = 2\n[train]\nglobal_batch = 8\n[data]\nsource = 'random'\n"
+    )
+    with pytest.raises(ConfigError, match=r"made for another model: \{'vocab_size': \(64, 300\)\}"):
+        plan_overrides(path, Workload(dataclasses.replace(MODEL, vocab_size=300), moe, 8))
+    run.write_text(run.read_text().replace("vocab_size = 300", "vocab_size = 64"))
+    config = load_config(run, plan_overrides(path, work))
+    assert config.dims == result.best.plan.dims
+    assert config.parallel.schedule == result.best.plan.config.schedule
+    assert config.parallel.split_points == result.best.plan.config.split_points
+    (tmp_path / "junk.toml").write_text("[parallel]\npp = 2\n")
+    with pytest.raises(ConfigError, match="not a plan file written by `sparta plan`"):
+        plan_overrides(tmp_path / "junk.toml", work)
