@@ -65,7 +65,9 @@ def _measure(config: RunConfig, path: str) -> int:
 
     world = sparta.init()
     try:
-        costs = measure_costs(world.comm, config.model, config.parallel.moe, _device(config))
+        costs = measure_costs(
+            world.comm, config.model, config.parallel.moe, _device(config), max_sequences=config.train.global_batch
+        )
         if world.rank == 0:
             costs.save(path)
             print(f"wrote {path}: {len(costs.parts)} parts, {len(costs.comm)} collective fits, {world.size} ranks")

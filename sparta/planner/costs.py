@@ -249,14 +249,19 @@ def measure_costs(
     device: torch.device | str = "cpu",
     group_sizes: tuple[int, ...] | None = None,
     config: ProfileConfig | None = None,
+    max_sequences: int = 4,
 ) -> ModelCosts:
     """Time every part, every collective over groups of each size in ``group_sizes`` (default:
     every divisor of ``comm.size`` above 1: the group sizes a layout of it can have), the
-    pipeline's point-to-point and AdamW's step. ``config.rows`` are token counts (whole
-    sequences). Collective over ``comm``: every rank calls it and gets the same result."""
+    pipeline's point-to-point and AdamW's step. Parts are timed at 1, max_sequences / 4 and
+    max_sequences sequences (the largest micro-batch a plan can give one rank: the global
+    batch), or at ``config.rows`` tokens (whole sequences). Collective over ``comm``: every
+    rank calls it and gets the same result."""
     device = torch.device(device)
     seq = model.seq_len
-    cfg = config or ProfileConfig(rows=(seq, 2 * seq, 4 * seq))
+    # token counts from one sequence to the largest micro-batch a plan can give a rank
+    rows = tuple(sorted({seq * n for n in (1, max(1, max_sequences // 4), max_sequences)}))
+    cfg = config or ProfileConfig(rows=rows if len(rows) > 1 else (seq, 2 * seq), repeats=5)
     if any(r % seq for r in cfg.rows):
         raise ConfigError(f"ProfileConfig.rows={cfg.rows} must be multiples of seq_len={seq} (whole sequences)")
     sizes = group_sizes or tuple(g for g in range(2, comm.size + 1) if comm.size % g == 0)

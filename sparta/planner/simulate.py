@@ -180,7 +180,7 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
     layers = stage_layers(plan, work.model.n_layers)
     stages = [_stage(costs, work, plan, i, ls, tokens) for i, ls in enumerate(layers)]
     owner = {s: r for r in range(dims.pp) for s in stage_ids(config.schedule, dims.pp, r, config.stages_per_rank)}
-    hop = costs.collective("p2p", 2, tokens * work.model.d_model * FLOAT_BYTES)
+    hop = costs.collective("p2p", dims.pp, tokens * work.model.d_model * FLOAT_BYTES)
     actions = schedule_actions(config.schedule, dims.pp, config.microbatches, config.stages_per_rank)
     spans, finish, peak = _replay(actions, stages, owner, hop, config.schedule in ZERO_BUBBLE, len(stages))
 

@@ -1,0 +1,175 @@
+"""The planner against the trainer: predicted vs measured step time for plans spread over
+the ranking, and how the chosen plan compares with the median and the best measured.
+
+    python benchmarks/planner.py                       # 8 ranks, both models, 6 plans each
+    python benchmarks/planner.py --models moe --plans 3 --steps 4     # quicker
+
+For each model (``dense``: the reference Decoder; ``moe``: the same with MoE MLPs, 8 experts
+top-2, as the demo), on ``--world`` ranks of this machine (torchrun, gloo, one thread each):
+1. ``sparta plan --measure`` on all the ranks at once (so their competition for the cores is
+   in the costs);
+2. the search, in this process, under ``--memory`` GiB per rank;
+3. ``--plans`` plans evenly spaced over the ranking (the first is the planner's choice, the
+   last its slowest), each trained by ``sparta train --plan`` for ``--steps`` steps; the
+   measured step is the median of rank 0's ``step_s`` after the first two steps.
+Prints JSON lines: a ``planner_header``, one ``planner_plan`` per plan (predicted and
+measured seconds, the error, predicted peak memory per rank and rank 0's peak RSS), and one
+``planner_summary`` per model (mean and max absolute error; the chosen plan's measured
+speed over the median measured plan and against the best measured; targets: error <= 5 %,
+chosen >= 1.2x the median and within 5 % of the best).
+
+Memory is predicted as model state plus activations; on CPU the only peak a rank reports is
+its resident set, which adds the interpreter and libraries (hundreds of MiB), so the memory
+error is not judged here (on CUDA, `sparta train` reports the allocator's peak instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import sparta
+from sparta.parallel.config import load_config
+from sparta.planner import GIB, ModelCosts, search, workload, write_plan
+
+MODELS = {
+    "dense": "",
+    "moe": "[parallel.moe]\nnum_experts = 8\ntop_k = 2\n",
+}
+RUN = """
+[model]
+vocab_size = 2048
+seq_len = 128
+d_model = 128
+n_layers = 8
+n_heads = 4
+d_ff = 256
+{moe}
+[train]
+steps = {steps}
+global_batch = 16
+lr = 1e-3
+warmup_steps = 1
+eval_every = 0
+eval_batches = 1
+[data]
+source = "random"
+random_tokens = 200000
+"""
+
+
+def _launch(args: list[str], world: int, timeout: float) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "-m", "sparta.cli", *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(
+            f"{' '.join(args[:1])} exited with {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+        )
+    return done.stdout
+
+
+def _spread(n: int, k: int) -> list[int]:
+    return sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(min(k, n))})
+
+
+def bench_model(name: str, a: argparse.Namespace, tmp: Path) -> None:
+    run = tmp / f"{name}.toml"
+    run.write_text(RUN.format(moe=MODELS[name], steps=a.steps))
+    config = load_config(run)
+    costs_path = tmp / f"{name}.costs.json"
+    began = time.perf_counter()
+    _launch(["plan", "--config", str(run), "--measure", str(costs_path)], a.world, a.timeout)
+    measure_s = time.perf_counter() - began
+    costs = ModelCosts.load(costs_path)
+    work = workload(config)
+    result = search(costs, work, a.world, a.memory * GIB, config.parallel)
+    rows = []
+    for index in _spread(len(result.fits), a.plans):
+        ranked = result.fits[index]
+        plan_path = tmp / f"{name}.{index}.toml"
+        write_plan(plan_path, ranked, work, a.world, costs)
+        metrics = tmp / f"{name}.{index}.jsonl"
+        _launch(
+            ["train", "--config", str(run), "--plan", str(plan_path), "--set", f"output.metrics={metrics}"],
+            a.world,
+            a.timeout,
+        )
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        measured = statistics.median(r["step_s"] for r in records[2:] or records)
+        predicted = ranked.prediction.step_s
+        row = {
+            "record": "planner_plan",
+            "model": name,
+            "rank_in_search": index + 1,
+            "of": len(result.fits),
+            "plan": ranked.plan.describe(),
+            "predicted_s": round(predicted, 5),
+            "measured_s": round(measured, 5),
+            "error": round(predicted / measured - 1, 4),
+            "predicted_peak_mib": {r: round(b / 2**20, 1) for r, b in ranked.prediction.peak_bytes.items()},
+            "rank0_peak_rss_mib": records[-1].get("peak_mem_mb"),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    times = [r["measured_s"] for r in rows]
+    errors = [abs(r["error"]) for r in rows]
+    chosen = rows[0]["measured_s"]
+    summary = {
+        "record": "planner_summary",
+        "model": name,
+        "world": a.world,
+        "plans_measured": len(rows),
+        "plans_searched": len(result.fits),
+        "rejected": sum(result.rejected.values()),
+        "measure_s": round(measure_s, 1),
+        "mean_abs_error": round(statistics.mean(errors), 4),
+        "max_abs_error": round(max(errors), 4),
+        "chosen_vs_median": round(statistics.median(times) / chosen, 3),
+        "chosen_vs_best": round(min(times) / chosen, 3),
+        "targets": {
+            "error_within_5pct": max(errors) <= 0.05,
+            "chosen_1.2x_median": statistics.median(times) / chosen >= 1.2,
+            "chosen_within_5pct_of_best": min(times) / chosen >= 0.95,
+        },
+    }
+    print(json.dumps(summary), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--models", default="dense,moe")
+    parser.add_argument("--plans", type=int, default=6, help="plans measured per model, spread over the ranking")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--memory", type=float, default=4.0, help="GiB per rank")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    a = parser.parse_args()
+    header = {
+        "record": "planner_header",
+        "sparta": sparta.__version__,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "world": a.world,
+        "command": " ".join(sys.argv),
+    }
+    print(json.dumps(header), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in a.models.split(","):
+            bench_model(name, a, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
