@@ -7,6 +7,7 @@ pipeline stage this rank holds:
     MLPs -> expert-parallel MoELayers (moeify)      over layout.ep, each layer seeded alike
     embeddings -> SparseEmbedding                   over layout.dp (rows by all-to-all)
     tensor parallel (model.tp_plan, as data)        DTensor over layout.tp_mesh
+    recomputation (config.recompute)                each layers.* block checkpointed
     data parallel (ddp | fsdp | horovod | sparta)   data_parallel.py
     torch PipelineStage, then the schedule by name
 
@@ -23,12 +24,15 @@ aux loss), so prefer batches of the full length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
 
 from sparta.embedding import swap_embeddings
 from sparta.errors import ConfigError
@@ -69,6 +73,16 @@ class ParallelConfig:
     tensor_parallel: apply the model's ``tp_plan`` when tp > 1.
     seq_len: pad batches to this length (None: the first batch's length).
     bucket_mb: bucket size of the "sparta" data-parallel strategy, MiB.
+    recompute: global indices (0 .. pp * stages_per_rank - 1) of the stages whose ``layers.*``
+        blocks keep only their inputs in forward and recompute the rest in backward
+        (activation checkpointing, chosen per stage as Merak's stage-aware recomputation:
+        stages with spare memory recompute less). Losses and gradients are unchanged; each
+        recomputed block costs one more forward per micro-batch, but many more under the
+        zero-bubble schedules: torch's weight-gradient pass runs one autograd.grad per
+        parameter group, each recomputing the block (torch 2.13: 1 + 8 forwards per Decoder
+        block, 1 + 9 with an MoE MLP). MoE layers re-issue their all-to-alls in each
+        recomputation, in the same order on every rank; not with the "sigmoid" router,
+        whose forward moves its balancing bias.
     """
 
     schedule: str = "1F1B"
@@ -81,10 +95,19 @@ class ParallelConfig:
     tensor_parallel: bool = True
     seq_len: int | None = None
     bucket_mb: float = 25.0
+    recompute: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.split_points is not None:
             object.__setattr__(self, "split_points", tuple(self.split_points))
+        if not isinstance(self.recompute, (tuple, list)):
+            raise ConfigError(f"recompute={self.recompute!r} must be a list of stage indices, e.g. [0] or []")
+        for index in self.recompute:
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                raise ConfigError(f"recompute={list(self.recompute)} holds {index!r}: stage indices are integers >= 0")
+        if len(set(self.recompute)) != len(self.recompute):
+            raise ConfigError(f"recompute={list(self.recompute)} names a stage twice: list each stage once")
+        object.__setattr__(self, "recompute", tuple(sorted(self.recompute)))
         if self.embedding not in EMBEDDINGS:
             raise ConfigError(f"embedding={self.embedding!r} is unknown; choose one of {', '.join(EMBEDDINGS)}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
@@ -114,6 +137,18 @@ class ParallelConfig:
         if dims.ep > 1 and self.moe is None:
             raise ConfigError(f"ep={dims.ep} but ParallelConfig.moe is None: there are no experts to split; set ep=1")
         stages = dims.pp * self.stages_per_rank
+        if self.recompute and self.recompute[-1] >= stages:
+            raise ConfigError(
+                f"recompute={list(self.recompute)} names stage {self.recompute[-1]}, but the pipeline has {stages} "
+                f"stage(s) (pp={dims.pp} x stages_per_rank={self.stages_per_rank}): use indices 0..{stages - 1}"
+            )
+        if self.recompute and self.moe is not None and self.moe.router == "sigmoid":
+            # its forward moves the balancing bias in place: a recomputation would route with
+            # the moved bias (other experts than the forward chose) and move it a second time
+            raise ConfigError(
+                f"recompute={list(self.recompute)} with MoESpec.router='sigmoid' would route the recomputation "
+                "with a bias its forward already moved: set recompute=[] or pick another router"
+            )
         if n_layers is not None and stages > n_layers:
             raise ConfigError(
                 f"{stages} pipeline stages (pp={dims.pp} x stages_per_rank={self.stages_per_rank}) but the model has "
@@ -134,12 +169,14 @@ class ParallelPlan:
     tp_plan: dict[str, str]
     actions: dict[int, list[str]]
     costs: dict[str, float] = field(default_factory=dict)
+    recompute: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         lines = []
         for index, layers in enumerate(self.stages):
             extras = (self.first if index == 0 else ()) + (self.last if index == len(self.stages) - 1 else ())
-            lines.append(f"stage {index}: {', '.join((*layers, *extras))}")
+            mark = " (recomputed)" if index in self.recompute else ""
+            lines.append(f"stage {index}{mark}: {', '.join((*layers, *extras))}")
         lines += [f"tensor parallel: {path} {style}" for path, style in self.tp_plan.items()]
         return "\n".join([*lines, format_actions(self.actions)])
 
@@ -186,6 +223,22 @@ def tp_plan_of(module: nn.Module, tp: int) -> dict[str, str]:
                 )
             plan[f"layers.{key}.{path}"] = style
     return plan
+
+
+def recompute_layers(module: nn.Module) -> None:
+    """Make every ``layers.*`` block of ``module`` recompute its activations in backward
+    (torch's non-reentrant checkpoint around the block's own forward), in place. The
+    block's forward is replaced on the instance, not wrapped in another module, so
+    parameter and checkpoint names stay as they were and any layout loads them."""
+    for layer in module.layers.values():  # type: ignore[union-attr, operator]
+        layer.forward = partial(_recomputed, layer.forward)
+
+
+def _recomputed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    # early_stop=False: the recomputation runs the whole forward, so every rank of a tp or ep
+    # group re-issues all the block's collectives; early stop ends it after the last saved
+    # tensor, and data-dependent code (routing) could save different numbers on different ranks
+    return checkpoint(forward, *args, use_reentrant=False, early_stop=False, **kwargs)
 
 
 def parallelize(
@@ -245,6 +298,8 @@ def parallelize(
             plan = tp_plan_of(module, dims.tp)
             parallelize_module(module, layout.tp_mesh, {p: TP_STYLES[s]() for p, s in plan.items()})
             tp_plan.update(plan)
+        if index in config.recompute:  # inside the data-parallel wrapper, as torchtitan orders them
+            recompute_layers(module)
         module = data_parallel.wrap(module)
         modules.append(module)
         pipeline_stages.append(PipelineStage(module, index, num_stages, layout.device, group=layout.pp_group))
@@ -261,6 +316,7 @@ def parallelize(
         tp_plan=tp_plan,
         actions=schedule_actions(config.schedule, dims.pp, config.microbatches, config.stages_per_rank),
         costs=costs,
+        recompute=config.recompute,
     )
     return ParallelModel(layout, config, modules, schedule, data_parallel, plan, has_first=0 in mine,
                          has_last=num_stages - 1 in mine)  # fmt: skip
