@@ -7,27 +7,34 @@
     simulate(costs, workload, best.plan, trace=True).spans          # the predicted timeline
 
 Pieces: costs.py (what is measured, saved and checked against the model and hardware),
-simulate.py (a plan replayed on the costs: step time, peak memory, timeline), search.py (the
-plans the trainer can run, ranked under a memory budget; plan files), command.py (`sparta plan`).
+hardware.py (costs of clusters we do not have, from published figures), simulate.py (a plan
+replayed on the costs: step time, peak memory, timeline), search.py (the plans the trainer
+can run, ranked under a memory budget; plan files), command.py (`sparta plan`).
 It sits above sparta.parallel: it plans for the trainer and imports it, never the reverse.
 """
 
 from sparta.planner.command import workload
 from sparta.planner.costs import ModelCosts, PartCost, measure_costs, model_fingerprint
-from sparta.planner.search import GIB, Ranked, SearchResult, layouts, plan_overrides, search, write_plan
+from sparta.planner.hardware import HARDWARE, Hardware, analytic_costs, model_flops_per_step
+from sparta.planner.search import GIB, Ranked, SearchResult, Space, layouts, plan_overrides, search, write_plan
 from sparta.planner.simulate import Plan, Prediction, Workload, simulate, stage_layers
 
 __all__ = [
     "GIB",
+    "HARDWARE",
+    "Hardware",
     "ModelCosts",
     "PartCost",
     "Plan",
     "Prediction",
     "Ranked",
     "SearchResult",
+    "Space",
     "Workload",
+    "analytic_costs",
     "layouts",
     "measure_costs",
+    "model_flops_per_step",
     "model_fingerprint",
     "plan_overrides",
     "search",

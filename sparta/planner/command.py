@@ -2,11 +2,13 @@
 
     torchrun --nproc-per-node 8 -m sparta.cli plan --config run.toml --measure costs.json
     sparta plan --config run.toml --costs costs.json --world 8 --memory 2 --out plan.toml
+    sparta plan --config big.toml --hardware H100 --world 1024 --memory 80 --schedules 1F1B
     torchrun --nproc-per-node 8 -m sparta.cli train --config run.toml --plan plan.toml
 
 The first runs on as many ranks as the plans will (so collectives of every group size and
 the ranks' competition for shared cores are measured); the second is one process, pure
-arithmetic on the saved costs.
+arithmetic on the saved costs, or (``--hardware``) on costs from published figures for a
+cluster we do not have (hardware.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from sparta.parallel.config import RunConfig, load_config
 from sparta.scheduling.trace import write_chrome_trace
 
 from .costs import ModelCosts, hardware_fingerprint, measure_costs
-from .search import GIB, SearchResult, search, write_plan
+from .hardware import HARDWARE, analytic_costs
+from .search import GIB, SearchResult, Space, search, write_plan
 from .simulate import Workload, simulate
 
 
@@ -35,13 +38,29 @@ def main(args: argparse.Namespace) -> int:
         config = load_config(args.config)
         if args.measure:
             return _measure(config, args.measure)
-        if not args.costs or args.world < 1 or args.memory <= 0:
-            raise ConfigError("give --costs FILE (from --measure), --world N >= 1 and --memory GiB > 0")
-        costs = ModelCosts.load(args.costs)
+        if bool(args.costs) == bool(args.hardware) or args.world < 1 or args.memory <= 0:
+            raise ConfigError(
+                "give --costs FILE (from --measure) or --hardware NAME (published figures: "
+                f"{', '.join(HARDWARE)}), --world N >= 1 and --memory GiB > 0"
+            )
         work = workload(config)
-        here = hardware_fingerprint(_device(config), args.world)
-        costs.check(work.model, work.moe, None if args.any_hardware else here)
-        result = search(costs, work, args.world, args.memory * GIB, config.parallel)
+        max_tp = None
+        if args.hardware:
+            if args.hardware not in HARDWARE:
+                raise ConfigError(f"--hardware {args.hardware!r} is unknown; choose one of {', '.join(HARDWARE)}")
+            hw = HARDWARE[args.hardware]
+            costs = analytic_costs(hw, work.model, work.moe, args.world)
+            max_tp = hw.devices_per_node
+        else:
+            costs = ModelCosts.load(args.costs)
+            here = hardware_fingerprint(_device(config), args.world)
+            costs.check(work.model, work.moe, None if args.any_hardware else here)
+        space = Space(
+            schedules=tuple(args.schedules.split(",")) if args.schedules else None,
+            max_microbatches=args.max_microbatches or None,
+            max_tp=max_tp,
+        )
+        result = search(costs, work, args.world, args.memory * GIB, config.parallel, space)
         _report(result, args.top)
         best = result.best
     except ConfigError as e:

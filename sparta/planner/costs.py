@@ -30,7 +30,7 @@ import dataclasses
 import json
 import platform
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,8 @@ class ModelCosts:
     """Everything a plan's step time and memory are predicted from (see the module doc).
 
     model: the DecoderConfig and MoESpec fields it was measured for; hardware: where;
-    world: ranks of the measuring launch (collectives are fitted for group sizes up to it).
+    world: ranks of the measuring launch (collectives are fitted for group sizes up to it);
+    element_bytes: bytes of one activation or gradient element (4: float32, as measured).
     """
 
     parts: dict[str, PartCost]
@@ -77,20 +78,23 @@ class ModelCosts:
     model: dict[str, Any]
     hardware: dict[str, Any]
     world: int
-    notes: dict[str, str] = field(default_factory=dict)
+    element_bytes: int = FLOAT_BYTES
 
-    def collective(self, op: str, group: int, nbytes: float) -> float:
+    def collective(self, op: str, group: int, nbytes: float, stride: int = 1) -> float:
         """Seconds of ``op`` ("all_reduce", "all_gather", "all_to_all", "p2p") over ``group``
-        ranks moving ``nbytes`` per rank; 0 for a group of one."""
+        ranks ``stride`` apart (a dp group's stride is tp), moving ``nbytes`` per rank; 0 for
+        a group of one. A fit for that stride ("all_reduce/g4s8", "p2p/s16") is preferred;
+        measured costs have one per size, from consecutive ranks ("all_reduce/g4", "p2p")."""
         if group <= 1 or nbytes <= 0:
             return 0.0
-        key = "p2p" if op == "p2p" else f"{op}/g{group}"
-        if key not in self.comm:
-            raise ConfigError(
-                f"the costs have no fit for {key!r} (measured on {self.world} ranks: {sorted(self.comm)}); "
-                f"measure them on a launch of at least {group} ranks"
-            )
-        return self.comm[key](nbytes)
+        keys = (f"p2p/s{stride}", "p2p") if op == "p2p" else (f"{op}/g{group}s{stride}", f"{op}/g{group}")
+        for key in keys:
+            if key in self.comm:
+                return self.comm[key](nbytes)
+        raise ConfigError(
+            f"the costs have no fit for {keys[-1]!r} (measured on {self.world} ranks: {sorted(self.comm)}); "
+            f"measure them on a launch of at least {group} ranks"
+        )
 
     def check(self, model: DecoderConfig, moe: MoESpec | None, hardware: dict[str, Any] | None = None) -> None:
         """ConfigError if these costs were measured for another model shape or (when
@@ -116,8 +120,12 @@ class ModelCosts:
 
     def check_world(self, world: int) -> None:
         """ConfigError unless every group size a layout of ``world`` ranks can have was measured."""
-        missing = [g for g in range(2, world + 1) if world % g == 0 and f"all_reduce/g{g}" not in self.comm]
-        if missing or (world > 1 and "p2p" not in self.comm):
+
+        def has(g: int) -> bool:
+            return f"all_reduce/g{g}" in self.comm or any(k.startswith(f"all_reduce/g{g}s") for k in self.comm)
+
+        missing = [g for g in range(2, world + 1) if world % g == 0 and not has(g)]
+        if missing or (world > 1 and not any(k.startswith("p2p") for k in self.comm)):
             raise ConfigError(
                 f"the costs were measured on {self.world} ranks and lack groups of {missing or [2]} ranks, which "
                 f"layouts of {world} ranks use: measure them on a launch of {world} ranks (sparta plan --measure)"
@@ -146,7 +154,7 @@ class ModelCosts:
                 model=raw["model"],
                 hardware=raw["hardware"],
                 world=raw["world"],
-                notes=raw.get("notes", {}),
+                element_bytes=raw.get("element_bytes", FLOAT_BYTES),
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{path} is not a costs file written by sparta plan --measure: {exc}") from exc

@@ -33,6 +33,7 @@ slowest pipeline rank's.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -130,7 +131,7 @@ class _Stage:
 def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: list[int], tokens: float) -> _Stage:
     dims, cfg, moe = plan.dims, work.model, work.moe
     n_stages = dims.pp * plan.config.stages_per_rank
-    act = tokens * cfg.d_model * FLOAT_BYTES
+    act = tokens * cfg.d_model * costs.element_bytes
     fwd = bwd = bwd_in = saved = dense = expert = 0.0
 
     def add(part: str, split: int) -> None:
@@ -156,7 +157,7 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
             router = cfg.d_model * moe.num_experts
             expert += (p.params - router) / dims.ep
             dense += router
-            a2a = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k)
+            a2a = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k, stride=dims.tp)
             fwd, bwd, bwd_in = fwd + a2a + tp_comm, bwd + a2a + tp_comm, bwd_in + a2a + tp_comm
         else:
             add("mlp", dims.tp)
@@ -180,10 +181,11 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
     layers = stage_layers(plan, work.model.n_layers)
     stages = [_stage(costs, work, plan, i, ls, tokens) for i, ls in enumerate(layers)]
     owner = {s: r for r in range(dims.pp) for s in stage_ids(config.schedule, dims.pp, r, config.stages_per_rank)}
-    hop = costs.collective("p2p", dims.pp, tokens * work.model.d_model * FLOAT_BYTES)
-    actions = schedule_actions(config.schedule, dims.pp, config.microbatches, config.stages_per_rank)
-    spans, finish, peak = _replay(actions, stages, owner, hop, config.schedule in ZERO_BUBBLE, len(stages))
+    hop = costs.collective("p2p", dims.pp, tokens * work.model.d_model * costs.element_bytes, dims.tp * dims.dp)
+    actions = _actions(config.schedule, dims.pp, config.microbatches, config.stages_per_rank)
+    spans, finish, peak = _replay(actions, stages, owner, hop, config.schedule in ZERO_BUBBLE, len(stages), trace)
 
+    grad = costs.element_bytes
     step = pipeline_s = sync_s = opt_s = 0.0
     peak_bytes: dict[int, float] = {}
     for rank in range(dims.pp):
@@ -192,14 +194,14 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
         expert = sum(s.expert_params for s in mine)
         held = sum(s.params for s in mine)
         if config.data_parallel == "fsdp":
-            gather = costs.collective("all_gather", dims.dp, dense * FLOAT_BYTES / dims.dp)
-            sync = 2 * config.microbatches * gather + costs.collective("all_reduce", dims.dp, dense * FLOAT_BYTES)
+            gather = costs.collective("all_gather", dims.dp, dense * grad / dims.dp, dims.tp)
+            sync = 2 * config.microbatches * gather + costs.collective("all_reduce", dims.dp, dense * grad, dims.tp)
             held = held - dense + dense / dims.dp
         else:
-            reduce = costs.collective("all_reduce", dims.dp, dense * FLOAT_BYTES)
+            reduce = costs.collective("all_reduce", dims.dp, dense * grad, dims.tp)
             last_bwd = sum(s.bwd for s in mine)  # the last micro-batch's backward, which the buckets overlap
             sync = max(reduce - last_bwd, reduce / 4) if reduce else 0.0
-        sync += costs.collective("all_reduce", dims.dp // dims.ep, expert * FLOAT_BYTES)
+        sync += costs.collective("all_reduce", dims.dp // dims.ep, expert * grad, dims.tp * dims.ep)
         opt = costs.optimizer(held)
         total = finish[rank] + sync + opt
         if trace:
@@ -211,6 +213,13 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
     return Prediction(step, pipeline_s, sync_s, opt_s, peak_bytes, spans if trace else {})
 
 
+@functools.lru_cache(maxsize=64)
+def _actions(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> dict[int, list[str]]:
+    """torch's table, built once per shape: at 64 ranks x 512 micro-batches building it takes
+    torch 10-20 s, and a search asks for each shape once per layout."""
+    return schedule_actions(schedule, pp, microbatches, stages_per_rank)
+
+
 def _replay(
     actions: Mapping[int, list[str]],
     stages: list[_Stage],
@@ -218,60 +227,58 @@ def _replay(
     hop: float,
     zero_bubble: bool,
     n_stages: int,
+    trace: bool,
 ) -> tuple[dict[int, list[Span]], dict[int, float], dict[int, float]]:
     """Run every rank's actions in order; returns the spans, each rank's finish time and its
     peak activation bytes."""
-    queues = {r: [m.groups() for a in acts for m in _ACTION.finditer(a)] for r, acts in actions.items()}
+    queues = {
+        r: [(int(m[1]), m[2], int(m[3])) for a in acts for m in _ACTION.finditer(a)] for r, acts in actions.items()
+    }
     pos = dict.fromkeys(queues, 0)
     free = dict.fromkeys(queues, 0.0)
     live = dict.fromkeys(queues, 0.0)
     peak = dict.fromkeys(queues, 0.0)
     done: dict[tuple[int, str, int], float] = {}
     spans: dict[int, list[Span]] = {r: [] for r in queues}
+    waiting: dict[tuple[int, str, int], list[int]] = {}  # an output not yet produced -> ranks blocked on it
 
-    def ready(stage: int, kind: str, mb: int, rank: int) -> float | None:
-        """When the inputs of (stage, kind, mb) are on ``rank``, or None if not yet produced."""
-        deps: list[tuple[int, str]] = []
-        if kind == "F" and stage > 0:
-            deps.append((stage - 1, "F"))
-        if kind in "BI":
-            deps.append((stage, "F"))
-            if stage < n_stages - 1:
-                deps.append((stage + 1, "G"))  # its input gradient, from a B or an I
+    def inputs(stage: int, kind: str, mb: int) -> list[tuple[int, str, int]]:
+        if kind == "F":
+            return [(stage - 1, "F", mb)] if stage > 0 else []
         if kind == "W":
-            deps.append((stage, "G"))
-        at = 0.0
-        for s, k in deps:
-            key = (s, k, mb)
-            if key not in done:
-                return None
-            at = max(at, done[key] + (hop if owner[s] != rank else 0.0))
-        return at
+            return [(stage, "G", mb)]
+        # B or I: the stage's own forward and the next stage's input gradient (from its B or I)
+        return [(stage, "F", mb)] + ([(stage + 1, "G", mb)] if stage < n_stages - 1 else [])
 
-    remaining = sum(len(q) for q in queues.values())
-    while remaining:
-        progressed = False
-        for rank, queue in queues.items():
-            while pos[rank] < len(queue):
-                stage_, kind, mb_ = queue[pos[rank]]
-                stage, mb = int(stage_), int(mb_)
-                at = ready(stage, kind, mb, rank)
-                if at is None:
-                    break
-                st = stages[stage]
-                seconds = {"F": st.fwd, "B": st.bwd, "I": st.bwd_input, "W": max(st.bwd - st.bwd_input, 0.0)}[kind]
-                start = max(at, free[rank])
-                free[rank] = done[(stage, "G" if kind in "BI" else kind, mb)] = start + seconds
-                spans[rank].append(Span(f"{stage}{kind}{mb}", "compute", start, start + seconds))
-                if kind == "F":
-                    live[rank] += st.saved
-                    peak[rank] = max(peak[rank], live[rank])
-                elif kind == "B" or (kind == "W" and zero_bubble):
-                    live[rank] -= st.saved
-                pos[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {r: "".join(q[pos[r]]) for r, q in queues.items() if pos[r] < len(q)}
-            raise ConfigError(f"the schedule's actions wait on each other (next actions: {stuck})")
+    def advance(rank: int) -> None:
+        """Run ``rank``'s actions until one waits for an input not yet produced."""
+        queue = queues[rank]
+        while pos[rank] < len(queue):
+            stage, kind, mb = queue[pos[rank]]
+            at = free[rank]
+            for key in inputs(stage, kind, mb):
+                if key not in done:
+                    waiting.setdefault(key, []).append(rank)
+                    return
+                at = max(at, done[key] + (hop if owner[key[0]] != rank else 0.0))
+            st = stages[stage]
+            seconds = {"F": st.fwd, "B": st.bwd, "I": st.bwd_input, "W": max(st.bwd - st.bwd_input, 0.0)}[kind]
+            out = (stage, "G" if kind in "BI" else kind, mb)
+            free[rank] = done[out] = at + seconds
+            if trace:
+                spans[rank].append(Span(f"{stage}{kind}{mb}", "compute", at, at + seconds))
+            if kind == "F":
+                live[rank] += st.saved
+                peak[rank] = max(peak[rank], live[rank])
+            elif kind == "B" or (kind == "W" and zero_bubble):
+                live[rank] -= st.saved
+            pos[rank] += 1
+            ready.extend(waiting.pop(out, ()))
+
+    ready = list(queues)
+    while ready:
+        advance(ready.pop())
+    stuck = {r: "".join(map(str, q[pos[r]])) for r, q in queues.items() if pos[r] < len(q)}
+    if stuck:
+        raise ConfigError(f"the schedule's actions wait on each other (next actions: {stuck})")
     return spans, free, peak

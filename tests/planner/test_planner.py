@@ -158,3 +158,27 @@ def test_a_plan_file_round_trips_into_the_run_config(tmp_path: Path) -> None:
     (tmp_path / "junk.toml").write_text("[parallel]\npp = 2\n")
     with pytest.raises(ConfigError, match="not a plan file written by `sparta plan`"):
         plan_overrides(tmp_path / "junk.toml", work)
+
+
+def test_published_figures_give_costs_by_link_and_a_narrower_space() -> None:
+    from sparta.planner import Hardware, Space, analytic_costs, model_flops_per_step
+
+    hw = Hardware("toy", peak_flops=1e12, gemm_efficiency=0.5, memory_bytes=2**30, memory_bw=1e11,
+                  intra_bw=1e10, inter_bw=1e9, devices_per_node=4, latency_s=1e-5)  # fmt: skip
+    c = analytic_costs(hw, MODEL, None, world=8)
+    # a block's MLP: 4 d d_ff FLOPs per token at half of 1 TFLOP/s; backward twice that
+    assert c.parts["mlp"].fwd(100) == pytest.approx(100 * 4 * 16 * 32 / 0.5e12)
+    assert c.parts["mlp"].bwd(100) == pytest.approx(2 * c.parts["mlp"].fwd(100))
+    # a ring all-reduce of 1 MB: over NVLink inside a node of 4, over the network when the
+    # group's 2 ranks lie 4 apart (a dp group behind tp4)
+    assert c.collective("all_reduce", 2, 1e6) == pytest.approx(1e-5 + 1e6 / 1e10)
+    assert c.collective("all_reduce", 2, 1e6, stride=4) == pytest.approx(1e-5 + 1e6 / 1e9)
+    assert c.collective("p2p", 2, 1e6, stride=4) == pytest.approx(1e6 / 1e9)
+    assert model_flops_per_step(MODEL, None, 8) == 3 * 8 * 8 * (
+        4 * (8 * 16**2 + 4 * 8 * 16 + 4 * 16 * 32) + 2 * 16 * 64
+    )
+    narrow = search(c, WORK, 8, 2**30, ParallelConfig(), Space(schedules=("GPipe",), max_microbatches=2, max_tp=2))
+    assert narrow.fits and all(r.plan.dims.tp <= 2 and r.plan.config.microbatches <= 2 for r in narrow.fits)
+    assert {r.plan.config.schedule for r in narrow.fits} == {"GPipe", "1F1B"}  # 1F1B: one stage, pp1
+    with pytest.raises(ConfigError, match=r"Space.schedules: \['Nope'\] unknown"):
+        Space(schedules=("Nope",))
