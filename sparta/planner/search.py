@@ -9,8 +9,8 @@ or V), every micro-batch count dividing a dp rank's batch, and data parallelism 
 "sparta" strategy (replicated, bucketed) or "fsdp" (sharded, for memory). Each candidate's
 stages are balanced on the predicted per-layer cost (the exact split of
 `pipeline.split_by_cost`, counting embedding and head), then checked by the trainer's own
-`ParallelConfig.check`; what it refuses is rejected with its message. Activation
-recomputation is not searched: the trainer does not run it yet.
+`ParallelConfig.check`; what it refuses is rejected with its message. A plan over the
+memory budget is tried again with stage-aware recomputation (`_fitted`).
 
 A plan file is TOML: ``[plan]`` records the model it was made for and the prediction,
 ``[parallel]`` holds the fields `sparta train` applies on top of the run file.
@@ -29,7 +29,7 @@ from typing import Any
 from sparta.errors import ConfigError
 from sparta.parallel.dims import ParallelDims
 from sparta.parallel.parallelize import ParallelConfig
-from sparta.parallel.pipeline import SCHEDULES, ModelParts, split_by_cost
+from sparta.parallel.pipeline import SCHEDULES, ZERO_BUBBLE, ModelParts, split_by_cost, stage_ids
 
 from .costs import ModelCosts, model_fingerprint
 from .simulate import Plan, Prediction, Workload, simulate
@@ -180,16 +180,32 @@ def search(
                             split_points=tuple(s[0] for s in stages[1:]),
                             data_parallel=strategy,
                         )
-                        plan = Plan(dims, config)
-                        prediction = simulate(costs, work, plan)
+                        ranked = _fitted(costs, work, Plan(dims, config), memory_bytes)
                     except ConfigError as exc:
                         rejected[_reason(str(exc))] += 1
                         continue
-                    ranked = Ranked(plan, prediction)
-                    (fits if prediction.max_peak_bytes <= memory_bytes else over).append(ranked)
+                    (fits if ranked.prediction.max_peak_bytes <= memory_bytes else over).append(ranked)
     fits.sort(key=lambda r: r.prediction.step_s)
     over.sort(key=lambda r: r.prediction.max_peak_bytes)
     return SearchResult(fits, over, dict(rejected.most_common()))
+
+
+def _fitted(costs: ModelCosts, work: Workload, plan: Plan, memory_bytes: float) -> Ranked:
+    """The plan as it is, or, when it exceeds the budget, with stage-aware recomputation
+    (Merak): first only the stages of the pipeline ranks over budget, then every stage.
+    Not under zero-bubble schedules: torch 2.13's weight pass recomputes a block once per
+    parameter group (1 + 8 forwards for a Decoder block), which no plan gains from."""
+    prediction = simulate(costs, work, plan)
+    if prediction.max_peak_bytes <= memory_bytes or plan.config.schedule in ZERO_BUBBLE:
+        return Ranked(plan, prediction)
+    dims, spr = plan.dims, plan.config.stages_per_rank
+    over = [r for r, b in prediction.peak_bytes.items() if b > memory_bytes]
+    for stages in ({s for r in over for s in stage_ids(plan.config.schedule, dims.pp, r, spr)}, range(dims.pp * spr)):
+        recomputed = Plan(dims, dataclasses.replace(plan.config, recompute=tuple(sorted(stages))))
+        prediction = simulate(costs, work, recomputed)
+        if prediction.max_peak_bytes <= memory_bytes:
+            break
+    return Ranked(recomputed, prediction)
 
 
 def _reason(message: str) -> str:
@@ -210,7 +226,9 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value))
 
 
-PLAN_FIELDS = ("pp", "dp", "tp", "ep", "schedule", "microbatches", "stages_per_rank", "split_points", "data_parallel")
+PLAN_FIELDS = (
+    "pp", "dp", "tp", "ep", "schedule", "microbatches", "stages_per_rank", "split_points", "data_parallel", "recompute",
+)  # fmt: skip
 
 
 def write_plan(path: str | Path, ranked: Ranked, work: Workload, world: int, costs: ModelCosts) -> None:

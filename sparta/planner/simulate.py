@@ -26,6 +26,9 @@ under fsdp a parameter all-gather per micro-batch forward and backward; then Ada
 Memory per pipeline rank: parameters, gradients and AdamW's two moments (16 bytes per
 float32 parameter; fsdp divides them by dp), plus the activations of the micro-batches in
 flight, tracked through the replay (saved at F, freed at B, or at W under zero-bubble).
+Stages in ``config.recompute`` keep only each block's input (tokens x d_model) and run the
+blocks' forward again before their backward (B, or I under zero-bubble), one block's
+activations live meanwhile.
 
 Every dp and tp rank of one pipeline rank runs the same actions, so a plan's step is the
 slowest pipeline rank's.
@@ -79,6 +82,7 @@ class Plan:
             f"pp{d.pp} dp{d.dp} tp{d.tp} ep{d.ep} {c.schedule} x{c.microbatches}"
             + (f" v{c.stages_per_rank}" if c.stages_per_rank > 1 else "")
             + f" {c.data_parallel}"
+            + (f" recompute{list(c.recompute)}" if c.recompute else "")
             + (f" split@{where}" if where else "")
         )
 
@@ -122,7 +126,8 @@ class _Stage:
     fwd: float
     bwd: float
     bwd_input: float
-    saved: float  # activation bytes per micro-batch
+    saved: float  # activation bytes per micro-batch, held from F to B (or W)
+    transient: float  # bytes briefly live during backward (a recomputed block's activations)
     params: float  # float32 parameters this rank holds for the stage
     dense_params: float  # of which reduced over dp
     expert_params: float  # of which reduced over the expert's replicas
@@ -132,41 +137,47 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
     dims, cfg, moe = plan.dims, work.model, work.moe
     n_stages = dims.pp * plan.config.stages_per_rank
     act = tokens * cfg.d_model * costs.element_bytes
-    fwd = bwd = bwd_in = saved = dense = expert = 0.0
+    # [fwd, bwd, bwd_input, saved] of the stage's blocks and of its extras (embedding, head)
+    blocks, extras = [0.0] * 4, [0.0] * 4
+    largest_block = dense = expert = 0.0
 
-    def add(part: str, split: int) -> None:
-        nonlocal fwd, bwd, bwd_in, saved, dense
+    def add(into: list[float], part: str, split: int, comm: float = 0.0) -> None:
         p = costs.parts[part]
-        fwd += p.fwd(tokens) / split
-        bwd += p.bwd(tokens) / split
-        bwd_in += p.bwd_input(tokens) / split
-        saved += p.saved_bytes_per_token * tokens / split
-        dense += p.params / split
+        into[0] += p.fwd(tokens) / split + comm
+        into[1] += p.bwd(tokens) / split + comm
+        into[2] += p.bwd_input(tokens) / split + comm
+        into[3] += p.saved_bytes_per_token * tokens / split
 
     if index == 0:
-        add("embed", 1)
+        add(extras, "embed", 1)
+        dense += costs.parts["embed"].params / (dims.dp if plan.config.embedding == "sparse" else 1)
     for layer in layers:
-        add("attention", dims.tp)
-        is_moe = moe is not None and layer % moe.every == 0
+        before = blocks[3]
         tp_comm = costs.collective("all_reduce", dims.tp, act)
-        if is_moe:
-            assert moe is not None
-            p = costs.parts["moe"]
-            fwd, bwd, bwd_in = fwd + p.fwd(tokens), bwd + p.bwd(tokens), bwd_in + p.bwd_input(tokens)
-            saved += p.saved_bytes_per_token * tokens
-            router = cfg.d_model * moe.num_experts
-            expert += (p.params - router) / dims.ep
-            dense += router
+        add(blocks, "attention", dims.tp, tp_comm)
+        dense += costs.parts["attention"].params / dims.tp
+        if moe is not None and layer % moe.every == 0:
+            # replicated over tp, as the trainer runs it; tokens x top_k rows out and back
             a2a = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k, stride=dims.tp)
-            fwd, bwd, bwd_in = fwd + a2a + tp_comm, bwd + a2a + tp_comm, bwd_in + a2a + tp_comm
+            add(blocks, "moe", 1, a2a)
+            router = cfg.d_model * moe.num_experts
+            expert += (costs.parts["moe"].params - router) / dims.ep
+            dense += router
         else:
-            add("mlp", dims.tp)
-            fwd, bwd, bwd_in = fwd + 2 * tp_comm, bwd + 2 * tp_comm, bwd_in + 2 * tp_comm
+            add(blocks, "mlp", dims.tp, tp_comm)
+            dense += costs.parts["mlp"].params / dims.tp
+        largest_block = max(largest_block, blocks[3] - before)
     if index == n_stages - 1:
-        add("head", 1)
-    if plan.config.embedding == "sparse" and index == 0:
-        dense -= costs.parts["embed"].params * (1 - 1 / dims.dp)  # tables' rows are sharded over dp
-    return _Stage(fwd, bwd, bwd_in, saved, dense + expert, dense, expert)
+        add(extras, "head", 1)
+        dense += costs.parts["head"].params
+    transient = 0.0
+    if index in plan.config.recompute:
+        # only each block's input is kept; backward runs its forward again first
+        blocks[1] += blocks[0]
+        blocks[2] += blocks[0]
+        blocks[3], transient = len(layers) * act, largest_block
+    fwd, bwd, bwd_input, saved = (b + e for b, e in zip(blocks, extras, strict=True))
+    return _Stage(fwd, bwd, bwd_input, saved, transient, dense + expert, dense, expert)
 
 
 def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False) -> Prediction:
@@ -269,9 +280,11 @@ def _replay(
                 spans[rank].append(Span(f"{stage}{kind}{mb}", "compute", at, at + seconds))
             if kind == "F":
                 live[rank] += st.saved
-                peak[rank] = max(peak[rank], live[rank])
-            elif kind == "B" or (kind == "W" and zero_bubble):
+            elif kind in "BI":
+                peak[rank] = max(peak[rank], live[rank] + st.transient)
+            if kind == "B" or (kind == "W" and zero_bubble):
                 live[rank] -= st.saved
+            peak[rank] = max(peak[rank], live[rank])
             pos[rank] += 1
             ready.extend(waiting.pop(out, ()))
 

@@ -12,7 +12,7 @@ import pytest
 from sparta.errors import ConfigError
 from sparta.parallel import DecoderConfig, MoESpec, ParallelConfig, ParallelDims, schedule_actions
 from sparta.parallel.config import load_config
-from sparta.planner import GIB, ModelCosts, PartCost, Plan, Workload, model_fingerprint, search, simulate
+from sparta.planner import GIB, ModelCosts, PartCost, Plan, Space, Workload, model_fingerprint, search, simulate
 from sparta.planner.search import plan_overrides, write_plan
 from sparta.scheduling.profiler import LinearFit
 
@@ -33,7 +33,13 @@ def part(fwd: float, bwd: float, saved: float = 1.0, params: int = 1000) -> Part
     return PartCost(per_16_tokens(fwd), per_16_tokens(bwd), per_16_tokens(bwd / 2), saved, params)
 
 
-def costs(layer_fwd: float = 0.5, comm_s: float = 0.0, groups: tuple[int, ...] = (2, 4), moe: MoESpec | None = None):
+def costs(
+    layer_fwd: float = 0.5,
+    comm_s: float = 0.0,
+    groups: tuple[int, ...] = (2, 4),
+    moe: MoESpec | None = None,
+    saved: float = 1.0,
+) -> ModelCosts:
     """Each block: attention and MLP take layer_fwd / 2 forward each per 16 tokens, twice that
     backward; embedding and head cost nothing; every collective ``comm_s`` seconds; no
     optimizer time. The batch is 64 tokens (8 sequences of 8)."""
@@ -43,9 +49,9 @@ def costs(layer_fwd: float = 0.5, comm_s: float = 0.0, groups: tuple[int, ...] =
     return ModelCosts(
         parts={
             "embed": part(0.0, 0.0, saved=0.0, params=0),
-            "attention": part(half, 2 * half),
-            "mlp": part(half, 2 * half),
-            "moe": part(half, 2 * half),
+            "attention": part(half, 2 * half, saved),
+            "mlp": part(half, 2 * half, saved),
+            "moe": part(half, 2 * half, saved),
             "head": part(0.0, 0.0, saved=0.0, params=0),
         },
         comm=comm,
@@ -83,6 +89,13 @@ def test_the_simulator_replays_small_schedules_exactly() -> None:
     assert gpipe.peak_bytes[0] == pytest.approx(params + 4 * per_mb)
     # one stage: forward then backward of every micro-batch, 4 x (2 + 4) s
     assert simulate(c, WORK, plan(1, "1F1B", 4, ())).step_s == pytest.approx(24.0)
+    # recomputing both stages: every backward runs its stage's forward again (B = 3 s), so
+    # (4 + 1) x (1 + 3) s; the stage keeps only its blocks' inputs (16 tokens x 16 x 4 bytes each)
+    recomputed = Plan(ParallelDims(pp=2), ParallelConfig(microbatches=4, split_points=("layers.2",), recompute=(0, 1)))
+    r = simulate(c, WORK, recomputed)
+    assert r.step_s == pytest.approx(20.0)
+    inputs = 2 * tokens * MODEL.d_model * 4
+    assert r.peak_bytes[0] == pytest.approx(params + 2 * inputs + 2 * tokens)  # + one block's, recomputing
 
 
 def test_collectives_enter_where_the_layout_puts_them() -> None:
@@ -110,6 +123,14 @@ def test_the_search_finds_the_known_best_plan() -> None:
     assert min(r.prediction.step_s for r in one_f_one_b) == pytest.approx(11 * 0.75)
     assert best.prediction.step_s <= 11 * 0.75
     assert result.rejected, "the searched space holds schedules that cannot run (e.g. 1F1B with 1 micro-batch)"
+    # a budget only recomputation meets: stage-aware, the first stages of 1F1B (more micro-batches
+    # in flight there) recompute first
+    heavy = costs(comm_s=100.0, saved=200.0, groups=(2,))  # activations outweigh a block's input
+    no_recompute = simulate(heavy, WORK, plan(2, "1F1B", 8, ("layers.2",)))
+    budget = (no_recompute.peak_bytes[0] + no_recompute.peak_bytes[1]) / 2
+    staged = search(heavy, WORK, 2, budget, ParallelConfig(), Space(schedules=("1F1B",)))
+    chosen = [r for r in staged.fits if r.plan.dims.pp == 2 and r.plan.config.microbatches == 8]
+    assert chosen and chosen[0].plan.config.recompute == (0,), [r.plan.describe() for r in chosen]
     # a budget under every plan's peak: refused, naming the smallest plan and what it needs
     smallest = min(r.prediction.max_peak_bytes for r in result.fits)
     tight = search(c, WORK, world=4, memory_bytes=smallest / 2, base=ParallelConfig())
@@ -161,7 +182,7 @@ def test_a_plan_file_round_trips_into_the_run_config(tmp_path: Path) -> None:
 
 
 def test_published_figures_give_costs_by_link_and_a_narrower_space() -> None:
-    from sparta.planner import Hardware, Space, analytic_costs, model_flops_per_step
+    from sparta.planner import Hardware, analytic_costs, model_flops_per_step
 
     hw = Hardware("toy", peak_flops=1e12, gemm_efficiency=0.5, memory_bytes=2**30, memory_bw=1e11,
                   intra_bw=1e10, inter_bw=1e9, devices_per_node=4, latency_s=1e-5)  # fmt: skip
