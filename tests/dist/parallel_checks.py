@@ -104,7 +104,8 @@ def trained_losses(
         pm.close()
     assert pm.plan.actions == schedule_actions(config.schedule, layout.dims.pp, config.microbatches,
                                                config.stages_per_rank)  # fmt: skip
-    assert "stage 0:" in str(pm.plan)
+    marks = {s: " (recomputed)" if s in config.recompute else "" for s in range(len(pm.plan.stages))}
+    assert all(f"stage {s}{mark}:" in str(pm.plan) for s, mark in marks.items()), str(pm.plan)
     return losses
 
 
@@ -128,9 +129,12 @@ def parity(
     balance: bool = False,
     microbatches: int = 2,
     moe: MoESpec = MOE,
+    recompute: tuple[int, ...] = (),
 ) -> Callable:
     """A check: the trainer's losses equal one process's. ragged: batch lengths change from step
-    to step (the trainer pads them); balance: stages cut by measured time, not given points."""
+    to step (the trainer pads them); balance: stages cut by measured time, not given points;
+    recompute: the stages whose layers recompute their activations in backward (the one
+    process recomputes nothing)."""
 
     def check(layout: Layout) -> None:
         stages = layout.dims.pp * stages_per_rank
@@ -144,11 +148,13 @@ def parity(
             embedding=embedding,
             moe=moe,
             seq_len=MODEL.seq_len,
+            recompute=recompute,
         )
         compare(layout, config, ragged, balance)
 
     check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
     check.__name__ += "_coscheduled" * (moe is COSCHEDULED)
+    check.__name__ += "".join(f"_recompute{i}" for i in recompute)
     return check
 
 
@@ -220,9 +226,18 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("ZBVZeroBubble", 2, "sparta"),
         parity("DualPipeV", 2, "fsdp", microbatches=4),  # DualPipeV: micro-batches >= stages
         parity("1F1B", 1, "sparta", ragged=True, balance=True),
+        # stage-aware recomputation under TP, MoE and the sparse embedding; under zero-bubble
+        # (input and weight gradients by autograd.grad, each pass recomputing) with FSDP2,
+        # rank 0 recomputing its stage 0 and rank 1 its stage 2
+        parity("1F1B", 1, "sparta", recompute=(0,)),
+        parity("ZBVZeroBubble", 2, "fsdp", recompute=(0, 2)),
         bad_inputs,
     ],
-    "ddp": [parity("1F1B", 1, "ddp"), parity("GPipe", 1, "sparta", embedding="dense")],
+    "ddp": [
+        parity("1F1B", 1, "ddp"),
+        parity("GPipe", 1, "sparta", embedding="dense"),
+        parity("1F1B", 1, "ddp", recompute=(0,)),
+    ],
     "ddp_pp": [parity("1F1B", 1, "ddp", microbatches=4)],
     "horovod": [parity("1F1B", 1, "horovod")],
     "sparta": [parity("1F1B", 1, "sparta")],
