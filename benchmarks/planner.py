@@ -18,6 +18,13 @@ measured seconds, the error, predicted peak memory per rank and rank 0's peak RS
 speed over the median measured plan and against the best measured; targets: error <= 5 %,
 chosen >= 1.2x the median and within 5 % of the best).
 
+``--cluster`` adds clusters we do not have, from published figures (sparta/planner/hardware.py,
+GEMMs at an assumed 75 % of peak): the best plan of a GPT MoE (Mixtral's shape: d 4096, 32
+layers, 8 experts top-2, seq 4096, batch 1,024) on 8 to 1,024 H100s under 80 GiB
+(``planner_cluster``), and Megatron-LM's 1T GPT on 3,072 A100s (tp8 pp64 dp6, 1F1B, batch
+3,072, recomputation) against its published 163 TFLOP/s per GPU, 52 % of peak
+(``planner_megatron``, with the error).
+
 Memory is predicted as model state plus activations; on CPU the only peak a rank reports is
 its resident set, which adds the interpreter and libraries (hundreds of MiB), so the memory
 error is not judged here (on CUDA, `sparta train` reports the allocator's peak instead).
@@ -39,8 +46,22 @@ from pathlib import Path
 import torch
 
 import sparta
+from sparta.parallel import DecoderConfig, MoESpec, ParallelConfig, ParallelDims
 from sparta.parallel.config import load_config
-from sparta.planner import GIB, ModelCosts, search, workload, write_plan
+from sparta.planner import (
+    GIB,
+    HARDWARE,
+    ModelCosts,
+    Plan,
+    Space,
+    Workload,
+    analytic_costs,
+    model_flops_per_step,
+    search,
+    simulate,
+    workload,
+    write_plan,
+)
 
 MODELS = {
     "dense": "",
@@ -146,6 +167,63 @@ def bench_model(name: str, a: argparse.Namespace, tmp: Path) -> None:
     print(json.dumps(summary), flush=True)
 
 
+def bench_cluster() -> None:
+    """Predictions only: plans of a GPT MoE on H100 clusters, and Megatron-LM's 1T check."""
+    mixtral = DecoderConfig(vocab_size=32000, seq_len=4096, d_model=4096, n_layers=32, n_heads=32, d_ff=14336)
+    moe = MoESpec(num_experts=8, top_k=2)
+    work = Workload(mixtral, moe, 1024)
+    hw = HARDWARE["H100"]
+    space = Space(schedules=("1F1B", "ZBVZeroBubble"), max_microbatches=64, max_tp=hw.devices_per_node)
+    for world in (8, 64, 256, 1024):
+        began = time.perf_counter()
+        result = search(
+            analytic_costs(hw, mixtral, moe, world), work, world, hw.memory_bytes, ParallelConfig(moe=moe), space
+        )
+        record: dict[str, object] = {
+            "record": "planner_cluster",
+            "hardware": hw.name,
+            "world": world,
+            "model": "GPT MoE 8x(4096, 14336) top-2, 32 layers, seq 4096, batch 1024",
+        }
+        if result.fits:
+            best = result.fits[0]
+            flops = model_flops_per_step(mixtral, moe, 1024)
+            record.update(
+                plan=best.plan.describe().split(" split@")[0],
+                step_s=round(best.prediction.step_s, 3),
+                mfu=round(flops / best.prediction.step_s / world / hw.peak_flops, 3),
+                peak_gib=round(best.prediction.max_peak_bytes / GIB, 1),
+                plans_fit=len(result.fits),
+            )
+        else:
+            record["none_fit"] = result.no_fit_message()
+        record["search_s"] = round(time.perf_counter() - began, 1)
+        print(json.dumps(record), flush=True)
+    # Megatron-LM (Narayanan et al., SC'21, Table 1): 1T GPT, 3,072 A100s, 163 TFLOP/s per GPU
+    gpt = DecoderConfig(vocab_size=51200, seq_len=2048, d_model=25600, n_layers=128, n_heads=160, d_ff=102400)
+    a100 = HARDWARE["A100"]
+    stages = 64
+    plan = Plan(
+        ParallelDims(pp=stages, dp=6, tp=8),
+        ParallelConfig(
+            microbatches=512,
+            split_points=tuple(f"layers.{i * 2}" for i in range(1, stages)),
+            recompute=tuple(range(stages)),
+        ),
+    )
+    pred = simulate(analytic_costs(a100, gpt, None, 3072), Workload(gpt, None, 3072), plan)
+    b, s, layers, h, v = 3072, 2048, 128, 25600, 51200
+    megatron_flops = 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))  # their formula
+    predicted = megatron_flops / pred.step_s / 3072 / 1e12
+    print(json.dumps({
+        "record": "planner_megatron", "hardware": a100.name, "plan": "tp8 pp64 dp6 1F1B x512, recompute",
+        "predicted_tflops_per_gpu": round(predicted, 1), "published_tflops_per_gpu": 163.0,
+        "error": round(predicted / 163.0 - 1, 3), "predicted_step_s": round(pred.step_s, 2),
+        "predicted_peak_gib": round(pred.max_peak_bytes / GIB, 1),
+        "assumed_gemm_efficiency": a100.gemm_efficiency,
+    }), flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=8)
@@ -154,6 +232,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--memory", type=float, default=4.0, help="GiB per rank")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--cluster", action="store_true", help="also predict H100/A100 clusters (see above)")
+    parser.add_argument("--only-cluster", action="store_true", help="only the cluster predictions (no launches)")
     a = parser.parse_args()
     header = {
         "record": "planner_header",
@@ -166,6 +246,10 @@ def main() -> None:
         "command": " ".join(sys.argv),
     }
     print(json.dumps(header), flush=True)
+    if a.cluster or a.only_cluster:
+        bench_cluster()
+    if a.only_cluster:
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.models.split(","):
             bench_model(name, a, Path(tmp))
