@@ -12,7 +12,9 @@ saves for backward per token, and its parameter count.
 
 Collectives are fitted per group size g ("all_reduce/g4": seconds vs bytes per rank), over
 groups of g consecutive ranks, and ``p2p`` (a send from one rank to the next: what a
-pipeline stage hands its neighbour). ``adamw`` is the optimizer step, seconds vs parameters.
+pipeline stage hands its neighbour). ``optimizer`` is what the trainer does per parameter
+after the backward: the gradient-norm clip's pass over the gradients and AdamW's step,
+seconds vs parameters.
 
 `measure_costs` runs on every rank of a launch at once (torchrun, mpirun, horovodrun):
 every rank times the same parts together and the slowest rank's median counts, so sharing a
@@ -343,6 +345,13 @@ def _backward(m: nn.Module, x: torch.Tensor, input_only: bool) -> Callable[[], o
 
 
 def _adamw(n: int, device: torch.device) -> Callable[[], object]:
+    """The gradient norm (as ParallelModel.clip_grad_norm_ computes it, in float64) and AdamW."""
     p = nn.Parameter(torch.zeros(n, device=device))
     p.grad = torch.ones_like(p)
-    return torch.optim.AdamW([p], lr=1e-3).step
+    opt = torch.optim.AdamW([p], lr=1e-3)
+
+    def step() -> None:
+        p.grad.double().square().sum()  # type: ignore[union-attr]
+        opt.step()
+
+    return step

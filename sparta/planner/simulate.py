@@ -213,7 +213,8 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
             last_bwd = sum(s.bwd for s in mine)  # the last micro-batch's backward, which the buckets overlap
             sync = max(reduce - last_bwd, reduce / 4) if reduce else 0.0
         sync += costs.collective("all_reduce", dims.dp // dims.ep, expert * grad, dims.tp * dims.ep)
-        opt = costs.optimizer(held)
+        # the clip's norm and the reported loss: one scalar all-reduce over the world each
+        opt = costs.optimizer(held) + 2 * costs.collective("all_reduce", dims.world_size, 8)
         total = finish[rank] + sync + opt
         if trace:
             spans[rank].append(Span("grad sync", "comm", finish[rank], finish[rank] + sync))
