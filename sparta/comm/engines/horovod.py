@@ -74,7 +74,16 @@ class HorovodCommunicator(Communicator):
     def shutdown(self) -> None:
         # A timed-out op would keep Horovod's background loop waiting in shutdown forever.
         if self.name == "world" and self._session.running and self.broken is None:
-            self._hvd.shutdown()
+            # One rank's hvd.shutdown() ends every rank's loop (its flag is OR-ed into the next
+            # negotiation), failing the ops its peers still wait for in other process sets: a
+            # 4-rank run saw ranks 0-1's last all-gather over [0, 1] fail that way when ranks
+            # 2-3 finished theirs first. So leave together.
+            try:
+                self.barrier()
+            except CollectiveError:
+                pass  # the barrier broke the world: its loop may be waiting on a lost op
+            if self.broken is None:
+                self._hvd.shutdown()
         self._session.running = False
 
     def _handle(self, start: Callable[[], Any], op: str, post: Any = None) -> Handle[torch.Tensor]:
