@@ -85,7 +85,12 @@ def _measure(config: RunConfig, path: str) -> int:
     world = sparta.init()
     try:
         costs = measure_costs(
-            world.comm, config.model, config.parallel.moe, _device(config), max_sequences=config.train.global_batch
+            world.comm,
+            config.model,
+            config.parallel.moe,
+            _device(config),
+            max_sequences=config.train.global_batch,
+            ranks_per_host=world.local_size,
         )
         if world.rank == 0:
             costs.save(path)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -71,7 +72,11 @@ class ModelCosts:
 
     model: the DecoderConfig and MoESpec fields it was measured for; hardware: where;
     world: ranks of the measuring launch (collectives are fitted for group sizes up to it);
-    element_bytes: bytes of one activation or gradient element (4: float32, as measured).
+    element_bytes: bytes of one activation or gradient element (4: float32, as measured);
+    slots: how many ranks of one host compute at full speed at once (its cores over each
+    rank's threads; a GPU per rank: as many as there are ranks); ranks_per_host: how many
+    ranks a host runs. Ranks beyond the slots share them (see simulate.py): parts are timed
+    on one rank alone for that reason.
     """
 
     parts: dict[str, PartCost]
@@ -81,6 +86,8 @@ class ModelCosts:
     hardware: dict[str, Any]
     world: int
     element_bytes: int = FLOAT_BYTES
+    slots: int = 1 << 30
+    ranks_per_host: int = 1
 
     def collective(self, op: str, group: int, nbytes: float, stride: int = 1) -> float:
         """Seconds of ``op`` ("all_reduce", "all_gather", "all_to_all", "p2p") over ``group``
@@ -157,6 +164,8 @@ class ModelCosts:
                 hardware=raw["hardware"],
                 world=raw["world"],
                 element_bytes=raw.get("element_bytes", FLOAT_BYTES),
+                slots=raw.get("slots", 1 << 30),
+                ranks_per_host=raw.get("ranks_per_host", 1),
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{path} is not a costs file written by sparta plan --measure: {exc}") from exc
@@ -260,6 +269,7 @@ def measure_costs(
     group_sizes: tuple[int, ...] | None = None,
     config: ProfileConfig | None = None,
     max_sequences: int = 4,
+    ranks_per_host: int | None = None,
 ) -> ModelCosts:
     """Time every part, every collective over groups of each size in ``group_sizes`` (default:
     every divisor of ``comm.size`` above 1: the group sizes a layout of it can have), the
@@ -268,6 +278,8 @@ def measure_costs(
     batch), or at ``config.rows`` tokens (whole sequences). Collective over ``comm``: every
     rank calls it and gets the same result."""
     device = torch.device(device)
+    ranks_per_host = ranks_per_host or comm.size
+    slots = host_slots(device, ranks_per_host)
     seq = model.seq_len
     # token counts from one sequence to the largest micro-batch a plan can give a rank
     rows = tuple(sorted({seq * n for n in (1, max(1, max_sequences // 4), max_sequences)}))
@@ -291,20 +303,23 @@ def measure_costs(
             profiler, cfg.bytes, lambda n: _call(pair.all_to_all, torch.ones(2 * max(1, n // 4), device=device))
         )
     torch.manual_seed(0)
+    alone = slots < ranks_per_host  # ranks share the host: time each part on one rank alone
     parts: dict[str, PartCost] = {}
     for name, module in _parts(model, moe).items():
         module.to(device)
         make = _ids(model, device) if name == "embed" else _hidden(model, device)
-        fwd = _fit(profiler, cfg.rows, lambda rows, m=module, make=make: _call(m, make(rows)))
-        bwd = _fit(profiler, cfg.rows, lambda rows, m=module, make=make: _backward(m, make(rows), False))
+        fwd = _fit(profiler, cfg.rows, lambda rows, m=module, make=make: _call(m, make(rows)), alone)
+        bwd = _fit(profiler, cfg.rows, lambda rows, m=module, make=make: _backward(m, make(rows), False), alone)
         if name == "embed":  # ids take no gradient: the first stage's input half is empty
             bwd_input = LinearFit(0.0, 0.0, 0.0, ())
         else:
-            bwd_input = _fit(profiler, cfg.rows, lambda rows, m=module, make=make: _backward(m, make(rows), True))
+            bwd_input = _fit(
+                profiler, cfg.rows, lambda rows, m=module, make=make: _backward(m, make(rows), True), alone
+            )
         saved = _saved_bytes(_call(module, make(cfg.rows[-1])))
         params = sum(p.numel() for p in module.parameters())
         parts[name] = PartCost(fwd, bwd, bwd_input, saved / cfg.rows[-1], params)
-    optimizer = _fit(profiler, (100_000, 400_000, 1_600_000), lambda n: _adamw(n, device))
+    optimizer = _fit(profiler, (100_000, 400_000, 1_600_000), lambda n: _adamw(n, device), alone)
     return ModelCosts(
         parts=parts,
         comm=fits,
@@ -312,12 +327,30 @@ def measure_costs(
         model=model_fingerprint(model, moe),
         hardware=hardware_fingerprint(device, comm.size),
         world=comm.size,
+        slots=slots,
+        ranks_per_host=ranks_per_host,
     )
 
 
-def _fit(profiler: Profiler, sizes: tuple[int, ...], make: Callable[[int], Callable[[], object]]) -> LinearFit:
-    """Seconds of ``make(n)()`` at every size n (the slowest rank's median), fitted."""
-    return LinearFit.fit([(n, profiler.time(make(n))) for n in sizes])
+def host_slots(device: torch.device, ranks_per_host: int) -> int:
+    """Ranks of one host that compute at full speed at once: one per GPU, or this process's
+    CPUs over its threads."""
+    if device.type != "cpu":
+        return ranks_per_host
+    return max(1, len(os.sched_getaffinity(0)) // torch.get_num_threads())
+
+
+def _fit(
+    profiler: Profiler, sizes: tuple[int, ...], make: Callable[[int], Callable[[], object]], alone: bool = False
+) -> LinearFit:
+    """Seconds of ``make(n)()`` at every size n (the slowest rank's median), fitted; ``alone``:
+    run on rank 0 only, the others idle (a part's speed-one time, see ModelCosts.slots)."""
+    idle = profiler.comm.rank != 0 and alone
+    return LinearFit.fit([(n, profiler.time(_idle if idle else make(n))) for n in sizes])
+
+
+def _idle() -> None:
+    return None
 
 
 def _call(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Callable[[], Any]:

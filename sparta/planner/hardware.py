@@ -118,6 +118,8 @@ def analytic_costs(hw: Hardware, model: DecoderConfig, moe: MoESpec | None, worl
         hardware={"device": hw.name, "device_type": "cuda", "torch": "analytic (published figures)"},
         world=world,
         element_bytes=e,
+        slots=hw.devices_per_node,
+        ranks_per_host=hw.devices_per_node,
     )
 
 

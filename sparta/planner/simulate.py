@@ -32,6 +32,12 @@ activations live meanwhile.
 
 Every dp and tp rank of one pipeline rank runs the same actions, so a plan's step is the
 slowest pipeline rank's.
+
+Ranks that oversubscribe a host (8 ranks on 2 CPU cores) share its speed: the replay is a
+processor-sharing one, each busy pipeline rank (with its dp x tp replicas) running at
+``slots`` / (busy ranks on the host) of its speed-one time while more are busy than the host
+has slots, so a pipeline's bubble leaves the others faster. With a device per rank (GPUs)
+nothing is shared and the replay is exact event timing.
 """
 
 from __future__ import annotations
@@ -194,7 +200,10 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
     owner = {s: r for r in range(dims.pp) for s in stage_ids(config.schedule, dims.pp, r, config.stages_per_rank)}
     hop = costs.collective("p2p", dims.pp, tokens * work.model.d_model * costs.element_bytes, dims.tp * dims.dp)
     actions = _actions(config.schedule, dims.pp, config.microbatches, config.stages_per_rank)
-    spans, finish, peak = _replay(actions, stages, owner, hop, config.schedule in ZERO_BUBBLE, len(stages), trace)
+    # pipeline ranks that compute at full speed at once: the hosts' slots over each one's replicas
+    share = costs.slots * (dims.world_size / costs.ranks_per_host) / (dims.dp * dims.tp)
+    zero_bubble = config.schedule in ZERO_BUBBLE
+    spans, finish, peak = _replay(actions, stages, owner, hop, zero_bubble, len(stages), trace, share)
 
     grad = costs.element_bytes
     step = pipeline_s = sync_s = opt_s = 0.0
@@ -214,7 +223,8 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
             sync = max(reduce - last_bwd, reduce / 4) if reduce else 0.0
         sync += costs.collective("all_reduce", dims.dp // dims.ep, expert * grad, dims.tp * dims.ep)
         # the clip's norm and the reported loss: one scalar all-reduce over the world each
-        opt = costs.optimizer(held) + 2 * costs.collective("all_reduce", dims.world_size, 8)
+        opt = costs.optimizer(held) * max(1.0, dims.pp / share)  # every rank steps at once
+        opt += 2 * costs.collective("all_reduce", dims.world_size, 8)
         total = finish[rank] + sync + opt
         if trace:
             spans[rank].append(Span("grad sync", "comm", finish[rank], finish[rank] + sync))
@@ -240,9 +250,13 @@ def _replay(
     zero_bubble: bool,
     n_stages: int,
     trace: bool,
+    share: float,
 ) -> tuple[dict[int, list[Span]], dict[int, float], dict[int, float]]:
     """Run every rank's actions in order; returns the spans, each rank's finish time and its
-    peak activation bytes."""
+    peak activation bytes. ``share``: how many pipeline ranks can compute at full speed at
+    once (their replicas share the hosts' compute slots); with more busy, each runs at
+    share / busy of its speed (processor sharing), which is what ranks oversubscribing a
+    host's cores see. An action's seconds are its speed-one seconds."""
     queues = {
         r: [(int(m[1]), m[2], int(m[3])) for a in acts for m in _ACTION.finditer(a)] for r, acts in actions.items()
     }
@@ -252,7 +266,8 @@ def _replay(
     peak = dict.fromkeys(queues, 0.0)
     done: dict[tuple[int, str, int], float] = {}
     spans: dict[int, list[Span]] = {r: [] for r in queues}
-    waiting: dict[tuple[int, str, int], list[int]] = {}  # an output not yet produced -> ranks blocked on it
+    running: dict[int, list[float]] = {}  # rank -> [work left, start]
+    seconds_of = {"F": lambda st: st.fwd, "B": lambda st: st.bwd, "I": lambda st: st.bwd_input}
 
     def inputs(stage: int, kind: str, mb: int) -> list[tuple[int, str, int]]:
         if kind == "F":
@@ -262,36 +277,56 @@ def _replay(
         # B or I: the stage's own forward and the next stage's input gradient (from its B or I)
         return [(stage, "F", mb)] + ([(stage + 1, "G", mb)] if stage < n_stages - 1 else [])
 
-    def advance(rank: int) -> None:
-        """Run ``rank``'s actions until one waits for an input not yet produced."""
-        queue = queues[rank]
-        while pos[rank] < len(queue):
-            stage, kind, mb = queue[pos[rank]]
-            at = free[rank]
-            for key in inputs(stage, kind, mb):
-                if key not in done:
-                    waiting.setdefault(key, []).append(rank)
-                    return
-                at = max(at, done[key] + (hop if owner[key[0]] != rank else 0.0))
+    def start_time(rank: int) -> float | None:
+        """When ``rank``'s next action can start, or None if an input is not yet produced."""
+        stage, kind, mb = queues[rank][pos[rank]]
+        at = free[rank]
+        for key in inputs(stage, kind, mb):
+            if key not in done:
+                return None
+            at = max(at, done[key] + (hop if owner[key[0]] != rank else 0.0))
+        return at
+
+    now = 0.0
+    while True:
+        waits: dict[int, float] = {}
+        for rank in queues:
+            if rank in running or pos[rank] == len(queues[rank]):
+                continue
+            at = start_time(rank)
+            if at is None:
+                continue
+            if at > now + 1e-12:
+                waits[rank] = at
+                continue
+            stage, kind, mb = queues[rank][pos[rank]]
             st = stages[stage]
-            seconds = {"F": st.fwd, "B": st.bwd, "I": st.bwd_input, "W": max(st.bwd - st.bwd_input, 0.0)}[kind]
-            out = (stage, "G" if kind in "BI" else kind, mb)
-            free[rank] = done[out] = at + seconds
-            if trace:
-                spans[rank].append(Span(f"{stage}{kind}{mb}", "compute", at, at + seconds))
+            work = seconds_of[kind](st) if kind in seconds_of else max(st.bwd - st.bwd_input, 0.0)
+            running[rank] = [work, now]
             if kind == "F":
                 live[rank] += st.saved
             elif kind in "BI":
                 peak[rank] = max(peak[rank], live[rank] + st.transient)
+            peak[rank] = max(peak[rank], live[rank])
+        if not running and not waits:
+            break
+        rate = min(1.0, share / len(running)) if running else 1.0
+        step = min([left / rate for left, _ in running.values()] + [at - now for at in waits.values()])
+        now += step
+        for rank in list(running):
+            entry = running[rank]
+            entry[0] -= step * rate
+            if entry[0] > 1e-12 * max(1.0, now):
+                continue
+            del running[rank]
+            stage, kind, mb = queues[rank][pos[rank]]
+            st = stages[stage]
+            free[rank] = done[(stage, "G" if kind in "BI" else kind, mb)] = now
+            if trace:
+                spans[rank].append(Span(f"{stage}{kind}{mb}", "compute", entry[1], now))
             if kind == "B" or (kind == "W" and zero_bubble):
                 live[rank] -= st.saved
-            peak[rank] = max(peak[rank], live[rank])
             pos[rank] += 1
-            ready.extend(waiting.pop(out, ()))
-
-    ready = list(queues)
-    while ready:
-        advance(ready.pop())
     stuck = {r: "".join(map(str, q[pos[r]])) for r, q in queues.items() if pos[r] < len(q)}
     if stuck:
         raise ConfigError(f"the schedule's actions wait on each other (next actions: {stuck})")

@@ -98,6 +98,19 @@ def test_the_simulator_replays_small_schedules_exactly() -> None:
     assert r.peak_bytes[0] == pytest.approx(params + 2 * inputs + 2 * tokens)  # + one block's, recomputing
 
 
+def test_ranks_sharing_a_host_share_its_speed() -> None:
+    # 2 ranks on a host that computes one at full speed: when both compute, each runs at half.
+    # GPipe, 2 stages, 2 micro-batches of 32 tokens (stage F = 2 s, B = 4 s), worked by hand:
+    # r0 F0 0-2 alone; r0 F1 and r1 F0 together 2-6; r1 F1 6-8, B0 8-12 alone; r0 B0 and r1 B1
+    # together 12-20; r0 B1 20-24 alone. With a core each: 18 s.
+    shared = dataclasses.replace(costs(), slots=1, ranks_per_host=2)
+    gpipe = plan(2, "GPipe", 2, ("layers.2",))
+    assert simulate(costs(), WORK, gpipe).step_s == pytest.approx(18.0)
+    assert simulate(shared, WORK, gpipe).step_s == pytest.approx(24.0)
+    # dp2 on that host: both replicas always compute together, at half speed: 2 x (4 + 8) s
+    assert simulate(shared, WORK, plan(1, "1F1B", 1, (), dp=2)).pipeline_s == pytest.approx(24.0)
+
+
 def test_collectives_enter_where_the_layout_puts_them() -> None:
     c = costs(comm_s=0.25)
     base = simulate(c, WORK, plan(1, "1F1B", 1, ())).step_s  # no group of more than one rank
