@@ -448,11 +448,8 @@ class DataParallel:
             table.finish_gradients()
 
     def _horovod_all_reduce(self, params: list[nn.Parameter], scale: float) -> None:
-        import horovod.torch as hvd
-
         grads = [_local_grad(p) for p in params]
-        process_set = self.layout.dp.process_set  # type: ignore[attr-defined]
-        reduced = hvd.grouped_allreduce(grads, op=hvd.Sum, process_set=process_set, postscale_factor=scale)
+        reduced = self.layout.dp.grouped_sum(grads, scale)  # type: ignore[attr-defined]
         for grad, value in zip(grads, reduced, strict=True):
             grad.copy_(value)
 

@@ -72,8 +72,12 @@ class HorovodCommunicator(Communicator):
         return cls(_Session(hvd), hvd.global_process_set, list(range(hvd.size())), config, "world")
 
     def shutdown(self) -> None:
+        if self.name != "world":
+            # A process set lives as long as Horovod. Ending the session here made the world's
+            # shutdown skip hvd.shutdown(), left to Horovod's atexit hook, which has no barrier.
+            return
         # A timed-out op would keep Horovod's background loop waiting in shutdown forever.
-        if self.name == "world" and self._session.running and self.broken is None:
+        if self._session.running and self.broken is None:
             # One rank's hvd.shutdown() ends every rank's loop (its flag is OR-ed into the next
             # negotiation), failing the ops its peers still wait for in other process sets: a
             # 4-rank run saw ranks 0-1's last all-gather over [0, 1] fail that way when ranks
@@ -131,6 +135,20 @@ class HorovodCommunicator(Communicator):
         return self._handle(
             lambda: self._hvd.allreduce_async(x, op=self._hvd.Sum, name=name, process_set=self.process_set), op
         )
+
+    def grouped_sum(self, tensors: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
+        """`tensors` summed over this group and times `scale`: Horovod's grouped all-reduce (one
+        negotiation, fused), for data_parallel='horovod'. Named and waited like every op here:
+        Horovod's name for an unnamed op is this process's count of ops issued in any group, so
+        it pairs across ranks only while every rank has issued as many, and hvd.synchronize()
+        waits without a timeout."""
+        op = self._op(f"grouped all_reduce of {len(tensors)} tensors")
+        name, hvd, ps = self._name("grouped_allreduce"), self._hvd, self.process_set
+
+        def start() -> Any:
+            return hvd.grouped_allreduce_async(tensors, op=hvd.Sum, name=name, process_set=ps, postscale_factor=scale)
+
+        return self._issue(op, lambda: self._handle(start, op)).wait()  # type: ignore[return-value]
 
     def _split(self, groups: list[list[int]], mine: int | None, config: CommConfig) -> Communicator | None:
         hvd = self._hvd
