@@ -9,7 +9,9 @@
 Pieces: costs.py (what is measured, saved and checked against the model and hardware),
 hardware.py (costs of clusters we do not have, from published figures), simulate.py (a plan
 replayed on the costs: step time, peak memory, timeline), search.py (the plans the trainer
-can run, ranked under a memory budget; plan files), command.py (`sparta plan`).
+can run, ranked under a memory budget; plan files), varlen.py (variable-length samples into
+micro-batches: DynaPipe's dynamic programme against padding and packing), command.py
+(`sparta plan`).
 It sits above sparta.parallel: it plans for the trainer and imports it, never the reverse.
 """
 
@@ -18,11 +20,22 @@ from sparta.planner.costs import ModelCosts, PartCost, measure_costs, model_fing
 from sparta.planner.hardware import HARDWARE, Hardware, analytic_costs, model_flops_per_step
 from sparta.planner.search import GIB, Ranked, SearchResult, Space, layouts, plan_overrides, search, write_plan
 from sparta.planner.simulate import Plan, Prediction, Workload, simulate, stage_layers
+from sparta.planner.varlen import (
+    LengthCost,
+    MicroBatch,
+    collate,
+    dynamic_batches,
+    pack_batches,
+    pad_batches,
+    pipeline_seconds,
+)
 
 __all__ = [
     "GIB",
     "HARDWARE",
     "Hardware",
+    "LengthCost",
+    "MicroBatch",
     "ModelCosts",
     "PartCost",
     "Plan",
@@ -32,10 +45,15 @@ __all__ = [
     "Space",
     "Workload",
     "analytic_costs",
+    "collate",
+    "dynamic_batches",
     "layouts",
     "measure_costs",
     "model_flops_per_step",
     "model_fingerprint",
+    "pack_batches",
+    "pad_batches",
+    "pipeline_seconds",
     "plan_overrides",
     "search",
     "simulate",

@@ -1,0 +1,157 @@
+"""Variable-length micro-batching (one process): the dynamic programme finds the best
+grouping that brute force over every partition finds, every way of cutting keeps each sample
+once and the memory cap, grouped micro-batches give one padded batch's loss and gradients,
+and bad input is refused by name."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sparta.errors import InputError
+from sparta.parallel import Decoder, DecoderConfig
+from sparta.parallel.model import IGNORE_INDEX
+from sparta.planner import (
+    LengthCost,
+    MicroBatch,
+    Workload,
+    collate,
+    dynamic_batches,
+    pack_batches,
+    pad_batches,
+    pipeline_seconds,
+)
+
+from .test_planner import MODEL, costs
+
+COST = LengthCost(alpha=0.5, per_token=0.01, per_token_len=1e-4)
+
+
+def partitions(items: list[int]):
+    """Every set partition of items."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in partitions(rest):
+        for k in range(len(part)):
+            yield part[:k] + [[first, *part[k]]] + part[k + 1 :]
+        yield [[first], *part]
+
+
+def brute_force(lengths: list[int], cost: LengthCost, max_tokens: int, stages: int) -> float:
+    best = float("inf")
+    for part in partitions(list(range(len(lengths)))):
+        groups = [MicroBatch(tuple(g), len(g), max(lengths[i] for i in g)) for g in part]
+        if all(mb.tokens <= max_tokens for mb in groups):
+            best = min(best, pipeline_seconds(groups, cost, stages))
+    return best
+
+
+def covers_once(batches: list[MicroBatch], n: int) -> bool:
+    return sorted(i for mb in batches for i in mb.samples) == list(range(n))
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_dynamic_grouping_is_optimal(stages: int) -> None:
+    rng = random.Random(stages)
+    for _ in range(6):
+        lengths = [rng.choice([3, 5, 8, 13, 40, 64]) for _ in range(7)]
+        got = dynamic_batches(lengths, COST, max_tokens=128, stages=stages)
+        assert covers_once(got, len(lengths))
+        assert all(mb.tokens <= 128 and mb.length == max(lengths[i] for i in mb.samples) for mb in got)
+        assert pipeline_seconds(got, COST, stages) == pytest.approx(brute_force(lengths, COST, 128, stages))
+
+
+def test_every_way_keeps_each_sample_once_and_the_cap() -> None:
+    rng = random.Random(0)
+    # a long tail: most samples short, a few near the maximum
+    lengths = [min(256, int(rng.paretovariate(1.2) * 16)) for _ in range(64)]
+    padded = pad_batches(lengths, microbatches=8, pad_to=256)
+    packed = pack_batches(lengths, row_length=256, max_tokens=1024)
+    dynamic = dynamic_batches(lengths, COST, max_tokens=1024, stages=4)
+    for batches in (padded, packed, dynamic):
+        assert covers_once(batches, len(lengths))
+    assert [mb.samples for mb in padded] == [tuple(range(s, s + 8)) for s in range(0, 64, 8)]
+    assert all(mb.tokens <= 1024 for mb in packed + dynamic)
+    for mb in packed:  # every packed row holds at most row_length tokens
+        assert sum(lengths[i] for i in mb.samples) <= mb.tokens
+    # the programme never does worse than the padded layout it could have chosen
+    for stages in (1, 4):
+        assert pipeline_seconds(dynamic_batches(lengths, COST, 2048, stages), COST, stages) <= pipeline_seconds(
+            padded, COST, stages
+        )
+
+
+def test_length_cost_fit_and_from_costs() -> None:
+    truth = LengthCost(0.002, 3e-6, 2e-8)
+    shapes = [(r, n) for r in (1, 2, 4) for n in (16, 64, 256)]
+    fitted = LengthCost.fit(shapes, [truth(r, n) for r, n in shapes])
+    for name in ("alpha", "per_token", "per_token_len"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    # a cost that does not grow with the square of the length drops that term instead of going negative
+    flat = LengthCost.fit(shapes, [0.001 + 1e-5 * r * n - 1e-9 * r * n * n for r, n in shapes])
+    assert flat.per_token_len == 0 and flat.per_token > 0
+    # from the planner's parts: each block's attention + mlp 0.5 s fwd + 1 s bwd per 16 tokens
+    linear = LengthCost.from_costs(costs(), Workload(MODEL, None, 8))
+    assert linear(2, 8) == pytest.approx(MODEL.n_layers * 1.5)
+
+
+def test_grouped_micro_batches_equal_one_padded_batch() -> None:
+    """Right padding with ignored targets under causal attention: the loss summed over any
+    grouping, over the real tokens, is one padded batch's, and so are the gradients."""
+    torch.manual_seed(0)
+    cfg = DecoderConfig(vocab_size=50, seq_len=32, d_model=16, n_layers=2, n_heads=2, d_ff=32)
+    model = Decoder(cfg)
+    lengths = [3, 31, 7, 12, 5, 31, 2, 18]
+    samples = [torch.randint(0, cfg.vocab_size, (n + 1,)) for n in lengths]
+    real = sum(lengths)
+
+    def run(batches: list[MicroBatch]) -> tuple[float, list[torch.Tensor]]:
+        model.zero_grad()
+        total = 0.0
+        for mb in batches:
+            ids, targets = collate(samples, mb)
+            logits = model(ids)
+            loss = (
+                torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+                )
+                / real
+            )
+            loss.backward()
+            total += loss.item()
+        return total, [p.grad.clone() for p in model.parameters()]
+
+    one_loss, one_grads = run(pad_batches(lengths, 1, pad_to=cfg.seq_len))
+    for batches in (
+        pad_batches(lengths, 4, pad_to=cfg.seq_len),
+        dynamic_batches(lengths, COST, max_tokens=64, stages=2),
+    ):
+        loss, grads = run(batches)
+        assert loss == pytest.approx(one_loss, abs=1e-6)
+        for g, want in zip(grads, one_grads, strict=True):
+            torch.testing.assert_close(g, want, atol=1e-6, rtol=1e-5)
+
+
+def test_bad_input_is_refused_by_name() -> None:
+    cases = [
+        (lambda: dynamic_batches([], COST, 64), "empty"),
+        (lambda: dynamic_batches([4, 0], COST, 64), "(1, 0)"),
+        (lambda: dynamic_batches([4, 100], COST, 64), "max_tokens=64"),
+        (lambda: dynamic_batches([4], COST, 64, stages=0), "stages=0"),
+        (lambda: pad_batches([4, 5], 3), "microbatches=3"),
+        (lambda: pad_batches([4, 50], 1, pad_to=32), "pad_to=32"),
+        (lambda: pack_batches([4, 50], 32, 64), "packed row of 32"),
+        (lambda: pack_batches([4], 32, 16), "max_tokens=16"),
+        (lambda: LengthCost(-1.0, 0.0), "alpha=-1.0"),
+        (lambda: LengthCost.fit([(1, 2), (1, 2)], [0.1, 0.2]), "three or more"),
+        (lambda: collate([torch.arange(5)], MicroBatch((0,), 1, 3)), "sample 0 has 4 tokens"),
+        (lambda: collate([torch.arange(5)], pack_batches([4, 4], 8, 8)[0]), "padded micro-batches"),
+    ]
+    for call, words in cases:
+        with pytest.raises(InputError) as err:
+            call()
+        assert words in str(err.value), (words, str(err.value))
