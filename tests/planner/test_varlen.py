@@ -11,20 +11,22 @@ import pytest
 import torch
 
 from sparta.errors import InputError
-from sparta.parallel import Decoder, DecoderConfig
+from sparta.parallel import Decoder, DecoderConfig, ParallelConfig, ParallelDims
 from sparta.parallel.model import IGNORE_INDEX
 from sparta.planner import (
     LengthCost,
     MicroBatch,
+    Plan,
     Workload,
     collate,
     dynamic_batches,
     pack_batches,
     pad_batches,
     pipeline_seconds,
+    simulate,
 )
 
-from .test_planner import MODEL, costs
+from .test_planner import MODEL, WORK, costs
 
 COST = LengthCost(alpha=0.5, per_token=0.01, per_token_len=1e-4)
 
@@ -97,6 +99,19 @@ def test_length_cost_fit_and_from_costs() -> None:
     # from the planner's parts: each block's attention + mlp 0.5 s fwd + 1 s bwd per 16 tokens
     linear = LengthCost.from_costs(costs(), Workload(MODEL, None, 8))
     assert linear(2, 8) == pytest.approx(MODEL.n_layers * 1.5)
+
+
+def test_the_pipeline_formula_is_the_simulators_on_equal_micro_batches() -> None:
+    """pipeline_seconds' (sum + (stages - 1) max) / stages is what the simulator's replay of
+    torch's 1F1B gives for micro-batches of one shape over balanced stages."""
+    c = costs()
+    cost = LengthCost.from_costs(c, WORK)
+    for pp, m in ((1, 4), (2, 4), (4, 8)):
+        split = tuple(f"layers.{i}" for i in range(MODEL.n_layers // pp, MODEL.n_layers, MODEL.n_layers // pp))
+        plan = Plan(ParallelDims(pp=pp), ParallelConfig(schedule="1F1B", microbatches=m, split_points=split))
+        rows = WORK.global_batch // m
+        batches = [MicroBatch(tuple(range(rows)), rows, MODEL.seq_len)] * m
+        assert pipeline_seconds(batches, cost, pp) == pytest.approx(simulate(c, WORK, plan).step_s), (pp, m)
 
 
 def test_grouped_micro_batches_equal_one_padded_batch() -> None:
