@@ -94,8 +94,10 @@ def _launch(args: list[str], world: int, timeout: float) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "-m", "sparta.cli", *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode:
+        # torchrun's own report fills the tail; the ranks' exceptions are what says why
+        causes = sorted({line for line in done.stderr.splitlines() if "Error:" in line and "]: " in line})
         raise RuntimeError(
-            f"{' '.join(args[:1])} exited with {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+            f"{' '.join(args)} exited with {done.returncode}:\n{done.stdout[-2000:]}\n" + "\n".join(causes[:10])
         )
     return done.stdout
 

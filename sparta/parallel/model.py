@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +15,8 @@ from sparta.errors import InputError
 from sparta.moe import MoELayer
 from sparta.parallel.data_parallel import DataParallel
 from sparta.parallel.dims import Layout
+from sparta.parallel.forward_only import forward_only
+from sparta.parallel.pipeline import stage_owner
 
 if TYPE_CHECKING:
     from sparta.parallel.parallelize import ParallelConfig, ParallelPlan
@@ -86,10 +89,17 @@ class ParallelModel:
         """Forward only over this rank's batch (as `step` takes it); the mean loss over the
         global batch, from the last stage, on every rank. Touches no gradient."""
         ids, targets = self._padded(ids, targets)
-        losses: list[Tensor] = []
-        args = (ids.to(self.layout.device),) if self.has_first else ()
-        kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
-        self.schedule.eval(*args, **kwargs)  # type: ignore[attr-defined]
+        m, dims, config = self.config.microbatches, self.layout.dims, self.config
+        # not the schedule's eval(): torch 2.13's fails under V-shaped schedules (forward_only.py)
+        losses = forward_only(
+            dict(zip(self.plan.stage_ids, self.parts, strict=True)),
+            dims.pp * config.stages_per_rank,
+            partial(stage_owner, config.schedule, dims.pp, stages_per_rank=config.stages_per_rank),
+            self.layout.pp_group if dims.pp > 1 else None,
+            ids.to(self.layout.device).tensor_split(m),
+            targets.to(self.layout.device).tensor_split(m),
+            loss_fn,
+        )
         return self._global_mean(losses)
 
     def _global_mean(self, losses: list[Tensor]) -> float:

@@ -83,6 +83,16 @@ def stage_ids(schedule: str, pp: int, pp_rank: int, stages_per_rank: int) -> lis
     return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
+def stage_owner(schedule: str, pp: int, stage: int, stages_per_rank: int) -> int:
+    """The pipeline rank that holds global stage ``stage`` (the inverse of `stage_ids`)."""
+    n = pp * stages_per_rank
+    if not 0 <= stage < n:
+        raise ConfigError(f"stage {stage} is not one of the {n} stages (0..{n - 1})")
+    if SCHEDULES[schedule] == "v":
+        return stage if stage < pp else n - 1 - stage
+    return stage % pp
+
+
 class _StageShape:
     """What a schedule's constructor reads from a stage to lay out its actions."""
 

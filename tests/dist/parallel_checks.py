@@ -56,9 +56,10 @@ def padded(ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def reference_losses(
     dp: int, microbatches: int, moe: MoESpec | None, ragged: bool = False
-) -> list[tuple[float, float]]:
+) -> tuple[list[tuple[float, float]], float]:
     """One process, the global batch in dp x microbatches chunks, SGD on the chunks' mean,
-    gradients clipped to NORM_CAP. Returns (loss, gradient norm before clipping) per step."""
+    gradients clipped to NORM_CAP. Returns (loss, gradient norm before clipping) per step, and
+    the trained model's loss on the next batch, forward only."""
     torch.manual_seed(0)
     model = Decoder(MODEL)
     if moe is not None:
@@ -80,12 +81,22 @@ def reference_losses(
         opt.step()
         opt.zero_grad()
         losses.append((total / len(chunks), norm))
-    return losses
+    return losses, _probe(model, dp, microbatches, ragged)
+
+
+@torch.no_grad()
+def _probe(model: nn.Module, dp: int, microbatches: int, ragged: bool) -> float:
+    """The trained model's forward loss on the batch after the last step, in the same chunks."""
+    ids, targets = padded(*batches(dp, STEPS, ragged))
+    chunks = zip(ids.chunk(dp * microbatches), targets.chunk(dp * microbatches), strict=True)
+    losses = [float(nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())) for x, y in chunks]
+    return sum(losses) / len(losses)
 
 
 def trained_losses(
     layout: Layout, config: ParallelConfig, ragged: bool = False, balance: bool = False
-) -> list[tuple[float, float]]:
+) -> tuple[list[tuple[float, float]], float]:
+    """The trainer's (loss, gradient norm) per step, and its `evaluate` on the next batch."""
     torch.manual_seed(0)
     model = Decoder(MODEL)
     sample = batches(1, 0)[0][:2] if balance else None
@@ -100,18 +111,22 @@ def trained_losses(
             losses.append((loss, pm.clip_grad_norm_(NORM_CAP)))
             opt.step()
             opt.zero_grad()
+        ids, targets = batches(layout.dims.dp, STEPS, ragged)
+        probe = pm.evaluate(ids[rows], targets[rows])
     finally:
         pm.close()
     assert pm.plan.actions == schedule_actions(config.schedule, layout.dims.pp, config.microbatches,
                                                config.stages_per_rank)  # fmt: skip
     marks = {s: " (recomputed)" if s in config.recompute else "" for s in range(len(pm.plan.stages))}
     assert all(f"stage {s}{mark}:" in str(pm.plan) for s, mark in marks.items()), str(pm.plan)
-    return losses
+    return losses, probe
 
 
 def compare(layout: Layout, config: ParallelConfig, ragged: bool = False, balance: bool = False) -> None:
-    got = trained_losses(layout, config, ragged, balance)
-    want = reference_losses(layout.dims.dp, config.microbatches, config.moe, ragged)
+    got, probe = trained_losses(layout, config, ragged, balance)
+    want, want_probe = reference_losses(layout.dims.dp, config.microbatches, config.moe, ragged)
+    # evaluate: forward only, on every schedule (torch's own eval() fails under V-shaped ones)
+    assert abs(probe - want_probe) < TOL, f"{config.schedule}: evaluate {probe} vs one process {want_probe}"
     gaps = [abs(a[0] - b[0]) for a, b in zip(got, want, strict=True)]
     assert max(gaps) < TOL, f"{config.schedule}/{config.data_parallel}: losses {got} vs one process {want}"
     # the global gradient norm counts every value once, however it is sharded or replicated
