@@ -129,9 +129,12 @@ def stage_layers(plan: Plan, n_layers: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class _Stage:
-    fwd: float
+    fwd: float  # compute seconds at full speed
     bwd: float
     bwd_input: float
+    fwd_comm: float  # collective seconds inside the action (tp all-reduces, ep all-to-alls)
+    bwd_comm: float
+    bwd_input_comm: float
     saved: float  # activation bytes per micro-batch, held from F to B (or W)
     transient: float  # bytes briefly live during backward (a recomputed block's activations)
     params: float  # float32 parameters this rank holds for the stage
@@ -143,16 +146,19 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
     dims, cfg, moe = plan.dims, work.model, work.moe
     n_stages = dims.pp * plan.config.stages_per_rank
     act = tokens * cfg.d_model * costs.element_bytes
-    # [fwd, bwd, bwd_input, saved] of the stage's blocks and of its extras (embedding, head)
-    blocks, extras = [0.0] * 4, [0.0] * 4
+    # [fwd, bwd, bwd_input, saved] of the stage's blocks and of its extras (embedding, head),
+    # and the collectives' seconds inside fwd, bwd and bwd_input
+    blocks, extras, comms = [0.0] * 4, [0.0] * 4, [0.0] * 3
     largest_block = dense = expert = 0.0
 
     def add(into: list[float], part: str, split: int, comm: float = 0.0) -> None:
         p = costs.parts[part]
-        into[0] += p.fwd(tokens) / split + comm
-        into[1] += p.bwd(tokens) / split + comm
-        into[2] += p.bwd_input(tokens) / split + comm
+        into[0] += p.fwd(tokens) / split
+        into[1] += p.bwd(tokens) / split
+        into[2] += p.bwd_input(tokens) / split
         into[3] += p.saved_bytes_per_token * tokens / split
+        for i in range(3):
+            comms[i] += comm
 
     if index == 0:
         add(extras, "embed", 1)
@@ -182,8 +188,10 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
         blocks[1] += blocks[0]
         blocks[2] += blocks[0]
         blocks[3], transient = len(layers) * act, largest_block
+        comms[1] += comms[0]  # the forward's collectives run again too
+        comms[2] += comms[0]
     fwd, bwd, bwd_input, saved = (b + e for b, e in zip(blocks, extras, strict=True))
-    return _Stage(fwd, bwd, bwd_input, saved, transient, dense + expert, dense, expert)
+    return _Stage(fwd, bwd, bwd_input, *comms, saved, transient, dense + expert, dense, expert)
 
 
 def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False) -> Prediction:
@@ -219,7 +227,7 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
             held = held - dense + dense / dims.dp
         else:
             reduce = costs.collective("all_reduce", dims.dp, dense * grad, dims.tp)
-            last_bwd = sum(s.bwd for s in mine)  # the last micro-batch's backward, which the buckets overlap
+            last_bwd = sum(s.bwd + s.bwd_comm for s in mine)  # the last micro-batch's backward: the buckets overlap it
             sync = max(reduce - last_bwd, reduce / 4) if reduce else 0.0
         sync += costs.collective("all_reduce", dims.dp // dims.ep, expert * grad, dims.tp * dims.ep)
         # the clip's norm and the reported loss: one scalar all-reduce over the world each
@@ -256,7 +264,10 @@ def _replay(
     peak activation bytes. ``share``: how many pipeline ranks can compute at full speed at
     once (their replicas share the hosts' compute slots); with more busy, each runs at
     share / busy of its speed (processor sharing), which is what ranks oversubscribing a
-    host's cores see. An action's seconds are its speed-one seconds."""
+    host's cores see. An action computes its speed-one seconds, then waits its collectives'
+    seconds, which are not shared: they were measured with every rank of the launch
+    running collectives at once, so the contention is in them already (sharing them again
+    doubled the tp4 plans' predictions on 8 ranks over 2 cores)."""
     queues = {
         r: [(int(m[1]), m[2], int(m[3])) for a in acts for m in _ACTION.finditer(a)] for r, acts in actions.items()
     }
@@ -266,8 +277,13 @@ def _replay(
     peak = dict.fromkeys(queues, 0.0)
     done: dict[tuple[int, str, int], float] = {}
     spans: dict[int, list[Span]] = {r: [] for r in queues}
-    running: dict[int, list[float]] = {}  # rank -> [work left, start]
-    seconds_of = {"F": lambda st: st.fwd, "B": lambda st: st.bwd, "I": lambda st: st.bwd_input}
+    running: dict[int, list[float]] = {}  # rank -> [compute left, collectives left, start]
+    seconds_of = {
+        "F": lambda st: (st.fwd, st.fwd_comm),
+        "B": lambda st: (st.bwd, st.bwd_comm),
+        "I": lambda st: (st.bwd_input, st.bwd_input_comm),
+        "W": lambda st: (max(st.bwd - st.bwd_input, 0.0), 0.0),
+    }
 
     def inputs(stage: int, kind: str, mb: int) -> list[tuple[int, str, int]]:
         if kind == "F":
@@ -301,8 +317,7 @@ def _replay(
                 continue
             stage, kind, mb = queues[rank][pos[rank]]
             st = stages[stage]
-            work = seconds_of[kind](st) if kind in seconds_of else max(st.bwd - st.bwd_input, 0.0)
-            running[rank] = [work, now]
+            running[rank] = [*seconds_of[kind](st), now]
             if kind == "F":
                 live[rank] += st.saved
             elif kind in "BI":
@@ -310,20 +325,27 @@ def _replay(
             peak[rank] = max(peak[rank], live[rank])
         if not running and not waits:
             break
-        rate = min(1.0, share / len(running)) if running else 1.0
-        step = min([left / rate for left, _ in running.values()] + [at - now for at in waits.values()])
+        eps = 1e-12 * max(1.0, now)
+        computing = sum(1 for e in running.values() if e[0] > eps)
+        rate = min(1.0, share / computing) if computing else 1.0
+        step = min(
+            [e[0] / rate if e[0] > eps else e[1] for e in running.values()] + [at - now for at in waits.values()]
+        )
         now += step
         for rank in list(running):
             entry = running[rank]
-            entry[0] -= step * rate
-            if entry[0] > 1e-12 * max(1.0, now):
+            if entry[0] > eps:
+                entry[0] -= step * rate
+            else:
+                entry[1] -= step
+            if entry[0] > eps or entry[1] > eps:
                 continue
             del running[rank]
             stage, kind, mb = queues[rank][pos[rank]]
             st = stages[stage]
             free[rank] = done[(stage, "G" if kind in "BI" else kind, mb)] = now
             if trace:
-                spans[rank].append(Span(f"{stage}{kind}{mb}", "compute", entry[1], now))
+                spans[rank].append(Span(f"{stage}{kind}{mb}", "compute", entry[2], now))
             if kind == "B" or (kind == "W" and zero_bubble):
                 live[rank] -= st.saved
             pos[rank] += 1

@@ -109,6 +109,11 @@ def test_ranks_sharing_a_host_share_its_speed() -> None:
     assert simulate(shared, WORK, gpipe).step_s == pytest.approx(24.0)
     # dp2 on that host: both replicas always compute together, at half speed: 2 x (4 + 8) s
     assert simulate(shared, WORK, plan(1, "1F1B", 1, (), dp=2)).pipeline_s == pytest.approx(24.0)
+    # tp2 there: the compute is shared, the collectives are not (measured with both ranks at them).
+    # Per block forward 1 s of compute at half speed + two 0.25 s all-reduces, backward 2 s + 0.5 s:
+    # 4 x (2 + 0.5) + 4 x (4 + 0.5), then the two scalar all-reduces over the world
+    tp_shared = dataclasses.replace(costs(comm_s=0.25), slots=1, ranks_per_host=2)
+    assert simulate(tp_shared, WORK, plan(1, "1F1B", 1, (), tp=2)).step_s == pytest.approx(28.0 + 0.5)
 
 
 def test_collectives_enter_where_the_layout_puts_them() -> None:
