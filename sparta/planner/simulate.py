@@ -152,10 +152,12 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
     largest_block = dense = expert = 0.0
 
     def add(into: list[float], part: str, split: int, comm: float = 0.0) -> None:
+        # a part's fixed cost per call (launches, Python) is every tp rank's, whole; its
+        # per-token cost is split
         p = costs.parts[part]
-        into[0] += p.fwd(tokens) / split
-        into[1] += p.bwd(tokens) / split
-        into[2] += p.bwd_input(tokens) / split
+        into[0] += p.fwd.alpha + p.fwd.beta * tokens / split
+        into[1] += p.bwd.alpha + p.bwd.beta * tokens / split
+        into[2] += p.bwd_input.alpha + p.bwd_input.beta * tokens / split
         into[3] += p.saved_bytes_per_token * tokens / split
         for i in range(3):
             comms[i] += comm

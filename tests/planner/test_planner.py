@@ -128,6 +128,19 @@ def test_collectives_enter_where_the_layout_puts_them() -> None:
     assert simulate(c, WORK, plan(1, "1F1B", 1, (), dp=2)).sync_s == pytest.approx(0.25 / 4)
 
 
+def test_a_parts_fixed_cost_is_not_split_over_tp() -> None:
+    # every part 1 s per forward call whatever its tokens, nothing else: tp2 halves no second
+    # (launch and Python overheads are every tp rank's, whole)
+    c = costs()
+    zero = const(0.0)
+    fixed = dataclasses.replace(
+        c, parts={k: dataclasses.replace(v, fwd=const(1.0), bwd=zero, bwd_input=zero) for k, v in c.parts.items()}
+    )
+    one_rank = simulate(fixed, WORK, plan(1, "1F1B", 1, ())).step_s
+    assert one_rank == pytest.approx(1 + 4 * 2 + 1)  # embedding, 4 blocks x 2 parts, head
+    assert simulate(fixed, WORK, plan(1, "1F1B", 1, (), tp=2)).step_s == pytest.approx(one_rank)
+
+
 def test_the_search_finds_the_known_best_plan() -> None:
     # collectives so dear that the one layout without any (four pipeline stages) must win,
     # with its most micro-batches (the bubble shrinks) on a schedule with the least bubble
