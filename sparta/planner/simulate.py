@@ -165,10 +165,17 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
     if index == 0:
         add(extras, "embed", 1)
         dense += costs.parts["embed"].params / (dims.dp if plan.config.embedding == "sparse" else 1)
+
+    def add_dense(part: str) -> None:
+        measured = f"{part}/tp{dims.tp}"  # timed under tp, its all-reduces inside (costs.py)
+        if dims.tp > 1 and measured in costs.parts:
+            add(blocks, measured, 1)
+        else:
+            add(blocks, part, dims.tp, costs.collective("all_reduce", dims.tp, act))
+
     for layer in layers:
         before = blocks[3]
-        tp_comm = costs.collective("all_reduce", dims.tp, act)
-        add(blocks, "attention", dims.tp, tp_comm)
+        add_dense("attention")
         dense += costs.parts["attention"].params / dims.tp
         if moe is not None and layer % moe.every == 0:
             # replicated over tp, as the trainer runs it; tokens x top_k rows out and back
@@ -178,7 +185,7 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
             expert += (costs.parts["moe"].params - router) / dims.ep
             dense += router
         else:
-            add(blocks, "mlp", dims.tp, tp_comm)
+            add_dense("mlp")
             dense += costs.parts["mlp"].params / dims.tp
         largest_block = max(largest_block, blocks[3] - before)
     if index == n_stages - 1:

@@ -141,6 +141,18 @@ def test_a_parts_fixed_cost_is_not_split_over_tp() -> None:
     assert simulate(fixed, WORK, plan(1, "1F1B", 1, (), tp=2)).step_s == pytest.approx(one_rank)
 
 
+def test_halves_measured_under_tp_replace_the_split_and_its_all_reduces() -> None:
+    c = costs(comm_s=0.25)
+    zero = const(0.0)
+    measured = PartCost(const(1.0), zero, zero, 1.0, 1000)  # 1 s forward, its all-reduces inside
+    c.parts.update({"attention/tp2": measured, "mlp/tp2": measured})
+    # 4 blocks x 2 halves x 1 s, nothing else per block; then the step's two scalar all-reduces
+    assert simulate(c, WORK, plan(1, "1F1B", 1, (), tp=2)).step_s == pytest.approx(8 + 2 * 0.25)
+    # tp4 has no measurement here: the plain halves over 4 plus their all-reduces, as before
+    tp4 = simulate(dataclasses.replace(c, world=4), WORK, plan(1, "1F1B", 1, (), tp=4)).step_s
+    assert tp4 == pytest.approx(4 * (0.5 + 2 * 0.25) + 4 * (1.0 + 2 * 0.25) + 2 * 0.25)
+
+
 def test_the_search_finds_the_known_best_plan() -> None:
     # collectives so dear that the one layout without any (four pipeline stages) must win,
     # with its most micro-batches (the bubble shrinks) on a schedule with the least bubble
