@@ -37,20 +37,23 @@ import torch
 import sparta
 from sparta.parallel import Decoder, DecoderConfig
 from sparta.parallel.model import IGNORE_INDEX
-from sparta.planner import LengthCost, MicroBatch, collate, dynamic_batches, pack_batches, pad_batches, pipeline_seconds
+from sparta.planner import (
+    LengthCost,
+    MicroBatch,
+    collate,
+    dynamic_batches,
+    pack_batches,
+    pad_batches,
+    pipeline_seconds,
+    summed_loss,
+)
 
 
 def _step(model: Decoder, batches: list[tuple[torch.Tensor, torch.Tensor]], real_tokens: int) -> float:
     model.zero_grad(set_to_none=False)
     total = 0.0
     for ids, targets in batches:
-        logits = model(ids)
-        loss = (
-            torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-            / real_tokens
-        )
+        loss = summed_loss(model(ids), targets) / real_tokens
         loss.backward()
         total += loss.item()
     return total

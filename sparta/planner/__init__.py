@@ -28,6 +28,7 @@ from sparta.planner.varlen import (
     pack_batches,
     pad_batches,
     pipeline_seconds,
+    summed_loss,
 )
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "search",
     "simulate",
     "stage_layers",
+    "summed_loss",
     "workload",
     "write_plan",
 ]

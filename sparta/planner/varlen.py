@@ -243,6 +243,15 @@ def dynamic_batches(lengths: Sequence[int], cost: LengthCost, max_tokens: int, s
     return [MicroBatch(tuple(order[s:e]), e - s, sorted_len[e - 1]) for s, e in zip(starts, ends, strict=True)]
 
 
+def summed_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Cross-entropy of logits [rows, length, vocab] against targets [rows, length], summed
+    over the real tokens (targets of -100 skipped). Divided by the global batch's real
+    tokens and added over micro-batches, it is the per-token mean whatever the grouping."""
+    return torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
 def collate(samples: Sequence[Tensor], mb: MicroBatch, pad_id: int = 0) -> tuple[Tensor, Tensor]:
     """``(ids [rows, length], targets [rows, length])`` of a padded micro-batch (from
     `pad_batches` or `dynamic_batches`). ``samples[i]`` holds sample i's tokens plus one: the

@@ -12,7 +12,6 @@ import torch
 
 from sparta.errors import InputError
 from sparta.parallel import Decoder, DecoderConfig, ParallelConfig, ParallelDims
-from sparta.parallel.model import IGNORE_INDEX
 from sparta.planner import (
     LengthCost,
     MicroBatch,
@@ -24,6 +23,7 @@ from sparta.planner import (
     pad_batches,
     pipeline_seconds,
     simulate,
+    summed_loss,
 )
 
 from .test_planner import MODEL, WORK, costs
@@ -129,13 +129,7 @@ def test_grouped_micro_batches_equal_one_padded_batch() -> None:
         total = 0.0
         for mb in batches:
             ids, targets = collate(samples, mb)
-            logits = model(ids)
-            loss = (
-                torch.nn.functional.cross_entropy(
-                    logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-                )
-                / real
-            )
+            loss = summed_loss(model(ids), targets) / real
             loss.backward()
             total += loss.item()
         return total, [p.grad.clone() for p in model.parameters()]
