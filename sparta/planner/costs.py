@@ -317,8 +317,8 @@ def measure_costs(
         )
     torch.manual_seed(0)
     # ranks share the host: time each part on one rank alone (its speed-one time)
-    alone = 1 if slots < ranks_per_host else comm.size
-    parts = {name: _part(profiler, module.to(device), name, model, cfg.rows, alone, device)
+    active = 1 if slots < ranks_per_host else comm.size
+    parts = {name: _part(profiler, module.to(device), name, model, cfg.rows, active, device)
              for name, module in _parts(model, moe).items()}  # fmt: skip
     for g in sizes if torch.distributed.is_initialized() else ():
         if model.n_heads % g or model.d_ff % g:
@@ -330,7 +330,7 @@ def measure_costs(
                 parallelize_module(module.to(device), mesh["tp"], _tp_styles(name))
                 cost = _part(profiler, module, name, model, cfg.rows, g, device)
                 parts[f"{name}/tp{g}"] = _scaled(cost, min(1.0, slots / g))
-    optimizer = _fit(profiler, (100_000, 400_000, 1_600_000), lambda n: _adamw(n, device), alone)
+    optimizer = _fit(profiler, (100_000, 400_000, 1_600_000), lambda n: _adamw(n, device), active)
     return ModelCosts(
         parts=parts,
         comm=fits,
