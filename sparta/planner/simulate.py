@@ -15,8 +15,10 @@ DualPipeV's overlapped pairs ("(0F3;3B1)OVERLAP_F_B") run as their two actions i
 the schedules' REDUCE_GRAD markers take no time here (the gradient sync is counted after).
 
 An action's seconds are its stage's parts at the micro-batch's tokens (`ModelCosts` fits):
-attention and dense MLPs split over tp (plus two tp all-reduces of the activations per block
-forward and two backward), MoE layers replicated over tp (as the trainer runs them) with two
+attention and dense MLPs as timed under the plan's tp degree where the costs have it
+(``attention/tp2``: DTensor's dispatch and the all-reduces inside), else their per-token
+cost split over tp plus two tp all-reduces of the activations per block forward and two
+backward, MoE layers replicated over tp (as the trainer runs them) with two
 ep all-to-alls of tokens x top_k rows each way, the embedding on the first stage and the head
 on the last. After the last action the rank's gradient sync runs: the dense gradients'
 all-reduce over dp, which the bucketed strategies overlap with the last micro-batch's
@@ -36,7 +38,8 @@ slowest pipeline rank's.
 Ranks that oversubscribe a host (8 ranks on 2 CPU cores) share its speed: the replay is a
 processor-sharing one, each busy pipeline rank (with its dp x tp replicas) running at
 ``slots`` / (busy ranks on the host) of its speed-one time while more are busy than the host
-has slots, so a pipeline's bubble leaves the others faster. With a device per rank (GPUs)
+has slots, so a pipeline's bubble leaves the others faster. The collectives inside an action
+are not shared: they were measured with every rank at them at once. With a device per rank (GPUs)
 nothing is shared and the replay is exact event timing.
 """
 
