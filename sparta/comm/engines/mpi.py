@@ -49,6 +49,10 @@ T = TypeVar("T")
 log = logging.getLogger("sparta.comm")
 
 _MAX_COUNT = 2**31 - 1  # MPI-3 counts are C ints
+# A call that outlived its timeout ends moments after a late peer joins it, but on its own
+# thread: shutdown gives it this long (a CI run lost that race with no wait at all), and a
+# failed job's shutdown is no longer than that per stuck group.
+_LATE_PEER_GRACE_S = 5.0
 _Call = tuple[Callable[[], Any], "Future[Any]"]
 
 
@@ -91,10 +95,11 @@ class _CallThread:
     def stop(self, timeout_s: float) -> bool:
         """`close`, and wait for the thread to end; False if it is still in a call after
         `timeout_s` (a collective its peers never joined). Where a call already timed out
-        and is still running, no waiting: the job has failed."""
+        and is still running, the wait is cut to `_LATE_PEER_GRACE_S`: a peer that joined
+        late has let the call end by then, a dead one never will."""
         self.close()
-        hopeless = self.timed_out and self._last is not None and not self._last.done()
-        self._thread.join(0.0 if hopeless else timeout_s)
+        late = self.timed_out and self._last is not None and not self._last.done()
+        self._thread.join(min(timeout_s, _LATE_PEER_GRACE_S) if late else timeout_s)
         return not self._thread.is_alive()
 
 
