@@ -18,6 +18,11 @@ measured seconds, the error, predicted peak memory per rank and rank 0's peak RS
 speed over the median measured plan and against the best measured; targets: error <= 5 %,
 chosen >= 1.2x the median and within 5 % of the best).
 
+``--nodes 2 --rate 1gbit`` (root) runs every launch on an emulated cluster
+(sparta_tools/cluster.py): the ranks as 2 nodes of network namespaces, loopback inside a
+node, a 1 Gbit/s link between them; the costs are measured there too, every group shape
+(size and stride) apart, so the planner sees which groups cross the link.
+
 ``--cluster`` adds clusters we do not have, from published figures (sparta/planner/hardware.py,
 GEMMs at an assumed 75 % of peak): the best plan of a GPT MoE (Mixtral's shape: d 4096, 32
 layers, 8 experts top-2, seq 4096, batch 1,024) on 8 to 1,024 H100s under 80 GiB
@@ -41,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -62,6 +68,7 @@ from sparta.planner import (
     workload,
     write_plan,
 )
+from sparta_tools.cluster import ClusterConfig, EmulatedCluster
 
 MODELS = {
     "dense": "",
@@ -89,30 +96,44 @@ random_tokens = 200000
 """
 
 
-def _launch(args: list[str], world: int, timeout: float) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "-m", "sparta.cli", *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if done.returncode:
-        # torchrun's own report fills the tail; the ranks' exceptions are what says why
-        causes = sorted({line for line in done.stderr.splitlines() if "Error:" in line and "]: " in line})
-        raise RuntimeError(
-            f"{' '.join(args)} exited with {done.returncode}:\n{done.stdout[-2000:]}\n" + "\n".join(causes[:10])
-        )
-    return done.stdout
+class Launcher:
+    """Runs `sparta <args>` on ``world`` ranks: under torchrun on this machine's loopback, or,
+    given ``cluster``, in its network namespaces (ranks of one node on loopback, nodes behind
+    the shaped link)."""
+
+    def __init__(self, world: int, timeout: float, cluster: EmulatedCluster | None) -> None:
+        self.world, self.timeout, self.cluster = world, timeout, cluster
+
+    def __call__(self, args: list[str]) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if self.cluster is not None:
+            with tempfile.TemporaryFile("w+") as log:
+                codes = self.cluster.run([sys.executable, "-m", "sparta.cli", *args], self.timeout, env, log)
+                if any(codes):
+                    log.seek(0)
+                    raise RuntimeError(f"{' '.join(args)} exited with {codes}:\n{log.read()[-3000:]}")
+            return
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.world}", "-m", "sparta.cli"]
+        done = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=self.timeout)
+        if done.returncode:
+            # torchrun's own report fills the tail; the ranks' exceptions are what says why
+            causes = sorted({line for line in done.stderr.splitlines() if "Error:" in line and "]: " in line})
+            raise RuntimeError(
+                f"{' '.join(args)} exited with {done.returncode}:\n{done.stdout[-2000:]}\n" + "\n".join(causes[:10])
+            )
 
 
 def _spread(n: int, k: int) -> list[int]:
     return sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(min(k, n))})
 
 
-def bench_model(name: str, a: argparse.Namespace, tmp: Path) -> None:
+def bench_model(name: str, a: argparse.Namespace, tmp: Path, launch: Launcher) -> None:
     run = tmp / f"{name}.toml"
     run.write_text(RUN.format(moe=MODELS[name], steps=a.steps))
     config = load_config(run)
     costs_path = tmp / f"{name}.costs.json"
     began = time.perf_counter()
-    _launch(["plan", "--config", str(run), "--measure", str(costs_path)], a.world, a.timeout)
+    launch(["plan", "--config", str(run), "--measure", str(costs_path)])
     measure_s = time.perf_counter() - began
     costs = ModelCosts.load(costs_path)
     work = workload(config)
@@ -123,11 +144,7 @@ def bench_model(name: str, a: argparse.Namespace, tmp: Path) -> None:
         plan_path = tmp / f"{name}.{index}.toml"
         write_plan(plan_path, ranked, work, a.world, costs)
         metrics = tmp / f"{name}.{index}.jsonl"
-        _launch(
-            ["train", "--config", str(run), "--plan", str(plan_path), "--set", f"output.metrics={metrics}"],
-            a.world,
-            a.timeout,
-        )
+        launch(["train", "--config", str(run), "--plan", str(plan_path), "--set", f"output.metrics={metrics}"])
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
         measured = statistics.median(r["step_s"] for r in records[2:] or records)
         predicted = ranked.prediction.step_s
@@ -236,7 +253,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--cluster", action="store_true", help="also predict H100/A100 clusters (see above)")
     parser.add_argument("--only-cluster", action="store_true", help="only the cluster predictions (no launches)")
+    parser.add_argument("--nodes", type=int, default=1, help="> 1: an emulated cluster of this many nodes (root)")
+    parser.add_argument("--rate", default="1gbit", help="with --nodes: each node's link rate, in tc's units")
     a = parser.parse_args()
+    if a.nodes < 1 or a.world % a.nodes:
+        parser.error(f"--nodes {a.nodes} must be >= 1 and divide --world {a.world}")
     header = {
         "record": "planner_header",
         "sparta": sparta.__version__,
@@ -245,6 +266,8 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "world": a.world,
+        "nodes": a.nodes,
+        "rate": a.rate if a.nodes > 1 else None,
         "command": " ".join(sys.argv),
     }
     print(json.dumps(header), flush=True)
@@ -252,9 +275,15 @@ def main() -> None:
         bench_cluster()
     if a.only_cluster:
         return
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        cluster = None
+        if a.nodes > 1:
+            # unpinned: all ranks share this machine's cores, as the costs (measured in the same
+            # namespaces) assume; only the network between nodes differs from loopback
+            config = ClusterConfig(nodes=a.nodes, ranks_per_node=a.world // a.nodes, rate=a.rate, pin_nodes=False)
+            cluster = stack.enter_context(EmulatedCluster(config))
         for name in a.models.split(","):
-            bench_model(name, a, Path(tmp))
+            bench_model(name, a, Path(tmp), Launcher(a.world, a.timeout, cluster))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import IO, Any
 
 from sparta.errors import ConfigError, SpartaError
 
@@ -205,8 +206,11 @@ class EmulatedCluster:
         share = len(cpus) // nodes
         return set(cpus[node * share : (node + 1) * share])
 
-    def start(self, cmd: Sequence[str], env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
-        """Start `cmd` once per rank, each inside its node's namespace; returns the processes."""
+    def start(
+        self, cmd: Sequence[str], env: dict[str, str] | None = None, output: IO[Any] | None = None
+    ) -> list[subprocess.Popen[bytes]]:
+        """Start `cmd` once per rank, each inside its node's namespace; returns the processes.
+        `output`: a file every rank's stdout and stderr go to (default: this process's)."""
         base = dict(os.environ if env is None else env)
         procs = []
         for rank in range(self.config.world_size):
@@ -215,6 +219,8 @@ class EmulatedCluster:
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", self.node_ns[node], *cmd],
                 env={**base, **self.rank_env(rank)},
+                stdout=output,
+                stderr=None if output is None else subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=None if cpus is None else lambda cpus=cpus: os.sched_setaffinity(0, cpus),
             )
@@ -222,10 +228,13 @@ class EmulatedCluster:
             procs.append(proc)
         return procs
 
-    def run(self, cmd: Sequence[str], timeout_s: float, env: dict[str, str] | None = None) -> list[int]:
+    def run(
+        self, cmd: Sequence[str], timeout_s: float, env: dict[str, str] | None = None, output: IO[Any] | None = None
+    ) -> list[int]:
         """Run `cmd` on every rank and wait; returns the exit codes. Kills them all and
-        raises TimeoutError after `timeout_s`, and stops the others as soon as one fails."""
-        procs = self.start(cmd, env)
+        raises TimeoutError after `timeout_s`, and stops the others as soon as one fails.
+        `output` as for `start`."""
+        procs = self.start(cmd, env, output)
         deadline = time.monotonic() + timeout_s
         try:
             while any(p.poll() is None for p in procs):

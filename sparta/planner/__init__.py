@@ -7,6 +7,7 @@
     simulate(costs, workload, best.plan, trace=True).spans          # the predicted timeline
 
 Pieces: costs.py (what is measured, saved and checked against the model and hardware),
+measure.py (measuring it on the hardware at hand: parts, every group shape, the optimizer),
 hardware.py (costs of clusters we do not have, from published figures), simulate.py (a plan
 replayed on the costs: step time, peak memory, timeline), search.py (the plans the trainer
 can run, ranked under a memory budget; plan files), varlen.py (variable-length samples into
@@ -16,8 +17,9 @@ It sits above sparta.parallel: it plans for the trainer and imports it, never th
 """
 
 from sparta.planner.command import workload
-from sparta.planner.costs import ModelCosts, PartCost, measure_costs, model_fingerprint
+from sparta.planner.costs import ModelCosts, PartCost, model_fingerprint
 from sparta.planner.hardware import HARDWARE, Hardware, analytic_costs, model_flops_per_step
+from sparta.planner.measure import measure_costs
 from sparta.planner.search import GIB, Ranked, SearchResult, Space, layouts, plan_overrides, search, write_plan
 from sparta.planner.simulate import Plan, Prediction, Workload, simulate, stage_layers
 from sparta.planner.varlen import (

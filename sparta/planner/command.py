@@ -23,8 +23,9 @@ from sparta.errors import ConfigError
 from sparta.parallel.config import RunConfig, load_config
 from sparta.scheduling.trace import write_chrome_trace
 
-from .costs import ModelCosts, hardware_fingerprint, measure_costs
+from .costs import ModelCosts, hardware_fingerprint
 from .hardware import HARDWARE, analytic_costs
+from .measure import measure_costs
 from .search import GIB, SearchResult, Space, search, write_plan
 from .simulate import Workload, simulate
 

@@ -18,16 +18,20 @@ tp2 on this 2-core machine, against 3.1 ms for plain / 2. Parts without such a m
 (costs from published figures, runs without torch.distributed) fall back to plain / g plus
 the measured all-reduces.
 
-Collectives are fitted per group size g ("all_reduce/g4": seconds vs bytes per rank), over
-groups of g consecutive ranks, and ``p2p`` (a send from one rank to the next: what a
-pipeline stage hands its neighbour). ``optimizer`` is what the trainer does per parameter
-after the backward: the gradient-norm clip's pass over the gradients and AdamW's step,
-seconds vs parameters.
+Collectives are fitted per group shape, seconds vs bytes per rank: "all_reduce/g4" over
+groups of 4 consecutive ranks, "all_reduce/g4s2" over groups of 4 ranks 2 apart, for every
+size and stride a layout of the launch can give a group (the trainer's mesh is pp x dp x tp,
+tp innermost: a dp group's stride is tp, a pipeline hop's tp x dp). On one host the stride
+changes nothing; across hosts it decides which groups cross the slower link, and only a
+measurement per stride says what that costs. ``p2p`` and ``p2p/s{s}`` are a send from one
+rank to the one 1 or s ranks on (what a pipeline stage hands its neighbour), timed on the
+pairs {0, s}, {1, 1 + s}, ... of the world: a pipeline of more than two stages also has hops
+that these pairs do not cover. ``optimizer`` is what the trainer does per parameter after
+the backward: the gradient-norm clip's pass over the gradients and AdamW's step, seconds vs
+parameters.
 
-`measure_costs` runs on every rank of a launch at once (torchrun, mpirun, horovodrun):
-every rank times the same parts together and the slowest rank's median counts, so sharing a
-host's cores or a node's memory bandwidth is in the figures, as it is in training. On GPUs
-each rank times its own device.
+`sparta.planner.measure.measure_costs` measures them on the hardware at hand;
+`sparta.planner.hardware.analytic_costs` derives them from published figures.
 
 A `ModelCosts` records the hardware (`hardware_fingerprint`) and the model shape it was
 measured for; `ModelCosts.check` refuses to plan with costs from other hardware or another
@@ -36,28 +40,18 @@ model rather than silently predicting from them.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import platform
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
 
-from sparta.comm.communicator import Communicator
 from sparta.errors import ConfigError
-from sparta.parallel.decoder import Block, Decoder, DecoderConfig
-from sparta.parallel.experts import MoESpec, moe_layers
-from sparta.parallel.parallelize import TP_STYLES
-from sparta.scheduling.profiler import LinearFit, ProfileConfig, Profiler
+from sparta.parallel.decoder import DecoderConfig
+from sparta.parallel.experts import MoESpec
+from sparta.scheduling.profiler import LinearFit
 
 PARTS = ("embed", "attention", "mlp", "moe", "head")
 # what must match for costs to hold here (threads and ranks are the measuring launch's, recorded)
@@ -202,239 +196,3 @@ def hardware_fingerprint(device: torch.device, ranks: int) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "ranks": ranks,
     }
-
-
-def _saved_bytes(fn: Callable[[], Any]) -> int:
-    """Bytes of the distinct tensors autograd saves for backward while ``fn`` runs."""
-    seen: dict[tuple[int, int], int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        local = t.to_local() if isinstance(t, DTensor) else t  # under tp: this rank's shard
-        if local.device.type != "meta":
-            seen[(local.untyped_storage().data_ptr(), local.storage_offset())] = local.numel() * local.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
-class _Residual(nn.Module):
-    """x + fn(norm(x)): one half of a pre-norm block."""
-
-    def __init__(self, norm: nn.Module, fn: nn.Module) -> None:
-        super().__init__()
-        self.norm, self.fn = norm, fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fn(self.norm(x))
-
-
-class _Embed(nn.Module):
-    """The first stage's extras: ids [B, T] -> [B, T, d]."""
-
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
-
-
-class _Head(nn.Module):
-    """The last stage's extras and the loss: [B, T, d] -> scalar."""
-
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(cfg.d_model)
-        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.output(self.norm(h))
-        targets = torch.zeros(logits.shape[:-1], dtype=torch.long, device=h.device)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def _parts(cfg: DecoderConfig, moe: MoESpec | None) -> dict[str, nn.Module]:
-    """The parts as modules of the trainer's own classes (Block, moeify's MoELayer)."""
-    block = Block(cfg)
-    parts: dict[str, nn.Module] = {
-        "embed": _Embed(cfg),
-        "attention": _Residual(block.attn_norm, block.attn),
-        "mlp": _Residual(block.mlp_norm, block.mlp),
-        "head": _Head(cfg),
-    }
-    if moe is not None:
-        holder = nn.Module()
-        holder.layers = nn.ModuleDict({"0": Block(cfg)})
-        moe_layers(holder, dataclasses.replace(moe, every=1), None)
-        moe_block = holder.layers["0"]
-        parts["moe"] = _Residual(moe_block.mlp_norm, moe_block.mlp)
-    return parts
-
-
-def measure_costs(
-    comm: Communicator,
-    model: DecoderConfig,
-    moe: MoESpec | None,
-    device: torch.device | str = "cpu",
-    group_sizes: tuple[int, ...] | None = None,
-    config: ProfileConfig | None = None,
-    max_sequences: int = 4,
-    ranks_per_host: int | None = None,
-) -> ModelCosts:
-    """Time every part, every collective over groups of each size in ``group_sizes`` (default:
-    every divisor of ``comm.size`` above 1: the group sizes a layout of it can have), the
-    pipeline's point-to-point and AdamW's step. Parts are timed at 1, max_sequences / 4 and
-    max_sequences sequences (the largest micro-batch a plan can give one rank: the global
-    batch), or at ``config.rows`` tokens (whole sequences). Collective over ``comm``: every
-    rank calls it and gets the same result."""
-    device = torch.device(device)
-    ranks_per_host = ranks_per_host or comm.size
-    slots = host_slots(device, ranks_per_host)
-    seq = model.seq_len
-    # token counts from one sequence to the largest micro-batch a plan can give a rank
-    rows = tuple(sorted({seq * n for n in (1, max(1, max_sequences // 4), max_sequences)}))
-    cfg = config or ProfileConfig(rows=rows if len(rows) > 1 else (seq, 2 * seq), repeats=5)
-    if any(r % seq for r in cfg.rows):
-        raise ConfigError(f"ProfileConfig.rows={cfg.rows} must be multiples of seq_len={seq} (whole sequences)")
-    sizes = group_sizes or tuple(g for g in range(2, comm.size + 1) if comm.size % g == 0)
-    groups: dict[str, Communicator] = {}
-    for g in sizes:
-        if comm.size % g:
-            raise ConfigError(f"group size {g} does not divide the launch's {comm.size} ranks")
-        sub = comm.split_groups([list(range(s, s + g)) for s in range(0, comm.size, g)])
-        assert sub is not None
-        groups[f"g{g}"] = sub
-    profiler = Profiler(comm, groups, cfg, device)
-    fits = dict(profiler.collectives().fits)
-    if "g2" in groups:
-        pair = groups["g2"]
-        # a Communicator has no send/recv: the pair's all-to-all of 2n bytes sends n to the other rank
-        fits["p2p"] = _fit(
-            profiler, cfg.bytes, lambda n: _call(pair.all_to_all, torch.ones(2 * max(1, n // 4), device=device))
-        )
-    torch.manual_seed(0)
-    # ranks share the host: time each part on one rank alone (its speed-one time)
-    active = 1 if slots < ranks_per_host else comm.size
-    parts = {name: _part(profiler, module.to(device), name, model, cfg.rows, active, device)
-             for name, module in _parts(model, moe).items()}  # fmt: skip
-    for g in sizes if torch.distributed.is_initialized() else ():
-        if model.n_heads % g or model.d_ff % g:
-            continue
-        # on the first g ranks, the others idle; g ranks over fewer slots ran at slots / g
-        mesh = init_device_mesh(device.type, (comm.size // g, g), mesh_dim_names=("rest", "tp"))
-        for name, module in _parts(model, None).items():
-            if name in ("attention", "mlp"):
-                parallelize_module(module.to(device), mesh["tp"], _tp_styles(name))
-                cost = _part(profiler, module, name, model, cfg.rows, g, device)
-                parts[f"{name}/tp{g}"] = _scaled(cost, min(1.0, slots / g))
-    optimizer = _fit(profiler, (100_000, 400_000, 1_600_000), lambda n: _adamw(n, device), active)
-    return ModelCosts(
-        parts=parts,
-        comm=fits,
-        optimizer=optimizer,
-        model=model_fingerprint(model, moe),
-        hardware=hardware_fingerprint(device, comm.size),
-        world=comm.size,
-        slots=slots,
-        ranks_per_host=ranks_per_host,
-    )
-
-
-def _part(
-    profiler: Profiler,
-    module: nn.Module,
-    name: str,
-    model: DecoderConfig,
-    rows: tuple[int, ...],
-    active: int,
-    device: torch.device,
-) -> PartCost:
-    make = _ids(model, device) if name == "embed" else _hidden(model, device)
-    fwd = _fit(profiler, rows, lambda n: _call(module, make(n)), active)
-    bwd = _fit(profiler, rows, lambda n: _backward(module, make(n), False), active)
-    if name == "embed":  # ids take no gradient: the first stage's input half is empty
-        bwd_input = LinearFit(0.0, 0.0, 0.0, ())
-    else:
-        bwd_input = _fit(profiler, rows, lambda n: _backward(module, make(n), True), active)
-    saved = _saved_bytes(_call(module, make(rows[-1])))
-    params = sum(p.numel() for p in module.parameters())
-    return PartCost(fwd, bwd, bwd_input, saved / rows[-1], params)
-
-
-def _tp_styles(name: str) -> dict[str, Any]:
-    """The trainer's tp plan (Decoder.tp_plan) for one half of a block, as a _Residual's paths."""
-    prefix = "attn." if name == "attention" else "mlp."
-    return {
-        "fn." + path.removeprefix(prefix): TP_STYLES[style]()
-        for path, style in Decoder.tp_plan.items()
-        if path.startswith(prefix)
-    }
-
-
-def _scaled(cost: PartCost, factor: float) -> PartCost:
-    def scale(f: LinearFit) -> LinearFit:
-        return LinearFit(f.alpha * factor, f.beta * factor, f.rel_error, f.samples)
-
-    return dataclasses.replace(cost, fwd=scale(cost.fwd), bwd=scale(cost.bwd), bwd_input=scale(cost.bwd_input))
-
-
-def host_slots(device: torch.device, ranks_per_host: int) -> int:
-    """Ranks of one host that compute at full speed at once: one per GPU, or this process's
-    CPUs over its threads."""
-    if device.type != "cpu":
-        return ranks_per_host
-    return max(1, len(os.sched_getaffinity(0)) // torch.get_num_threads())
-
-
-def _fit(
-    profiler: Profiler, sizes: tuple[int, ...], make: Callable[[int], Callable[[], object]], active: int | None = None
-) -> LinearFit:
-    """Seconds of ``make(n)()`` at every size n (the slowest rank's median), fitted; ``active``:
-    run on the first ``active`` ranks only, the others idle (1: a part's speed-one time, see
-    ModelCosts.slots; g: a tensor-parallel part on its group)."""
-    idle = active is not None and profiler.comm.rank >= active
-    return LinearFit.fit([(n, profiler.time(_idle if idle else make(n))) for n in sizes])
-
-
-def _idle() -> None:
-    return None
-
-
-def _call(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Callable[[], Any]:
-    return lambda: fn(x)
-
-
-def _ids(cfg: DecoderConfig, device: torch.device) -> Callable[[int], torch.Tensor]:
-    return lambda tokens: torch.randint(0, cfg.vocab_size, (tokens // cfg.seq_len, cfg.seq_len), device=device)
-
-
-def _hidden(cfg: DecoderConfig, device: torch.device) -> Callable[[int], torch.Tensor]:
-    return lambda tokens: torch.randn(
-        tokens // cfg.seq_len, cfg.seq_len, cfg.d_model, device=device, requires_grad=True
-    )
-
-
-def _backward(m: nn.Module, x: torch.Tensor, input_only: bool) -> Callable[[], object]:
-    """Backward alone, through a graph built untimed (kept for the repeats): every gradient,
-    or (``input_only``) the input's alone, as a zero-bubble schedule's I step computes it."""
-    out = m(x)
-    grad = torch.ones_like(out)
-    if input_only:
-        return lambda: torch.autograd.grad(out, x, grad, retain_graph=True)
-    return lambda: out.backward(grad, retain_graph=True)
-
-
-def _adamw(n: int, device: torch.device) -> Callable[[], object]:
-    """The gradient norm (as ParallelModel.clip_grad_norm_ computes it, in float64) and AdamW."""
-    p = nn.Parameter(torch.zeros(n, device=device))
-    p.grad = torch.ones_like(p)
-    opt = torch.optim.AdamW([p], lr=1e-3)
-
-    def step() -> None:
-        p.grad.double().square().sum()  # type: ignore[union-attr]
-        opt.step()
-
-    return step

@@ -62,7 +62,9 @@ def test_a_measured_plan_trains_like_one_process(tmp_path: Path) -> None:
     # the halves under tp as the trainer runs them, for each tp degree the model allows (2 heads: tp2)
     parts = {"embed", "attention", "mlp", "moe", "head", "attention/tp2", "mlp/tp2"}
     assert set(costs.parts) == parts and costs.world == 4
-    assert {"all_reduce/g2", "all_reduce/g4", "all_to_all/g4", "all_gather/g2", "p2p"} <= set(costs.comm)
+    # every group shape a layout of 4 ranks has: 2 consecutive, 2 ranks 2 apart (dp under tp2), 4
+    assert {"all_reduce/g2", "all_reduce/g2s2", "all_reduce/g4", "all_to_all/g4", "all_gather/g2s2"} <= set(costs.comm)
+    assert {"p2p", "p2p/s2"} <= set(costs.comm)
     assert all(p.fwd(64) > 0 and p.bwd(64) > 0 and p.saved_bytes_per_token > 0 for p in costs.parts.values())
 
     out = _run(

@@ -248,3 +248,17 @@ def test_published_figures_give_costs_by_link_and_a_narrower_space() -> None:
     assert {r.plan.config.schedule for r in narrow.fits} == {"GPipe", "1F1B"}  # 1F1B: one stage, pp1
     with pytest.raises(ConfigError, match=r"Space.schedules: \['Nope'\] unknown"):
         Space(schedules=("Nope",))
+
+
+def test_measured_group_shapes_are_those_a_layout_can_form() -> None:
+    from sparta.planner.measure import group_shapes, strided_groups
+
+    # 8 ranks: dp groups behind tp2 and tp4, pipeline hops 2 and 4 ranks apart, all measured
+    assert group_shapes(8, (2, 4, 8)) == [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)]
+    assert strided_groups(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert strided_groups(8, 4, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert strided_groups(8, 2, 4) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for g, s in group_shapes(12, (2, 3, 4, 6, 12)):
+        assert sorted(r for group in strided_groups(12, g, s) for r in group) == list(range(12)), (g, s)
+    with pytest.raises(ConfigError, match=r"group sizes \[3\] do not divide the launch's 8 ranks"):
+        group_shapes(8, (2, 3))
