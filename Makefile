@@ -66,7 +66,7 @@ lint: $(VENV)/.stamp-deps
 	$(PY) -m ruff check sparta sparta_tools tests benchmarks examples
 
 bench: setup
-	$(PY) benchmarks/collectives.py --table
+	$(PY) benchmarks/collectives.py
 	$(PY) benchmarks/moe_layer.py
 
 clean:

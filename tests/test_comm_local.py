@@ -103,6 +103,10 @@ def test_world_of_one_runs_every_op(device: str) -> None:
     for y in (c.all_to_all(x, [3]), c.all_reduce(x, op="avg"), c.all_gather(x)[0], c.reduce_scatter(x), c.broadcast(x)):
         assert y.device == x.device and torch.equal(y, x)
     assert torch.equal(c.all_reduce(x.to(torch.bfloat16), async_op=True).wait(), x.to(torch.bfloat16))
+    # a group of one reduces without the engine, still into a new tensor of x's dtype
+    assert c.all_reduce(x).data_ptr() != x.data_ptr()
+    flags = torch.tensor([True, False], device=device)
+    assert torch.equal(c.all_reduce(flags), flags)
     assert c.split([0]) is not None
     with pytest.raises(InputError, match="send_splits sum to 2 but the tensor has 3 rows"):
         c.all_to_all(x, [2])
