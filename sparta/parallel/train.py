@@ -336,8 +336,10 @@ def _postfix(record: dict[str, Any], spark: str) -> str:
     return " | ".join(parts)
 
 
-def _threads(local_size: int) -> int:
-    # Several ranks on one host share its cores: more threads each than their share only contend.
+def cpu_threads(local_size: int) -> int:
+    """Torch threads per rank on CPU when ``local_size`` ranks share this host: its cores
+    over the ranks (more threads each than their share only contend). `sparta plan
+    --measure` times the parts with the same count."""
     return max(1, (os.cpu_count() or 1) // max(1, local_size))
 
 
@@ -353,7 +355,7 @@ def run(config: RunConfig, backend: str = "auto") -> int:
         print(f"sparta train: {e}", file=sys.stderr, flush=True)
         return 2
     if config.train.device == "cpu":
-        torch.set_num_threads(_threads(launch.local_size))
+        torch.set_num_threads(cpu_threads(launch.local_size))
     # Launchers pipe stdout: flush each line, so that the log keeps pace with the bar.
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)

@@ -82,7 +82,11 @@ def _device(config: RunConfig) -> torch.device:
 
 def _measure(config: RunConfig, path: str) -> int:
     import sparta
+    from sparta.comm import detect
+    from sparta.parallel.train import cpu_threads
 
+    if config.train.device == "cpu":  # as `sparta train` will run: the costs are its parts' times
+        torch.set_num_threads(cpu_threads(detect().local_size))
     world = sparta.init()
     try:
         costs = measure_costs(
