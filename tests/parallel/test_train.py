@@ -3,7 +3,9 @@
 - one process, no launcher: a run that finds a checkpoint resumes from it and continues the
   uninterrupted run's losses exactly (the batch of a step is a function of (seed, step); the
   optimizer and RNG states come back with the weights);
-- the demo's own file under mpirun, on the MPI engine, 8 ranks.
+- the demo's own file under mpirun, on the MPI engine, 8 ranks;
+- a run under horovodrun, on the Horovod engine with Horovod's data parallelism (dp2), whose
+  losses equal one process's on the same global batches.
 """
 
 from __future__ import annotations
@@ -109,3 +111,30 @@ def test_the_demo_file_under_mpirun(tmp_path: Path) -> None:
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(7.0 < r["loss"] < 8.2 and r["expert_load"] >= 1.0 for r in records), records
     assert "val_loss" in records[1] and "val_loss" in records[3]
+
+
+def test_a_run_under_horovodrun_equals_one_process(tmp_path: Path) -> None:
+    from launch import command, require_launcher
+
+    require_launcher("horovodrun")
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+
+    def train(metrics: str, *more: str) -> list[str]:
+        sets = [f"output.metrics={tmp_path / metrics}", "train.eval_every=0", *more]
+        return ["train", "--config", str(config), *[a for s in sets for a in ("--set", s)]]
+
+    # aux losses and routing are per chunk: the oracle runs dp2's two halves as micro-batches
+    _run([str(SPARTA), *train("one.jsonl", "parallel.microbatches=2")], 180, "sparta train (one process)")
+    args = train("hvd.jsonl", "parallel.dp=2", "parallel.data_parallel=horovod")
+    out = _run(command("horovodrun", 2, SPARTA, args), 300, "horovodrun sparta train")
+    found = re.findall(r'\{"steps": .*\}', out)
+    assert found, f"no summary line in the output; tail:\n{out[-4000:]}"
+    summary = json.loads(found[-1])
+    assert summary["backend"] == "horovod" and summary["ranks"] == 2, summary
+    one, hvd = _records(tmp_path / "one.jsonl"), _records(tmp_path / "hvd.jsonl")
+    assert [r["step"] for r in hvd] == [1, 2, 3, 4, 5, 6]
+    # float32 sums in another order (measured: 5e-7 apart over 6 AdamW steps)
+    for a, b in zip(one, hvd, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (a, b)
