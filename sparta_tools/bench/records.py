@@ -3,7 +3,8 @@
 Record types (the "type" field):
     header   the run: versions (Sparta and its git commit, torch, NCCL, MPI, Horovod), hosts,
              ranks per node, CPU/GPU model, each rank's CPU affinity, the relevant environment,
-             the command, the options, and the definitions below (BANDWIDTH, TIMING)
+             the command (``launch_command``: the launcher's line, the driver's or the
+             user's own), the options, and the definitions below (BANDWIDTH, TIMING)
     point    one (op or pattern, engine, variant, size): times in microseconds over the timed
              calls (median, min, max, p99; each call's time combined over ranks per -a), the
              spread of the ranks' own medians, bandwidths in GB/s (1e9 bytes/s), imbalance,
@@ -129,6 +130,29 @@ def local_facts(device: str) -> dict[str, Any]:
     if device == "cuda":
         gpu = torch.cuda.get_device_name(torch.cuda.current_device())
     return {"host": socket.gethostname(), "affinity": sorted(os.sched_getaffinity(0)), "gpu": gpu}
+
+
+LAUNCHERS = ("torchrun", "torch.distributed.run", "mpirun", "mpiexec", "orterun", "prterun", "horovodrun")
+
+
+def user_launch_command(max_depth: int = 8) -> list[str] | None:
+    """The command line of the launcher that started this process (a rank under the user's
+    own torchrun, mpirun or horovodrun): the nearest ancestor whose first words name one,
+    read from /proc. None where there is none or no /proc (then the header's ``command``,
+    this rank's own argv, is all there is)."""
+    pid = os.getppid()
+    for _ in range(max_depth):
+        if pid <= 1:
+            return None
+        try:
+            argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+            # the parent pid is the 2nd field after the parenthesised name, which may hold spaces
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        if any(word in LAUNCHERS or Path(word).name in LAUNCHERS for word in argv[:4]):
+            return argv
+    return None
 
 
 def header(

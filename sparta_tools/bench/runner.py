@@ -424,7 +424,11 @@ def worker(opts: BenchOptions, suite_run: Callable[[BenchContext], None], comman
     if world.rank == 0 and opts.output:
         stream = records.emit_stream(opts.output)
     options = {k: v for k, v in asdict(opts).items() if k != "extra"} | {"suite_options": opts.extra}
-    head = records.header(opts.suite, world.backend, launch.launcher, world.node_ranks, facts, options, command)
+    # under the user's own launcher, `command` is one rank's argv: the launcher's line says how to rerun
+    launched_by = records.user_launch_command() if standalone else None
+    head = records.header(
+        opts.suite, world.backend, launch.launcher, world.node_ranks, facts, options, command, launched_by
+    )
     ctx = BenchContext(opts, world, stream)
     ctx.emit(head)
     suite_run(ctx)

@@ -123,6 +123,21 @@ def test_a_wrong_value_fails_the_run(tmp_path: Path) -> None:
     assert "1 wrong values" in out
 
 
+def test_under_the_users_torchrun_the_header_has_its_command(tmp_path: Path) -> None:
+    out_file = tmp_path / "run.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "sparta.cli", "bench", "collectives", "-b", "1K", "-e", "1K",
+           "--ops", "all_reduce", "-n", "2", "-w", "1", "-J", str(out_file)]  # fmt: skip
+    code, out = run_killing_on_timeout(cmd, env, 240, "torchrun sparta bench")
+    assert code == 0, out[-3000:]
+    head = records.read_records(out_file)[0]
+    # the rank's own argv, and how to rerun the whole job: the torchrun line as typed
+    assert head["command"][:3] == ["sparta", "bench", "collectives"] and head["launcher"] == "torchrun", head
+    assert head["launch_command"][1:] == cmd[1:], head["launch_command"]
+    assert sum(p["wrong"] for p in points(records.read_records(out_file))) == 0
+
+
 def test_a_launch_that_did_not_join_every_node_is_refused() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
