@@ -13,7 +13,7 @@ from sparta.errors import ConfigError
 from sparta.parallel import DecoderConfig, MoESpec, ParallelConfig, ParallelDims, schedule_actions
 from sparta.parallel.config import load_config
 from sparta.planner import GIB, ModelCosts, PartCost, Plan, Space, Workload, model_fingerprint, search, simulate
-from sparta.planner.search import plan_overrides, write_plan
+from sparta.planner.search import FSDP_ALONE, plan_overrides, write_plan
 from sparta.scheduling.profiler import LinearFit
 
 MODEL = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=4, d_ff=32)
@@ -168,6 +168,8 @@ def test_the_search_finds_the_known_best_plan() -> None:
     assert min(r.prediction.step_s for r in one_f_one_b) == pytest.approx(11 * 0.75 + 2 * 100)
     assert best.prediction.step_s <= 11 * 0.75 + 2 * 100
     assert result.rejected, "the searched space holds schedules that cannot run (e.g. 1F1B with 1 micro-batch)"
+    assert not [r for r in result.fits if r.plan.dims.dp == 1 and r.plan.config.data_parallel == "fsdp"]
+    assert result.rejected[FSDP_ALONE] > 0 and any(r.plan.config.data_parallel == "fsdp" for r in result.fits)
     # a budget only recomputation meets: stage-aware, the first stages of 1F1B (more micro-batches
     # in flight there) recompute first
     heavy = costs(comm_s=100.0, saved=200.0, groups=(2,))  # activations outweigh a block's input
