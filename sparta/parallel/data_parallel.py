@@ -43,7 +43,8 @@ Strategies (for the dense parameters; experts and shards are always handled as a
   sends the buckets straight to the engine in backward order and exchanges the rows inside
   backward. ``partition`` (a `sparta.scheduling.GradientPartition`) replaces the buckets by
   the cost model's pieces, released into the network gaps of an MoE layer's pipelined
-  backward (`sparta.scheduling.GapRelease`; give the layer ``dp.watch(exchange)``).
+  backward (`sparta.scheduling.GapRelease`; give the layer ``dp.watch(exchange)``). The
+  buckets and their hooks are `grad_buckets.GradBuckets`.
 
 Without a pipeline, in a plain training loop (any model; a Communicator per group from
 `build_layout`):
@@ -76,8 +77,7 @@ every reduced gradient before any step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -89,6 +89,7 @@ from sparta.embedding import SparseEmbedding, VocabParallelHead
 from sparta.errors import ConfigError, InputError
 from sparta.moe import MoELayer
 from sparta.parallel.dims import Layout
+from sparta.parallel.grad_buckets import GradBuckets, local_grad, local_tensor, scale_grads, unflatten_into
 from sparta.scheduling.grad_sync import GapRelease
 from sparta.scheduling.partition import GradientPartition
 from sparta.scheduling.trace import ObservedExchange
@@ -150,15 +151,6 @@ def check_groups(module: nn.Module, layout: Layout) -> None:
                 f"data-parallel group is {list(dp)}: its gradient is averaged over its own group only, so data "
                 "parallelism over another would mix shards. Shard it over layout.dp (swap_embeddings(model, layout.dp))"
             )
-
-
-@dataclass
-class _Task:
-    """One dense all-reduce: element slices (parameter, first, end) of the flat local gradients."""
-
-    key: TaskKey
-    spans: list[tuple[nn.Parameter, int, int]]
-    handle: Handle[torch.Tensor] | None = None
 
 
 class DataParallel:
@@ -225,13 +217,11 @@ class DataParallel:
         self.queue = PriorityQueue(layout.dp, queue_config) if strategy == "sparta" and queue else None
         self.tables: list[tuple[SparseEmbedding, TaskKey]] = []
         self.release = GapRelease(partition, openings) if partition is not None else None
-        self._tasks: list[_Task] = []  # in ready order (backward's)
-        self._task_of: dict[nn.Parameter, list[int]] = {}
-        self._ready_index: dict[nn.Parameter, int] = {}
-        self._layout_stale = True
-        self._arrivals: dict[nn.Parameter, int] = {}
-        self._missing: list[int] = []  # per task: parameters not complete yet
-        self._sent = 0  # tasks sent, in order (queue=False keeps every rank's order)
+        self.buckets = (
+            GradBuckets(layout.dp, microbatches, self.bucket_bytes, self.queue, self.release)
+            if strategy == "sparta" and not self._alone
+            else None
+        )
 
     # ------------------------------------------------------------------ setup
     def wrap(self, module: nn.Module) -> nn.Module:
@@ -269,9 +259,8 @@ class DataParallel:
         self.dense += dense
         if self.strategy in ("sparta", "horovod"):
             self._broadcast(dense)
-        if self.strategy == "sparta" and not self._alone:
-            self._hooks += [p.register_post_accumulate_grad_hook(self._arrived) for p in dense]
-            self._layout_stale = True
+        if self.buckets is not None:
+            self._hooks += self.buckets.add(dense, self._order, self._names)
             if self.queue is not None and self.microbatches == 1:
                 for path, m in module.named_modules():
                     if isinstance(m, SparseEmbedding) and m.comm is not None and m.weight.requires_grad:
@@ -286,44 +275,10 @@ class DataParallel:
             return
         for dtype in dict.fromkeys(p.dtype for p in params):
             group = [p for p in params if p.dtype == dtype]
-            flat = torch.cat([_local(p.detach()).reshape(-1) for p in group])
+            flat = torch.cat([local_tensor(p.detach()).reshape(-1) for p in group])
             got = self.layout.dp.broadcast(flat, src=0)
             assert isinstance(got, torch.Tensor)
-            _unflatten(got, [(_local(p.data), 0, _local(p).numel()) for p in group])
-
-    def _plan(self) -> None:
-        """The dense tasks (buckets or pieces), in ready order: the reverse of the forward."""
-        ready = sorted(self.dense, key=lambda p: -self._order[p])
-        self._ready_index = {p: i for i, p in enumerate(ready)}
-        spans: list[list[tuple[nn.Parameter, int, int]]] = []
-        if self.release is not None:
-            sizes = {p.element_size() for p in ready}
-            if len(sizes) != 1:
-                dtypes = sorted({str(p.dtype) for p in ready})
-                raise ConfigError(f"partition= needs dense parameters of one dtype, got {dtypes}")
-            self.release.bind([_local(p).numel() for p in ready], sizes.pop())
-            spans = [[(ready[i], lo, hi) for i, lo, hi in self.release.spans(k)] for k in range(len(self.release))]
-        else:
-            current: list[tuple[nn.Parameter, int, int]] = []
-            size = 0
-            for p in ready:
-                n = _local(p).numel()
-                current.append((p, 0, n))
-                size += n * p.element_size()
-                if size >= self.bucket_bytes:
-                    spans.append(current)
-                    current, size = [], 0
-            if current:
-                spans.append(current)
-        # priority: the task's earliest parameter in the forward (the next forward needs it first)
-        self._tasks = [
-            _Task(TaskKey(min(self._order[p] for p, _, _ in s), f"dense {i}"), s) for i, s in enumerate(spans)
-        ]
-        self._task_of = {}
-        for index, task in enumerate(self._tasks):
-            for p, _, _ in task.spans:
-                self._task_of.setdefault(p, []).append(index)
-        self._layout_stale = False
+            unflatten_into(got, [(local_tensor(p.data), 0, local_tensor(p).numel()) for p in group])
 
     def watch(self, exchange: Exchange) -> ObservedExchange:
         """``exchange`` (the MoE layer's, any sparta.comm.Exchange) reporting its transfers to
@@ -336,61 +291,14 @@ class DataParallel:
     def start(self) -> None:
         """Begin a step (before its backward runs; its forward may come before or after)."""
         self._started = True
-        if self.strategy != "sparta" or self._alone:
+        if self.buckets is None:
             return
-        if self._layout_stale:
-            self._plan()
-        self._arrivals = {}
-        self._missing = [len({p for p, _, _ in t.spans}) for t in self._tasks]
-        self._sent = 0
-        for task in self._tasks:
-            task.handle = None
+        self.buckets.start()
         if self.queue is not None:
-            keys = [t.key for t in self._tasks] + [key for _, key in self.tables]
+            keys = self.buckets.keys + [key for _, key in self.tables]
             # declared ready as backward makes them: the last layers' first, the tables' last
             ready = sorted(keys, key=lambda k: (-k.priority, k.name))
             self.queue.expect(keys, ready)
-        if self.release is not None:
-            self.release.start(self._send)
-
-    def _arrived(self, p: torch.Tensor) -> None:
-        if not self._started:
-            return  # a backward outside start() / finish() is not ours to reduce
-        n = self._arrivals[p] = self._arrivals.get(p, 0) + 1  # type: ignore[index]
-        if n > self.microbatches:
-            raise InputError(
-                f"{self._names[p]} received gradients from {n} backward passes in one step of "  # type: ignore[index]
-                f"microbatches={self.microbatches}: its reduction may have left already. Pass "
-                "DataParallel(microbatches=<backwards per step>), or call start()/finish() around each"
-            )
-        if n == self.microbatches:
-            self._complete(p)  # type: ignore[arg-type]
-
-    def _complete(self, p: nn.Parameter) -> None:
-        if self.release is not None:
-            self.release.ready(self._ready_index[p])
-            return
-        for index in self._task_of[p]:
-            self._missing[index] -= 1
-            if self._missing[index] == 0:
-                self._ready_task(index)
-
-    def _ready_task(self, index: int) -> None:
-        if self.queue is not None:
-            self._send(index)
-            return
-        # straight to the engine: in ready order on every rank, whatever order they complete in
-        while self._sent < len(self._tasks) and self._missing[self._sent] == 0:
-            self._send(self._sent)
-
-    def _send(self, index: int) -> None:
-        task = self._tasks[index]
-        flat = torch.cat([_local_grad(p).reshape(-1)[lo:hi] for p, lo, hi in task.spans])
-        if self.queue is not None:
-            task.handle = self.queue.submit(task.key, flat, reduce="sum")
-        else:
-            task.handle = self.layout.dp.all_reduce(flat, op="sum", async_op=True)  # type: ignore[assignment]
-        self._sent += 1
 
     def finish(self) -> None:
         """Complete this step's reductions and scale every gradient to the global-batch mean.
@@ -407,48 +315,41 @@ class DataParallel:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             experts = self._start_experts()
-            if self._alone:
-                _scale([p for p in self.dense if p.grad is not None], 1.0 / mb)
-            elif self.strategy == "sparta":
-                self._finish_sparta(1.0 / (dims.dp * mb))
+            if self.buckets is not None:
+                self._finish_sparta(self.buckets, 1.0 / (dims.dp * mb))
+            elif self._alone:
+                scale_grads([p for p in self.dense if p.grad is not None], 1.0 / mb)
             elif self.strategy == "horovod":
                 self._horovod_all_reduce([p for p in self.dense if p.grad is not None], 1.0 / (dims.dp * mb))
             else:  # ddp, fsdp: torch averaged over dp
-                _scale([p for p in self.dense if p.grad is not None], 1.0 / mb)
+                scale_grads([p for p in self.dense if p.grad is not None], 1.0 / mb)
             if experts is not None:
                 params, handle = experts
-                _unflatten(handle.wait(), [(_local_grad(p), 0, _local_grad(p).numel()) for p in params])
-            _scale([p for p in self.experts if p.grad is not None], 1.0 / (dims.dp * mb))
-            _scale([p for p in self.shards if p.grad is not None], 1.0 / mb)
+                unflatten_into(handle.wait(), [(local_grad(p), 0, local_grad(p).numel()) for p in params])
+            scale_grads([p for p in self.experts if p.grad is not None], 1.0 / (dims.dp * mb))
+            scale_grads([p for p in self.shards if p.grad is not None], 1.0 / mb)
 
     def _start_experts(self) -> tuple[list[nn.Parameter], Handle[torch.Tensor]] | None:
         """The experts' sum over their replicas, issued (None where they have none)."""
         experts = [p for p in self.experts if p.grad is not None]
         if self.layout.expert_dp is None or not experts:
             return None
-        flat = torch.cat([_local_grad(p).reshape(-1) for p in experts])
+        flat = torch.cat([local_grad(p).reshape(-1) for p in experts])
         return experts, self.layout.expert_dp.all_reduce(flat, op="sum", async_op=True)  # type: ignore[return-value]
 
-    def _finish_sparta(self, scale: float) -> None:
-        for p in self.dense:  # what hooks never completed: zero-bubble W gradients, unused parameters
-            if self._arrivals.get(p, 0) < self.microbatches:
-                self._arrivals[p] = self.microbatches
-                self._complete(p)
-        if self.release is not None:
-            self.release.finish()
+    def _finish_sparta(self, buckets: GradBuckets, scale: float) -> None:
+        buckets.complete_rest()
         for table, key in self.tables:
             if self.queue is not None and self.queue.expects(key):  # no lookup this step: an empty exchange
                 empty = table.weight.new_zeros(0, table.embedding_dim)
                 zeros = [0] * self.layout.dp.size
                 self.queue.submit(key, empty, op="all_to_all", send_splits=zeros, recv_splits=zeros).wait()
-        for task in self._tasks:
-            assert task.handle is not None
-            _unflatten(task.handle.wait(), [(_local_grad(p), lo, hi) for p, lo, hi in task.spans], scale)
+        buckets.finish(scale)
         for table, _ in self.tables:
             table.finish_gradients()
 
     def _horovod_all_reduce(self, params: list[nn.Parameter], scale: float) -> None:
-        grads = [_local_grad(p) for p in params]
+        grads = [local_grad(p) for p in params]
         reduced = self.layout.dp.grouped_sum(grads, scale)  # type: ignore[attr-defined]
         for grad, value in zip(grads, reduced, strict=True):
             grad.copy_(value)
@@ -479,30 +380,5 @@ class DataParallel:
             table.defer_gradients(None)
         self.tables = []
         self._started = False
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _local_grad(p: torch.Tensor) -> torch.Tensor:
-    assert p.grad is not None
-    return _local(p.grad)
-
-
-def _scale(params: Iterable[nn.Parameter], factor: float) -> None:
-    if factor == 1.0:
-        return
-    for p in params:
-        _local_grad(p).mul_(factor)
-
-
-def _unflatten(flat: torch.Tensor, spans: list[tuple[torch.Tensor, int, int]], factor: float = 1.0) -> None:
-    """Copy consecutive pieces of ``flat`` into elements [first, end) of each tensor, times ``factor``."""
-    offset = 0
-    for t, lo, hi in spans:
-        piece = t.view(-1)[lo:hi]
-        piece.copy_(flat[offset : offset + hi - lo])
-        if factor != 1.0:
-            piece.mul_(factor)
-        offset += hi - lo
+        if self.buckets is not None:
+            self.buckets.stop()
