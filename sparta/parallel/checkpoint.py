@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
@@ -66,11 +65,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from sparta.comm.launch import detect
 from sparta.errors import ConfigError, SpartaError
+from sparta.parallel.checkpoint_files import STEP_PREFIX, TMP_PREFIX, complete_checkpoints, publish, remove_partial
+from sparta.parallel.checkpoint_planners import Piece, PieceLoadPlanner, PieceSavePlanner
 from sparta.parallel.checkpoint_state import (
     PARAM_GROUPS,
-    Piece,
-    PieceLoadPlanner,
-    PieceSavePlanner,
     ScalarRef,
     StateError,
     compare,
@@ -83,10 +81,6 @@ from sparta.parallel.checkpoint_state import (
     restore_scalars,
 )
 
-STEP_PREFIX = "step_"  # a complete checkpoint: directory/step_<N>
-_TMP_PREFIX = ".tmp-step_"  # being written; never read
-_OLD_PREFIX = ".old-step_"  # a complete checkpoint of the same step being replaced
-_STEP_DIR = re.compile(r"step_(\d+)")
 _EXTRA, _RNG = "extra", "rng."
 
 
@@ -129,7 +123,7 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints in ``directory``, oldest first (local; no collective)."""
-        return [step for step, _ in _complete(self.path)]
+        return [step for step, _ in complete_checkpoints(self.path)]
 
     def step_path(self, step: int) -> Path:
         """Where the checkpoint of ``step`` is (or would be)."""
@@ -166,12 +160,12 @@ class Checkpointer:
             state[f"{_RNG}{group.rank}"] = _rng_state()
         group.agree(problem, f"saving step {step}")
 
-        tmp = self.path / f"{_TMP_PREFIX}{step}"
+        tmp = self.path / f"{TMP_PREFIX}{step}"
         problem = None
         if group.rank == 0:
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
-                _remove_partial(self.path)
+                remove_partial(self.path)
                 tmp.mkdir()
             except OSError as exc:
                 problem = f"cannot create {tmp}: {exc}"
@@ -195,13 +189,13 @@ class Checkpointer:
         problem = None
         if group.rank == 0:
             try:
-                _publish(tmp, final)
+                publish(tmp, final)
             except OSError as exc:
                 problem = f"cannot move the complete checkpoint {tmp} to {final}: {exc}"
             if problem is None and self.keep is not None:
                 # the oldest others, never the one just written (a resumed run may save a
                 # lower step than a checkpoint left from before)
-                others = [old for _, old in _complete(self.path) if old != final]
+                others = [old for _, old in complete_checkpoints(self.path) if old != final]
                 for old in others[: max(len(others) - (self.keep - 1), 0)]:
                     shutil.rmtree(old, ignore_errors=True)
         group.agree(problem, f"saving step {step}")
@@ -224,8 +218,8 @@ class Checkpointer:
         chosen: Path | None = None
         problem = None
         if group.rank == 0:
-            _remove_partial(self.path)
-            found = dict(_complete(self.path))
+            remove_partial(self.path)
+            found = dict(complete_checkpoints(self.path))
             if step is not None and step not in found:
                 problem = f"{self.step_path(step)} is not a complete checkpoint; complete steps: {sorted(found)}"
             elif found:
@@ -388,58 +382,6 @@ def _reason(exc: BaseException) -> str:
         failures = sorted(exc.failures.items())
         return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in failures)[:2000]
     return f"{type(exc).__name__}: {exc}"[:2000]
-
-
-# ------------------------------------------------------------------- the disk
-def _complete(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint under ``directory``, oldest first."""
-    if not directory.is_dir():
-        return []
-    found = []
-    for entry in directory.iterdir():
-        match = _STEP_DIR.fullmatch(entry.name)
-        if match is not None and (entry / ".metadata").is_file():
-            found.append((int(match[1]), entry))
-    return sorted(found)
-
-
-def _remove_partial(directory: Path) -> None:
-    """Remove what crashed saves left: ``.tmp-*`` (never complete) and ``.old-*`` (a
-    checkpoint that a complete one of the same step replaced, or is about to)."""
-    if not directory.is_dir():
-        return
-    for entry in directory.iterdir():
-        if entry.name.startswith(_OLD_PREFIX):
-            step_dir = directory / entry.name.replace(_OLD_PREFIX, STEP_PREFIX, 1)
-            if not step_dir.exists():  # the crash came between the two renames: put it back
-                os.rename(entry, step_dir)
-                continue
-        if entry.name.startswith((_TMP_PREFIX, _OLD_PREFIX)):
-            try:
-                shutil.rmtree(entry)
-            except OSError as exc:
-                warnings.warn(f"could not remove the partial checkpoint {entry}: {exc}", stacklevel=3)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename the written ``tmp`` to ``final`` durably; a complete checkpoint of the same
-    step is replaced only once the new one is in place."""
-    _fsync_dir(tmp)
-    old = final.with_name(final.name.replace(STEP_PREFIX, _OLD_PREFIX, 1))
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------ RNG

@@ -21,9 +21,7 @@ without a process group) all read and write the same checkpoint:
   (``weight.rows<a>-<b>.cols<c>-<d>``) depends on the layout and is not used. A
   VocabParallelHead's row shard is saved the same way, as its whole ``[vocab, d]`` weight, so
   a plain ``nn.Embedding`` / ``nn.Linear`` of one process loads either. (The chunks go
-  through DCP's public planner interface: ``PieceSavePlanner`` / ``PieceLoadPlanner``
-  subclass ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` and add their write and read
-  items; DCP reads each chunk from whatever chunks the checkpoint holds.)
+  through DCP's public planner interface: `checkpoint_planners`.)
 - ``optim.<fqn>.<state>``: each optimizer state tensor shaped like its parameter under the
   parameter's key, cut the same way (AdamW's ``exp_avg`` per expert, per embedding chunk, per
   TP shard); other state (AdamW's ``step``) is saved as is under every key of its parameter.
@@ -46,30 +44,16 @@ the Checkpointer agrees on it across ranks and raises ``StateError`` on every ra
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    ReadItem,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -79,11 +63,10 @@ from sparta.embedding.vocab_parallel import VocabParallelHead
 from sparta.errors import SpartaError
 from sparta.moe.experts import GroupedExperts
 
+from .checkpoint_planners import Piece
+
 __all__ = [
     "PARAM_GROUPS",
-    "Piece",
-    "PieceLoadPlanner",
-    "PieceSavePlanner",
     "ScalarRef",
     "Slot",
     "StateError",
@@ -126,15 +109,6 @@ class Slot:
     def view(self, t: Tensor) -> Tensor:
         """The part of ``t`` (shaped like ``tensor``) that this key names."""
         return t[self.index] if self.index is not None else t
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A chunk of a global tensor that this rank writes or reads: ``local`` at ``offsets``."""
-
-    local: Tensor
-    offsets: tuple[int, ...]
-    size: tuple[int, ...]
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -380,66 +354,3 @@ def compare(metadata: Metadata, needs: list[dict[str, tuple[int, ...] | None]], 
         f"the checkpoint does not fit this model: {'; '.join(parts)}. It was saved from another model "
         "(or another optimizer): load it into the model it was saved from"
     )
-
-
-# -------------------------------------------------------------------- planners
-class PieceSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, plus chunks of global tensors that this rank writes at
-    their offsets (``pieces``: SparseEmbedding and VocabParallelHead shards and their
-    optimizer state, keyed by their checkpoint key)."""
-
-    def __init__(self, pieces: dict[str, Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = pieces
-
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        items = [
-            WriteItem(
-                index=MetadataIndex(key, torch.Size(piece.offsets)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(torch.Size(piece.offsets), piece.local.shape),
-                    properties=TensorProperties.create_from_tensor(piece.local),
-                    size=torch.Size(piece.size),
-                ),
-            )
-            for key, piece in self.pieces.items()
-        ]
-        self.plan = SavePlan([*plan.items, *items], storage_data=plan.storage_data, planner_data=plan.planner_data)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> Tensor | io.BytesIO:
-        piece = self.pieces.get(write_item.index.fqn)
-        if piece is not None:
-            return piece.local
-        return super().resolve_data(write_item)
-
-
-class PieceLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, plus chunks of global tensors (``pieces``) that this rank
-    reads in place from whatever chunks the checkpoint holds (DCP's own resharding of
-    overlapping regions)."""
-
-    def __init__(self, pieces: dict[str, Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = pieces
-
-    def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
-        items: list[ReadItem] = []
-        for key, piece in self.pieces.items():
-            md = self.metadata.state_dict_metadata[key] if self.metadata is not None else None
-            assert isinstance(md, TensorStorageMetadata)
-            chunk = ChunkStorageMetadata(torch.Size(piece.offsets), piece.local.shape)
-            items.extend(create_read_items_for_chunk_list(key, md, [chunk]))
-        return LoadPlan([*plan.items, *items], storage_data=plan.storage_data, planner_data=plan.planner_data)
-
-    def resolve_tensor(self, read_item: ReadItem) -> Tensor:
-        piece = self.pieces.get(read_item.dest_index.fqn)
-        if piece is None:
-            return super().resolve_tensor(read_item)
-        region = piece.local
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
-            region = region.narrow(dim, start, length)
-        return region
