@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.nn.utils import get_total_norm
 
 from sparta.errors import InputError
 from sparta.moe import MoELayer
@@ -135,10 +136,15 @@ class ParallelModel:
         """Scale every gradient so that their global norm (over all ranks, each value counted
         once) is at most ``max_norm``; returns the norm before clipping. Collective."""
         params = [p for p in self.parameters() if p.grad is not None]
-        square = torch.zeros((), dtype=torch.float64, device=self.layout.device)
+        by_replicas: dict[int, list[Tensor]] = {}
         for p in params:
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            square += grad.double().square().sum() / self.data_parallel.replicas(p)
+            by_replicas.setdefault(self.data_parallel.replicas(p), []).append(grad)
+        # torch's fused norm per group, in the gradients' dtype as torch's own clip computes it: a
+        # float64 copy of every gradient cost 21 ms a step on 10.5M parameters (CPU), this 6 ms
+        square = torch.zeros((), dtype=torch.float64, device=self.layout.device)
+        for replicas, grads in by_replicas.items():
+            square += get_total_norm(grads).double().square() / replicas
         total = self._sum_over_world(square.reshape(1))
         norm = math.sqrt(float(total))  # type: ignore[arg-type]
         if norm > max_norm:
