@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn.utils import get_total_norm
 
 from sparta.comm.communicator import Communicator
 from sparta.errors import ConfigError
@@ -273,13 +274,13 @@ def _backward(m: nn.Module, x: torch.Tensor, input_only: bool) -> Callable[[], o
 
 
 def _adamw(n: int, device: torch.device) -> Callable[[], object]:
-    """The gradient norm (as ParallelModel.clip_grad_norm_ computes it, in float64) and AdamW."""
+    """The gradient norm (as ParallelModel.clip_grad_norm_ computes it) and AdamW."""
     p = nn.Parameter(torch.zeros(n, device=device))
     p.grad = torch.ones_like(p)
     opt = torch.optim.AdamW([p], lr=1e-3)
 
     def step() -> None:
-        p.grad.double().square().sum()  # type: ignore[union-attr]
+        get_total_norm([p.grad]).double()  # type: ignore[list-item]
         opt.step()
 
     return step
