@@ -11,7 +11,9 @@ top-2, as the demo), on ``--world`` ranks of this machine (torchrun, gloo, one t
 2. the search, in this process, under ``--memory`` GiB per rank;
 3. ``--plans`` plans evenly spaced over the ranking (the first is the planner's choice, the
    last its slowest), each trained by ``sparta train --plan`` for ``--steps`` steps; the
-   measured step is the median of rank 0's ``step_s`` after the first two steps.
+   measured step is the median of rank 0's ``step_s`` after the first two steps;
+4. the chosen plan trained once more at the end: ``same_plan_spread`` is how far apart two
+   launches of one plan came, the noise floor under every error.
 Prints JSON lines: a ``planner_header``, one ``planner_plan`` per plan (predicted and
 measured seconds, the error, predicted peak memory per rank and rank 0's peak RSS), and one
 ``planner_summary`` per model (mean and max absolute error; the chosen plan's measured
@@ -139,14 +141,18 @@ def bench_model(name: str, a: argparse.Namespace, tmp: Path, launch: Launcher) -
     work = workload(config)
     result = search(costs, work, a.world, a.memory * GIB, config.parallel)
     rows = []
-    for index in _spread(len(result.fits), a.plans):
-        ranked = result.fits[index]
+
+    def train(index: int, tag: str) -> tuple[float, list[dict]]:
         plan_path = tmp / f"{name}.{index}.toml"
-        write_plan(plan_path, ranked, work, a.world, costs)
-        metrics = tmp / f"{name}.{index}.jsonl"
+        write_plan(plan_path, result.fits[index], work, a.world, costs)
+        metrics = tmp / f"{name}.{index}{tag}.jsonl"
         launch(["train", "--config", str(run), "--plan", str(plan_path), "--set", f"output.metrics={metrics}"])
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
-        measured = statistics.median(r["step_s"] for r in records[2:] or records)
+        return statistics.median(r["step_s"] for r in records[2:] or records), records
+
+    for index in _spread(len(result.fits), a.plans):
+        ranked = result.fits[index]
+        measured, records = train(index, "")
         predicted = ranked.prediction.step_s
         row = {
             "record": "planner_plan",
@@ -165,6 +171,9 @@ def bench_model(name: str, a: argparse.Namespace, tmp: Path, launch: Launcher) -
     times = [r["measured_s"] for r in rows]
     errors = [abs(r["error"]) for r in rows]
     chosen = rows[0]["measured_s"]
+    # the chosen plan once more, last: how far one launch is from another of the same plan
+    # (the floor under every error above)
+    again, _ = train(0, ".again")
     summary = {
         "record": "planner_summary",
         "model": name,
@@ -173,6 +182,8 @@ def bench_model(name: str, a: argparse.Namespace, tmp: Path, launch: Launcher) -
         "plans_searched": len(result.fits),
         "rejected": sum(result.rejected.values()),
         "measure_s": round(measure_s, 1),
+        "chosen_measured_again_s": round(again, 5),
+        "same_plan_spread": round(abs(again / chosen - 1), 4),
         "mean_abs_error": round(statistics.mean(errors), 4),
         "max_abs_error": round(max(errors), 4),
         "chosen_vs_median": round(statistics.median(times) / chosen, 3),
