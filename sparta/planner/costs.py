@@ -63,13 +63,17 @@ FLOAT_BYTES = 4
 class PartCost:
     """One part's costs. fwd, bwd: seconds vs tokens (bwd: input and weight gradients
     together; bwd_input: the input gradients alone); saved_bytes_per_token: what its forward
-    keeps for backward, per token; params: parameter count (all experts of an MoE layer)."""
+    keeps for backward, per token; params: parameter count (all experts of an MoE layer);
+    busy: the share of those seconds the rank computes (1 but for the halves measured under
+    tp, whose all-reduces wait inside them): ranks sharing a host's cores slow the busy share
+    down, not the waiting (see simulate.py)."""
 
     fwd: LinearFit
     bwd: LinearFit
     bwd_input: LinearFit
     saved_bytes_per_token: float
     params: int
+    busy: float = 1.0
 
 
 @dataclass
@@ -160,7 +164,12 @@ class ModelCosts:
             return cls(
                 parts={
                     k: PartCost(
-                        fit(p["fwd"]), fit(p["bwd"]), fit(p["bwd_input"]), p["saved_bytes_per_token"], p["params"]
+                        fit(p["fwd"]),
+                        fit(p["bwd"]),
+                        fit(p["bwd_input"]),
+                        p["saved_bytes_per_token"],
+                        p["params"],
+                        p.get("busy", 1.0),
                     )
                     for k, p in raw["parts"].items()
                 },

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -155,8 +157,11 @@ def measure_costs(
         for name, module in _parts(model, None).items():
             if name in ("attention", "mlp"):
                 parallelize_module(module.to(device), mesh["tp"], _tp_styles(name))
-                cost = _part(profiler, module, name, model, cfg.rows, g, device)
-                parts[f"{name}/tp{g}"] = _scaled(cost, min(1.0, slots / g))
+                cost = _scaled(_part(profiler, module, name, model, cfg.rows, g, device), min(1.0, slots / g))
+                # busy: CPU seconds over those speed-one seconds (on GPUs the devices' own
+                # time is not the process's: left at 1 there)
+                cpu = _cpu_share(profiler, module, model, cfg.rows[-1], g, device) * max(1.0, g / slots)
+                parts[f"{name}/tp{g}"] = dataclasses.replace(cost, busy=min(1.0, cpu) if device.type == "cpu" else 1.0)
     optimizer = _fit(profiler, (100_000, 400_000, 1_600_000), lambda n: _adamw(n, device), active)
     return ModelCosts(
         parts=parts,
@@ -221,6 +226,37 @@ def _scaled(cost: PartCost, factor: float) -> PartCost:
         return LinearFit(f.alpha * factor, f.beta * factor, f.rel_error, f.samples)
 
     return dataclasses.replace(cost, fwd=scale(cost.fwd), bwd=scale(cost.bwd), bwd_input=scale(cost.bwd_input))
+
+
+def _cpu_share(
+    profiler: Profiler, module: nn.Module, model: DecoderConfig, tokens: int, active: int, device: torch.device
+) -> float:
+    """Process CPU seconds over wall seconds of ``module``'s forward and backward on the first
+    ``active`` ranks (their mean; every rank calls it): below 1 where the part waits, in its
+    collectives, for peers."""
+    ratio = 0.0
+    if profiler.comm.rank < active:
+        x = _hidden(model, device)(tokens)
+        run = _backward_fresh(module, x)
+        run()  # warm-up
+        cpu, wall = [], []
+        for _ in range(profiler.config.repeats):
+            c0, w0 = time.process_time(), time.perf_counter()
+            run()
+            profiler.synchronize()
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - w0)
+        ratio = statistics.median(cpu) / max(statistics.median(wall), 1e-12)
+    every = profiler.comm.all_gather(torch.tensor([ratio], dtype=torch.float64))
+    return float(torch.cat(every)[:active].mean())  # type: ignore[arg-type]
+
+
+def _backward_fresh(m: nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    def run() -> None:
+        out = m(x)
+        out.backward(torch.ones_like(out))
+
+    return run
 
 
 def host_slots(device: torch.device, ranks_per_host: int) -> int:

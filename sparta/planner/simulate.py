@@ -39,7 +39,8 @@ Ranks that oversubscribe a host (8 ranks on 2 CPU cores) share its speed: the re
 processor-sharing one, each busy pipeline rank (with its dp x tp replicas) running at
 ``slots`` / (busy ranks on the host) of its speed-one time while more are busy than the host
 has slots, so a pipeline's bubble leaves the others faster. The collectives inside an action
-are not shared: they were measured with every rank at them at once. With a device per rank (GPUs)
+are not shared: they were measured with every rank at them at once; nor is what a tp-measured
+half spent waiting in its own all-reduces (``PartCost.busy``). With a device per rank (GPUs)
 nothing is shared and the replay is exact event timing.
 """
 
@@ -158,12 +159,15 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
         # a part's fixed cost per call (launches, Python) is every tp rank's, whole; its
         # per-token cost is split
         p = costs.parts[part]
-        into[0] += p.fwd.alpha + p.fwd.beta * tokens / split
-        into[1] += p.bwd.alpha + p.bwd.beta * tokens / split
-        into[2] += p.bwd_input.alpha + p.bwd_input.beta * tokens / split
+        # a part that waits inside (the tp halves' all-reduces): its busy share is compute,
+        # the rest waiting, which was measured on the g ranks' share of the host (g / slots)
+        # and is not slowed by the host's other ranks: it joins the unshared collectives
+        waited = (1.0 - p.busy) * max(1.0, dims.tp / costs.slots)
+        for i, f in enumerate((p.fwd, p.bwd, p.bwd_input)):
+            seconds = f.alpha + f.beta * tokens / split
+            into[i] += p.busy * seconds
+            comms[i] += comm + waited * seconds
         into[3] += p.saved_bytes_per_token * tokens / split
-        for i in range(3):
-            comms[i] += comm
 
     if index == 0:
         add(extras, "embed", 1)

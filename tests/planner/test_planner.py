@@ -153,6 +153,17 @@ def test_halves_measured_under_tp_replace_the_split_and_its_all_reduces() -> Non
     assert tp4 == pytest.approx(4 * (0.5 + 2 * 0.25) + 4 * (1.0 + 2 * 0.25) + 2 * 0.25)
 
 
+def test_a_tp_halfs_waiting_is_not_slowed_by_the_hosts_other_ranks() -> None:
+    # 8 ranks on a host of 2 slots, all busy (pp1 dp4 tp2): compute runs at 2 / 8 of its
+    # speed, but what a half spent waiting in its all-reduces when measured stays as it was
+    c = dataclasses.replace(costs(groups=(2, 4, 8)), slots=2, ranks_per_host=8, world=8)
+    zero = const(0.0)
+    for busy, per_half in ((1.0, 1.0 / 0.25), (0.5, 0.5 / 0.25 + 0.5)):
+        half = PartCost(const(1.0), zero, zero, 1.0, 1000, busy)
+        c.parts.update({"attention/tp2": half, "mlp/tp2": half})
+        assert simulate(c, WORK, plan(1, "1F1B", 1, (), dp=4, tp=2)).step_s == pytest.approx(8 * per_half), busy
+
+
 def test_the_search_finds_the_known_best_plan() -> None:
     # collectives so dear that the one layout without any (four pipeline stages) must win,
     # with its most micro-batches (the bubble shrinks) on a schedule with the least bubble
