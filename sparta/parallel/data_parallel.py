@@ -218,7 +218,7 @@ class DataParallel:
         self.tables: list[tuple[SparseEmbedding, TaskKey]] = []
         self.release = GapRelease(partition, openings) if partition is not None else None
         self.buckets = (
-            GradBuckets(layout.dp, microbatches, self.bucket_bytes, self.queue, self.release)
+            GradBuckets(layout.dp, microbatches, self.bucket_bytes, self.queue, self.release, self._order, self._names)
             if strategy == "sparta" and not self._alone
             else None
         )
@@ -260,7 +260,7 @@ class DataParallel:
         if self.strategy in ("sparta", "horovod"):
             self._broadcast(dense)
         if self.buckets is not None:
-            self._hooks += self.buckets.add(dense, self._order, self._names)
+            self._hooks += self.buckets.add(dense)
             if self.queue is not None and self.microbatches == 1:
                 for path, m in module.named_modules():
                     if isinstance(m, SparseEmbedding) and m.comm is not None and m.weight.requires_grad:

@@ -71,7 +71,8 @@ class GradBuckets:
 
     microbatches: backward passes per step (a piece leaves after the last one); queue: send
     through this PriorityQueue (None: straight to the engine); release: send the partition's
-    pieces into an exchange's gaps instead of buckets.
+    pieces into an exchange's gaps instead of buckets; order, names: each parameter's
+    position in the forward and its name (for errors), kept up to date by the owner.
     """
 
     def __init__(
@@ -81,12 +82,13 @@ class GradBuckets:
         bucket_bytes: int,
         queue: PriorityQueue | None,
         release: GapRelease | None,
+        order: dict[nn.Parameter, int],
+        names: dict[nn.Parameter, str],
     ) -> None:
         self.dp, self.microbatches, self.bucket_bytes = dp, microbatches, bucket_bytes
         self.queue, self.release = queue, release
         self.params: list[nn.Parameter] = []
-        self._order: dict[nn.Parameter, int] = {}  # position in the forward
-        self._names: dict[nn.Parameter, str] = {}
+        self._order, self._names = order, names  # the owner's, filled as it wraps modules
         self._tasks: list[_Task] = []  # in ready order (backward's)
         self._task_of: dict[nn.Parameter, list[int]] = {}
         self._ready_index: dict[nn.Parameter, int] = {}
@@ -96,13 +98,10 @@ class GradBuckets:
         self._missing: list[int] = []  # per task: parameters not complete yet
         self._sent = 0  # tasks sent, in order (no queue: keeps every rank's order)
 
-    def add(
-        self, params: list[nn.Parameter], order: dict[nn.Parameter, int], names: dict[nn.Parameter, str]
-    ) -> list[RemovableHandle]:
-        """Reduce ``params`` too (``order``: each one's position in the forward; ``names`` for
-        errors); returns their gradient hooks, for the caller to remove."""
+    def add(self, params: list[nn.Parameter]) -> list[RemovableHandle]:
+        """Reduce ``params`` too (each already in ``order`` and ``names``); returns their
+        gradient hooks, for the caller to remove."""
         self.params += params
-        self._order, self._names = order, names
         self._stale = True
         return [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
 

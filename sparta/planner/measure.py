@@ -160,8 +160,10 @@ def measure_costs(
                 cost = _scaled(_part(profiler, module, name, model, cfg.rows, g, device), min(1.0, slots / g))
                 # busy: CPU seconds over those speed-one seconds (on GPUs the devices' own
                 # time is not the process's: left at 1 there)
-                cpu = _cpu_share(profiler, module, model, cfg.rows[-1], g, device) * max(1.0, g / slots)
-                parts[f"{name}/tp{g}"] = dataclasses.replace(cost, busy=min(1.0, cpu) if device.type == "cpu" else 1.0)
+                busy = 1.0
+                if device.type == "cpu":
+                    busy = min(1.0, _cpu_share(profiler, module, model, cfg.rows[-1], g, device) * max(1.0, g / slots))
+                parts[f"{name}/tp{g}"] = dataclasses.replace(cost, busy=busy)
     optimizer = _fit(profiler, (100_000, 400_000, 1_600_000), lambda n: _adamw(n, device), active)
     return ModelCosts(
         parts=parts,
