@@ -8,7 +8,10 @@ Ranks of one node share its namespace, so they talk over fast loopback; ranks of
 nodes cross the shaped link. Needs root and iproute2 (`ip`, `tc`); netem is not needed.
 
 Addresses are private ones (`<subnet>.1..N`) that exist only inside the namespaces made here;
-nothing is added to the host's own network. Everything is removed on exit from the `with`
+nothing is added to the host's own network. In node k this machine's host name resolves to
+node k's address (an /etc/netns/<namespace>/hosts file, which `ip netns exec` mounts over
+/etc/hosts): Horovod's process-set contexts connect by host name, which the host's own
+/etc/hosts sends to loopback, another namespace. Everything is removed on exit from the `with`
 block, on error, on Ctrl-C (KeyboardInterrupt unwinds through it) and at interpreter exit.
 
     with EmulatedCluster(ClusterConfig(nodes=2, ranks_per_node=2, rate="300mbit")) as cluster:
@@ -17,6 +20,10 @@ block, on error, on Ctrl-C (KeyboardInterrupt unwinds through it) and at interpr
 Workers start as torchrun would start them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...)
 with GLOO_SOCKET_IFNAME set to their node's veth, and should call
 `sparta.init(backend="torch", ranks_per_node=...)`: every namespace has the same host name.
+With `launcher="horovodrun"` they start as `horovodrun --gloo` would start them instead: this
+module serves Horovod's own rendezvous (`RendezvousServer`, what horovodrun runs in its
+process) inside node 0's namespace, and each rank gets Horovod's variables (HOROVOD_RANK,
+HOROVOD_HOSTNAME "node<k>", HOROVOD_GLOO_IFACE its node's veth, ...).
 """
 
 from __future__ import annotations
@@ -24,17 +31,22 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import select
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 from sparta.errors import ConfigError, SpartaError
 
 _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit)$")
+LAUNCHERS = ("torchrun", "horovodrun")
 
 
 class ClusterUnavailableError(SpartaError, RuntimeError):
@@ -111,7 +123,7 @@ class EmulatedCluster:
         self.port_dev = [f"{p}b{k}" for k in range(config.nodes)]  # bridge end
         self.node_addr = [f"{config.subnet}.{k + 1}" for k in range(config.nodes)]
         self._made: list[str] = []  # namespaces to delete, in creation order
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[subprocess.Popen[Any]] = []
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> EmulatedCluster:
@@ -138,6 +150,7 @@ class EmulatedCluster:
         self._procs.clear()
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         self._made.clear()
         atexit.unregister(self.close)
 
@@ -155,6 +168,9 @@ class EmulatedCluster:
             self._ip(self.bridge_ns, "link", "set", port, "master", br)
             self._ip(self.bridge_ns, "link", "set", port, "up")
             self._ip(ns, "addr", "add", f"{self.node_addr[k]}/24", "dev", dev)
+            hosts = Path("/etc/netns") / ns / "hosts"
+            hosts.parent.mkdir(parents=True, exist_ok=True)
+            hosts.write_text(f"127.0.0.1 localhost\n{self.node_addr[k]} {socket.gethostname()}\n")
             self._ip(ns, "link", "set", dev, "up")
             self._shape(ns, dev)  # node -> bridge
             self._shape(self.bridge_ns, port)  # bridge -> node
@@ -206,19 +222,67 @@ class EmulatedCluster:
         share = len(cpus) // nodes
         return set(cpus[node * share : (node + 1) * share])
 
+    def horovod_env(self, rank: int, rendezvous_port: int) -> dict[str, str]:
+        """What `horovodrun --gloo` gives rank `rank` (its create_slot_env_vars and
+        create_run_env_vars), with node k posing as host "node<k>" on its own veth."""
+        c = self.config
+        node = rank // c.ranks_per_node
+        return {
+            "HOROVOD_HOSTNAME": f"node{node}",
+            "HOROVOD_RANK": str(rank),
+            "HOROVOD_SIZE": str(c.world_size),
+            "HOROVOD_LOCAL_RANK": str(rank % c.ranks_per_node),
+            "HOROVOD_LOCAL_SIZE": str(c.ranks_per_node),
+            "HOROVOD_CROSS_RANK": str(node),
+            "HOROVOD_CROSS_SIZE": str(c.nodes),
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": self.node_addr[0],
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
+            "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo",
+            "HOROVOD_GLOO_IFACE": self.node_dev[node],
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def _horovod_rendezvous(self, timeout_s: float = 60.0) -> int:
+        c = self.config
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.node_ns[0], sys.executable, "-m", "sparta_tools.cluster",
+             "horovod-rendezvous", str(c.nodes), str(c.ranks_per_node)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+        self._procs.append(proc)
+        assert proc.stdout is not None
+        ready = select.select([proc.stdout], [], [], timeout_s)[0]
+        line = proc.stdout.readline().strip() if ready else ""
+        if not line.isdigit():
+            proc.kill()
+            err = proc.stderr.read() if proc.stderr is not None else ""
+            raise ClusterUnavailableError(f"Horovod's rendezvous did not start in node 0: {line!r} {err[-2000:]}")
+        return int(line)
+
     def start(
-        self, cmd: Sequence[str], env: dict[str, str] | None = None, output: IO[Any] | None = None
+        self,
+        cmd: Sequence[str],
+        env: dict[str, str] | None = None,
+        output: IO[Any] | None = None,
+        launcher: str = "torchrun",
     ) -> list[subprocess.Popen[bytes]]:
         """Start `cmd` once per rank, each inside its node's namespace; returns the processes.
-        `output`: a file every rank's stdout and stderr go to (default: this process's)."""
+        `output`: a file every rank's stdout and stderr go to (default: this process's);
+        `launcher`: whose variables the ranks get, "torchrun" or "horovodrun" (--gloo)."""
+        if launcher not in LAUNCHERS:
+            raise ConfigError(f"EmulatedCluster.start(launcher={launcher!r}): use one of {', '.join(LAUNCHERS)}")
+        port = self._horovod_rendezvous() if launcher == "horovodrun" else 0
         base = dict(os.environ if env is None else env)
         procs = []
         for rank in range(self.config.world_size):
             node = rank // self.config.ranks_per_node
             cpus = self.node_cpus(node)
+            rank_env = self.horovod_env(rank, port) if launcher == "horovodrun" else self.rank_env(rank)
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", self.node_ns[node], *cmd],
-                env={**base, **self.rank_env(rank)},
+                env={**base, **rank_env},
                 stdout=output,
                 stderr=None if output is None else subprocess.STDOUT,
                 start_new_session=True,
@@ -229,12 +293,17 @@ class EmulatedCluster:
         return procs
 
     def run(
-        self, cmd: Sequence[str], timeout_s: float, env: dict[str, str] | None = None, output: IO[Any] | None = None
+        self,
+        cmd: Sequence[str],
+        timeout_s: float,
+        env: dict[str, str] | None = None,
+        output: IO[Any] | None = None,
+        launcher: str = "torchrun",
     ) -> list[int]:
         """Run `cmd` on every rank and wait; returns the exit codes. Kills them all and
         raises TimeoutError after `timeout_s`, and stops the others as soon as one fails.
-        `output` as for `start`."""
-        procs = self.start(cmd, env, output)
+        `output` and `launcher` as for `start`."""
+        procs = self.start(cmd, env, output, launcher)
         deadline = time.monotonic() + timeout_s
         try:
             while any(p.poll() is None for p in procs):
@@ -255,3 +324,21 @@ def _sh(*args: str) -> None:
     done = subprocess.run(args, capture_output=True, text=True)
     if done.returncode != 0:
         raise ClusterUnavailableError(f"`{' '.join(args)}` failed ({done.returncode}): {done.stderr.strip()}")
+
+
+def _serve_horovod_rendezvous(nodes: int, ranks_per_node: int) -> None:
+    # Horovod's own server and host plan, as horovodrun --gloo builds them; prints the port
+    # for the parent, then serves until the cluster kills it
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.http.http_server import RendezvousServer
+
+    server = RendezvousServer()
+    port = server.start()
+    hosts = parse_hosts(",".join(f"node{k}:{ranks_per_node}" for k in range(nodes)))
+    server.init(get_host_assignments(hosts, nodes * ranks_per_node))
+    print(port, flush=True)
+    signal.pause()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["horovod-rendezvous"]:
+    _serve_horovod_rendezvous(int(sys.argv[2]), int(sys.argv[3]))

@@ -20,10 +20,14 @@ probe batch) is compared with a one-process model that replays the same steps on
 rank's batches (the mean loss over ranks is what data parallelism trains): a table or a
 dense weight that any step updated wrongly shows. Fields: bytes_sent_per_step (rank 0's:
 ring all-reduce 2(w-1)/w of a gradient, allgather (w-1) x the looked-up rows, all-to-all the
-rows and ids to other ranks), table_bytes_per_rank (the embedding's parameter + gradient).
+rows and ids to other ranks), table_bytes_per_rank (the embedding's parameter + gradient),
+state_bytes_per_rank (every parameter and its gradient as the optimizer sees it, the largest
+over the timed steps: sparse gradients count their values and indices, Horovod's gathered
+one before it is coalesced, hvd_dense the dense table gradient it all-reduces before it turns
+it back into a sparse one; activations, the same in every variant, are not counted).
 On an emulated cluster (`--rate 1gbit --nprocs 2 --ranks-per-node 1`, root) the torch
-variants run across shaped links: the setting of issue 24's embedding race (Horovod's
-baselines need horovodrun, which the emulated cluster does not start).
+variants run across shaped links, and the horovod ones too, started as horovodrun --gloo
+starts them: the setting of issue 24's embedding race.
 """
 
 from __future__ import annotations
@@ -165,6 +169,7 @@ class Variant:
         from sparta.parallel import DataParallel
 
         self.name, self.ctx, self.batches, self.steps, self.dp = name, ctx, batches, 0, None
+        self.state_bytes = 0
         torch.manual_seed(0)
         sparse = name.startswith("hvd") or name.endswith("_sparse")
         self.model = Model(vocab, dim, sparse=sparse, block=block)
@@ -189,6 +194,7 @@ class Variant:
         elif name == "dense_block_alone":
             params = list(self.model.block.parameters())
             self.hidden = torch.randn(*batches.shape, dim)
+        self.params = params
         self.opt: Any = torch.optim.SGD(params, lr=0.1)
         if name.startswith("hvd"):
             import horovod.torch as hvd
@@ -207,20 +213,35 @@ class Variant:
             self.dp.start()
             self.net(ids).backward()
             self.dp.finish()
-        if self.name == "hvd_sparse":
-            # Horovod's allgather leaves one gradient row per id looked up on any rank, and
-            # torch's SGD adds duplicate rows to the weight one at a time, each rounded against
-            # the O(1) weight: at 2 x 2048 Zipf ids the hottest row (770 copies) moved 4% short
-            # of its update (4.1e-5 off in float32 against a float64 step, the dense step 1.5e-7),
-            # so the baseline sums the duplicates first, as DDP's dense gradient and Sparta do.
+        if self.name.startswith("hvd"):
             self.opt.synchronize()
-            weight = self.model.emb.weight
-            weight.grad = weight.grad.coalesce()
+            self._count_state()
+            if self.name == "hvd_sparse":
+                # Horovod's allgather leaves one gradient row per id looked up on any rank, and
+                # torch's SGD adds duplicate rows to the weight one at a time, each rounded
+                # against the O(1) weight: at 2 x 2048 Zipf ids the hottest row (770 copies)
+                # moved 4% short of its update (4.1e-5 off in float32 against a float64 step,
+                # the dense step 1.5e-7), so the baseline sums the duplicates first, as DDP's
+                # dense gradient and Sparta do.
+                weight = self.model.emb.weight
+                weight.grad = weight.grad.coalesce()
             with self.opt.skip_synchronize():
                 self.opt.step()
         else:
+            self._count_state()
             self.opt.step()
         self.opt.zero_grad()
+
+    def _count_state(self) -> None:
+        total = self.model.emb.weight.numel() * 4 if self.name == "hvd_dense" else 0
+        for p in self.params:
+            g = p.grad
+            total += p.numel() * p.element_size()
+            if g is not None and g.is_sparse:
+                total += g._values().numel() * g.element_size() + g._indices().numel() * 8
+            elif g is not None:
+                total += g.numel() * g.element_size()
+        self.state_bytes = max(self.state_bytes, total)
 
     def probe(self) -> torch.Tensor:
         with torch.no_grad():
@@ -284,6 +305,7 @@ def run(ctx: BenchContext) -> None:
                 p["bytes_sent_per_step"] = v.sent_bytes(vocab, dim)
                 table = 0 if v.name == "dense_block_alone" else v.model.emb.weight.numel() * 4
                 p["table_bytes_per_rank"] = 2 * table
+                p["state_bytes_per_rank"] = v.state_bytes
 
         ctx.time_points(
             {

@@ -186,7 +186,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
         "--rate",
         default="",
         help="run on an emulated cluster (root): nodes of --ranks-per-node ranks (default 1) behind links of this "
-        "rate (tc units: 100mbit, 1gbit), the torch engine only",
+        "rate (tc units: 100mbit, 1gbit), the torch and horovod engines (not mpi)",
     )
     r.add_argument("--peak", type=float, default=0.0, help="link peak in GB/s: records add busbw as %% of it")
     parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)

@@ -116,9 +116,10 @@ def run_launch(cmd: list[str], timeout_s: float) -> tuple[int, str]:
     return proc.returncode, (out or "")[-4000:]
 
 
-def run_on_cluster(opts: BenchOptions, argv: list[str]) -> tuple[int, str]:
+def run_on_cluster(opts: BenchOptions, argv: list[str], engine: str) -> tuple[int, str]:
     """The job's ranks in an emulated cluster (sparta_tools.cluster): nodes of --ranks-per-node
-    ranks behind links of --rate, each rank started as torchrun would start it."""
+    ranks behind links of --rate, each rank started as the engine's launcher would start it
+    (torch: torchrun, horovod: horovodrun --gloo)."""
     from sparta_tools.cluster import ClusterConfig, ClusterUnavailableError, EmulatedCluster
 
     per_node = opts.ranks_per_node or 1
@@ -127,7 +128,7 @@ def run_on_cluster(opts: BenchOptions, argv: list[str]) -> tuple[int, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         with EmulatedCluster(config) as cluster:
-            codes = cluster.run(cmd, timeout_s=opts.timeout_s, env=env)
+            codes = cluster.run(cmd, timeout_s=opts.timeout_s, env=env, launcher=LAUNCHER_OF[engine])
     except ClusterUnavailableError as exc:
         return 1, f"sparta bench: no emulated cluster here: {exc}"
     except TimeoutError as exc:
@@ -158,8 +159,8 @@ def drive(opts: BenchOptions, argv: Sequence[str], command: Sequence[str], engin
     with tempfile.TemporaryDirectory(prefix="sparta-bench-") as tmp:
         for engine in engines:
             why = engine_missing(engine)
-            if opts.rate and engine != "torch":
-                why = "the emulated cluster (--rate) starts ranks as torchrun does: the torch engine only"
+            if opts.rate and engine == "mpi":
+                why = "the emulated cluster (--rate) starts ranks as torchrun or horovodrun do, not as mpirun"
             if why:
                 points.append({"type": "skipped", "suite": opts.suite, "engine": engine, "reason": why})
                 continue
@@ -167,9 +168,9 @@ def drive(opts: BenchOptions, argv: Sequence[str], command: Sequence[str], engin
             worker = [*argv, "--_worker", "-J", str(out), "--engines", engine,
                       "--expect-ranks", str(opts.nprocs), "--_command", json.dumps(list(command))]  # fmt: skip
             if opts.rate:
-                cmd = ["sparta_tools.cluster", f"rate={opts.rate}", *worker]
+                cmd = ["sparta_tools.cluster", f"rate={opts.rate}", f"launcher={LAUNCHER_OF[engine]}", *worker]
                 print(f"# {opts.suite}: {engine} on {opts.nprocs} ranks, links of {opts.rate}", file=sys.stderr)
-                code, tail = run_on_cluster(opts, worker)
+                code, tail = run_on_cluster(opts, worker, engine)
             else:
                 cmd = launch_command(engine, opts.nprocs, worker)
                 print(f"# {opts.suite}: {engine} on {opts.nprocs} ranks ({LAUNCHER_OF[engine]})", file=sys.stderr)

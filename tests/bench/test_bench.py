@@ -369,13 +369,19 @@ def test_embedding_with_a_transformer_block_on_an_emulated_cluster(tmp_path: Pat
         pytest.skip(why)
     path = tmp_path / "er.jsonl"
     args = ["embedding", "--rate", "1gbit", "--vocabs", "500", "--dim", "16", "--batch", "2", "--seq", "8", *TINY]
-    args += ["--block", "transformer", "--variants", "ddp,sparta_row,sparta_row_queue"]
+    args += ["--block", "transformer", "--variants", "ddp,sparta_row,sparta_row_queue,hvd_sparse,hvd_dense"]
+    args += ["--engines", "torch,horovod,mpi"]
     code, out = bench([*args, "-J", str(path)])
     assert code == 0, out[-3000:]
     recs = records.read_records(path)
     assert recs[0]["nodes"] == 2 and recs[0]["options"]["rate"] == "1gbit", recs[0]
-    got = points(recs)
-    assert [(p["variant"], p["wrong"], p["block"]) for p in got] == [
-        ("ddp", 0, "transformer"), ("sparta_row", 0, "transformer"), ("sparta_row_queue", 0, "transformer")
-    ]  # fmt: skip
-    assert any(r["type"] == "skipped" and "torch engine only" in r["reason"] for r in recs), recs
+    got = [(p["engine"], p["variant"], p["wrong"], p["block"]) for p in points(recs)]
+    want = [("torch", "ddp", 0, "transformer"), ("torch", "sparta_row", 0, "transformer"),
+            ("torch", "sparta_row_queue", 0, "transformer")]  # fmt: skip
+    if engine_missing("horovod") is None:  # Horovod's ranks start as horovodrun --gloo starts them
+        want += [("horovod", "sparta_row", 0, "transformer"), ("horovod", "hvd_sparse", 0, "transformer"),
+                 ("horovod", "hvd_dense", 0, "transformer")]  # fmt: skip
+        launches = {h["engine"]: h["launcher"] for h in recs[0]["launches"]}
+        assert launches == {"torch": "torchrun", "horovod": "horovodrun"}, recs[0]["launches"]
+    assert sorted(got) == sorted(want), got
+    assert any(r["type"] == "skipped" and "not as mpirun" in r["reason"] for r in recs), recs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 
 import torch
@@ -61,7 +62,19 @@ def check_ranks_run_on_their_nodes_cpus(world: World) -> None:
     assert sorted(os.sched_getaffinity(0)) == want, f"node {node}: CPUs {os.sched_getaffinity(0)}, want {want}"
 
 
+def check_host_name_resolves_to_the_nodes_address(world: World) -> None:
+    """Horovod's process sets connect by host name: it must reach the node, not loopback."""
+    node = world.rank // int(os.environ["LOCAL_WORLD_SIZE"])
+    got = socket.gethostbyname(socket.gethostname())
+    assert got == f"10.213.0.{node + 1}", f"node {node}: {socket.gethostname()} resolves to {got}"
+
+
 if __name__ == "__main__":
     world, _ = start(ranks_per_node=2)
-    checks = [check_links_are_shaped, check_all_to_all_across_and_within_nodes, check_ranks_run_on_their_nodes_cpus]
+    checks = [
+        check_links_are_shaped,
+        check_all_to_all_across_and_within_nodes,
+        check_ranks_run_on_their_nodes_cpus,
+        check_host_name_resolves_to_the_nodes_address,
+    ]
     finish(world, run_checks(world, checks))

@@ -57,7 +57,7 @@ def test_two_nodes_shaped_and_torn_down() -> None:
     recs = [json.loads(line) for p in Path(results).glob("rank-*.jsonl") for line in p.read_text().splitlines()]
     failed = [r["error"] for r in recs if not r["ok"]]
     assert not failed, failed[0]
-    assert codes == [0] * 4 and len(recs) == 12, (codes, recs)
+    assert codes == [0] * 4 and len(recs) == 16, (codes, recs)
 
 
 def test_nodes_get_their_own_cpus() -> None:
