@@ -55,7 +55,7 @@ import torch
 
 import sparta
 from sparta.parallel import DecoderConfig, MoESpec, ParallelConfig, ParallelDims
-from sparta.parallel.config import load_config
+from sparta.parallel.config_file import load_config
 from sparta.planner import (
     GIB,
     HARDWARE,

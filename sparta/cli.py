@@ -60,7 +60,7 @@ def _profile(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     """Validate the run file and the overrides (before any engine starts), then train."""
     from sparta.errors import ConfigError
-    from sparta.parallel.config import load_config
+    from sparta.parallel.config_file import load_config
 
     overrides = list(args.set or [])
     if args.plan:

@@ -11,11 +11,12 @@ Pieces: dims.py (ParallelDims, Layout), decoder.py (the reference model), pipeli
 cuts, schedules and their action lists), data_parallel.py (one piece, four strategies),
 experts.py (MoESpec), parallelize.py (composes them), model.py (ParallelModel: the step),
 checkpoint.py (DCP, any layout to any other), hf.py (Hugging Face Llama and GPT-2 in the
-Decoder's layout), config.py + train.py (`sparta train`).
+Decoder's layout), config.py + config_file.py + train.py (`sparta train`).
 """
 
 from sparta.parallel.checkpoint import Checkpointer, CheckpointError
-from sparta.parallel.config import RunConfig, load_config
+from sparta.parallel.config import RunConfig
+from sparta.parallel.config_file import load_config
 from sparta.parallel.data_parallel import STRATEGIES, DataParallel
 from sparta.parallel.decoder import Decoder, DecoderConfig
 from sparta.parallel.dims import Layout, ParallelDims, build_layout

@@ -20,7 +20,8 @@ import sys
 import torch
 
 from sparta.errors import ConfigError
-from sparta.parallel.config import RunConfig, load_config
+from sparta.parallel.config import RunConfig
+from sparta.parallel.config_file import load_config
 from sparta.scheduling.trace import write_chrome_trace
 
 from .costs import ModelCosts, hardware_fingerprint

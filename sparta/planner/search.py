@@ -265,7 +265,7 @@ def plan_overrides(path: str | Path, work: Workload) -> list[str]:
     """The ``--set`` assignments a plan file stands for, after checking it was made for this
     model; ConfigError naming the mismatch otherwise. (A plan for another world size fails
     the trainer's own check: pp x dp x tp must equal the ranks running.)"""
-    from sparta.parallel.config import read_file
+    from sparta.parallel.config_file import read_file
 
     tree = read_file(path)
     meta, parallel = tree.get("plan"), tree.get("parallel")

@@ -16,16 +16,8 @@ import torch
 from sparta.cli import main
 from sparta.errors import ConfigError
 from sparta.parallel import Decoder, DecoderConfig, MoESpec, ParallelConfig, ParallelDims
-from sparta.parallel.config import (
-    CheckpointConfig,
-    DataConfig,
-    OutputConfig,
-    RunConfig,
-    TrainConfig,
-    from_dict,
-    load_config,
-    parse_value,
-)
+from sparta.parallel.config import CheckpointConfig, DataConfig, OutputConfig, RunConfig, TrainConfig
+from sparta.parallel.config_file import from_dict, load_config, parse_value
 from sparta.parallel.data import TokenBatches, random_tokens
 from sparta.parallel.train import active_parameters, learning_rate
 

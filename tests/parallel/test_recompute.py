@@ -24,7 +24,7 @@ from sparta.parallel import (
     moe_layers,
     parallelize,
 )
-from sparta.parallel.config import load_config
+from sparta.parallel.config_file import load_config
 from sparta.parallel.parallelize import recompute_layers
 
 CFG = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=4, d_ff=32)

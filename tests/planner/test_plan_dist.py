@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from launch import free_port, run_killing_on_timeout
 
-from sparta.parallel.config import read_file
+from sparta.parallel.config_file import read_file
 from sparta.planner import ModelCosts
 
 PY = sys.executable
