@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from sparta.errors import ConfigError
-from sparta.scheduling.cost_model import CostModel, LayerShape, timeline
-from sparta.scheduling.pipeline import PipelineDegrees
+from sparta.scheduling.chunks import PipelineDegrees
+from sparta.scheduling.cost_model import CostModel, LayerShape
 from sparta.scheduling.profiler import LinearFit, Profile, ProfileConfig
+from sparta.scheduling.timeline import timeline
 
 SHAPE = LayerShape(tokens=4096, top_k=2, d_model=512, d_ff=1024, ep_size=4)
 
