@@ -106,9 +106,10 @@ def worker(args: argparse.Namespace) -> None:
     import sparta
     from sparta.comm import HierarchicalAllToAll
     from sparta.parallel import DataParallel, ParallelDims, build_layout
+    from sparta.scheduling.chunks import PipelineDegrees
     from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape
     from sparta.scheduling.partition import GradientPartition, bucketed_exposed_s, partition_gradients
-    from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
+    from sparta.scheduling.pipeline import pipelined_exchange
     from sparta.scheduling.profiler import ProfileConfig, Profiler
     from sparta.scheduling.trace import TracedExchange, Tracer, draw_timeline, gather, write_chrome_trace
     from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner

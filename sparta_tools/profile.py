@@ -34,8 +34,8 @@ import torch
 
 from sparta.errors import ConfigError
 from sparta.moe import MoELayer, tune_schedule
+from sparta.scheduling.chunks import DEGREES_HELP, PipelineDegrees
 from sparta.scheduling.cost_model import CostModel, LayerShape
-from sparta.scheduling.pipeline import DEGREES_HELP, PipelineDegrees
 from sparta.scheduling.profiler import Profile, ProfileConfig, Profiler
 from sparta.scheduling.trace import TracedExchange, Tracer, draw_timeline, gather, write_chrome_trace
 from sparta_tools.cluster import ClusterConfig, EmulatedCluster

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from sparta.errors import ConfigError
-from sparta.scheduling.pipeline import DEGREES_HELP, PipelineDegrees
+from sparta.scheduling.chunks import DEGREES_HELP, PipelineDegrees
 
 ROUTERS = ("topk", "switch", "sigmoid", "xmoe", "expert_choice", "soft")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu")

@@ -20,7 +20,8 @@ from sparta.comm import all_to_all
 from sparta.comm.dtypes import dtype_code, dtype_name
 from sparta.errors import InputError, SpartaError
 from sparta.moe.experts import GroupedExperts
-from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
+from sparta.scheduling.chunks import PipelineDegrees
+from sparta.scheduling.pipeline import pipelined_exchange
 
 if TYPE_CHECKING:
     from sparta.comm import Communicator, Exchange

@@ -5,8 +5,10 @@
     cost_model.py CostModel, LayerShape, SchedulePlan, Calibration: predict an expert-parallel
                   exchange's forward/backward time for degree r, flat or hierarchical, corrected
                   by timed steps; choose r_fwd, r_bwd and the chunks' taper
-    pipeline.py   pipelined_exchange, PipelineDegrees: chunk i+1 travels while chunk i computes;
-                  PipelineDegrees(r_fwd, r_bwd, taper): end chunks 2**-taper of the middle ones
+    timeline.py   timeline, Timeline: the replay behind it (network FIFO and compute thread)
+    pipeline.py   pipelined_exchange: chunk i+1 travels while chunk i computes
+    chunks.py     PipelineDegrees(r_fwd, r_bwd, taper): end chunks 2**-taper of the middle ones;
+                  Chunks: the rows of each chunk
     microbatch.py overlapped_block, Routed: a block (dense layers, exchange, experts) cut into
                   micro-batches so that one's dense layers compute while another's rows travel
     partition.py  partition_gradients: dense all-reduce pieces sized to the backward's network gaps
@@ -23,12 +25,14 @@ drive it from outside (`sparta profile`'s launcher, the emulated cluster of netw
 namespaces) live beside the package, in `sparta_tools`.
 """
 
-from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape, Prediction, SchedulePlan, Timeline
+from sparta.scheduling.chunks import PipelineDegrees
+from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape, Prediction, SchedulePlan
 from sparta.scheduling.grad_sync import GapRelease
 from sparta.scheduling.microbatch import Routed, overlapped_block
 from sparta.scheduling.partition import GradientPartition, partition_gradients
-from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange
+from sparta.scheduling.pipeline import pipelined_exchange
 from sparta.scheduling.profiler import LinearFit, Profile, ProfileConfig, Profiler
+from sparta.scheduling.timeline import Timeline
 from sparta.scheduling.trace import ObservedExchange, TracedExchange, Tracer, draw_timeline, write_chrome_trace
 from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
 

@@ -27,7 +27,7 @@ import torch
 
 from sparta.comm.communicator import Communicator
 from sparta.errors import ConfigError
-from sparta.scheduling.pipeline import PipelineDegrees
+from sparta.scheduling.chunks import PipelineDegrees
 
 
 @dataclass(frozen=True)

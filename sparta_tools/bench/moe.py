@@ -104,7 +104,7 @@ def check_layer(opts: BenchOptions) -> None:
 
 
 def parse_degrees(text: str) -> list[int | tuple[int, ...] | str]:
-    from sparta.scheduling.pipeline import PipelineDegrees
+    from sparta.scheduling.chunks import PipelineDegrees
 
     out: list[int | tuple[int, ...] | str] = []
     for part in (p.strip() for p in text.split(";") if p.strip()):

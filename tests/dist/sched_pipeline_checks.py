@@ -21,7 +21,8 @@ from sparta.parallel import DataParallel, ParallelDims, build_layout
 from sparta.scheduling.cost_model import CostModel, LayerShape
 from sparta.scheduling.microbatch import Routed, overlapped_block
 from sparta.scheduling.partition import GradientPartition
-from sparta.scheduling.pipeline import Compute, PipelineDegrees, pipelined_exchange
+from sparta.scheduling.chunks import PipelineDegrees
+from sparta.scheduling.pipeline import Compute, pipelined_exchange
 from sparta.scheduling.profiler import ProfileConfig, Profiler
 from sparta.scheduling.trace import Tracer, gather, write_chrome_trace
 from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner

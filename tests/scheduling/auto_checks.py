@@ -19,8 +19,9 @@ from sparta.comm import Exchange, HierarchicalAllToAll, PendingAllToAll, World  
 from sparta.comm.handle import Handle  # noqa: E402
 from sparta.moe import MoELayer, tune_schedule  # noqa: E402
 from sparta.parallel import DataParallel, ParallelDims, build_layout  # noqa: E402
+from sparta.scheduling.chunks import PipelineDegrees  # noqa: E402
 from sparta.scheduling.partition import GradientPartition  # noqa: E402
-from sparta.scheduling.pipeline import PipelineDegrees, pipelined_exchange  # noqa: E402
+from sparta.scheduling.pipeline import pipelined_exchange  # noqa: E402
 
 D_MODEL, D_FF, EXPERTS, TOKENS = 16, 32, 8, 24
 

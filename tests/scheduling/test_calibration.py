@@ -8,8 +8,8 @@ import torch
 
 import sparta
 from sparta.errors import ConfigError, InputError
+from sparta.scheduling.chunks import PipelineDegrees
 from sparta.scheduling.cost_model import Calibration, CostModel, LayerShape
-from sparta.scheduling.pipeline import PipelineDegrees
 from sparta.scheduling.profiler import LinearFit, Profile, ProfileConfig, Profiler
 from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
 

@@ -6,7 +6,7 @@ import pytest
 from launch import assert_all_ok, launch
 
 from sparta.errors import ConfigError
-from sparta.scheduling.pipeline import Chunks, PipelineDegrees
+from sparta.scheduling.chunks import Chunks, PipelineDegrees
 from tests.dist.sched_pipeline_checks import CHECKS
 
 
