@@ -15,7 +15,8 @@ exchanges go through the `Exchange` interface, which a Communicator, a two-level
 """
 
 from sparta.comm.autograd import all_to_all
-from sparta.comm.communicator import CommConfig, Communicator
+from sparta.comm.communicator import Communicator
+from sparta.comm.config import CommConfig
 from sparta.comm.exchange import Exchange, PendingAllToAll
 from sparta.comm.handle import Handle
 from sparta.comm.hierarchical import HierarchicalAllToAll

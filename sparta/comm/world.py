@@ -12,7 +12,8 @@ from typing import NoReturn
 
 import torch
 
-from sparta.comm.communicator import CommConfig, Communicator
+from sparta.comm.communicator import Communicator
+from sparta.comm.config import CommConfig
 from sparta.comm.launch import LaunchInfo, detect
 from sparta.errors import ConfigError
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from sparta.comm.communicator import CommConfig, Communicator, require_world_parent
+from sparta.comm.communicator import Communicator, require_world_parent
+from sparta.comm.config import CommConfig
 from sparta.comm.engines import import_engine
 from sparta.comm.handle import Handle, engine_failure, poll_until_done
 from sparta.comm.launch import LaunchInfo

@@ -39,7 +39,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from sparta.comm.communicator import CommConfig, Communicator
+from sparta.comm.communicator import Communicator
+from sparta.comm.config import CommConfig
 from sparta.comm.engines import import_engine
 from sparta.comm.handle import Handle, engine_failure
 from sparta.comm.launch import LaunchInfo

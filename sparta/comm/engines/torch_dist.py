@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from sparta.comm.communicator import CommConfig, Communicator, require_world_parent
+from sparta.comm.communicator import Communicator, require_world_parent
+from sparta.comm.config import CommConfig
 from sparta.comm.handle import Handle, engine_failure
 from sparta.comm.launch import LaunchInfo
 
