@@ -2,7 +2,7 @@
 
 From a Profile's fits it predicts the time of the dispatch -> experts -> combine part of an
 MoE layer, forward and backward, for a pipeline degree r and a flat or hierarchical
-all-to-all, by replaying the exact issue order of `pipeline._pipeline` on two resources:
+all-to-all, by replaying the exact issue order of `pipeline.run_pipeline` on two resources:
 the network (one FIFO channel: the slow link carries one transfer's bytes at a time; a fit's
 alpha delays its transfer's arrival but leaves the channel to the next) and this rank's
 compute thread. The hierarchical all-to-all's intra-node step blocks the compute

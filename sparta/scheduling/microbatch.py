@@ -5,7 +5,7 @@ an MoE layer (attention, norms, projections, the router) run whole before the di
 after the combine, and the network idles meanwhile: on the emulated cluster at 300 Mbit/s
 that was a seventh of the step (benchmarks/moe_pipeline.py). Cut the block's tokens into
 micro-batches, each running the whole block (before -> out -> experts -> back -> after), and
-put them through the same pipeline (pipeline._pipeline): micro-batch i+1's `before`
+put them through the same pipeline (pipeline.run_pipeline): micro-batch i+1's `before`
 computes while micro-batch i's rows travel, and micro-batch i-1's `after` while micro-batch
 i's results come back:
 
@@ -38,10 +38,10 @@ from sparta.errors import InputError
 from sparta.scheduling.pipeline import (
     Compute,
     ParamGrads,
-    _pipeline,
     check_counts,
     exchange_counts,
     grad_or_zeros,
+    run_pipeline,
 )
 from sparta.scheduling.trace import Tracer
 
@@ -170,7 +170,7 @@ class _Overlapped(torch.autograd.Function):
             micro[i].after = (leaf, side, y)
             outs[i] = y.detach()
 
-        _pipeline(plan.exchange, plan.microbatches, produce, work, consume, plan.tracer, "fwd", trace_ends=True)
+        run_pipeline(plan.exchange, plan.microbatches, produce, work, consume, plan.tracer, "fwd", trace_ends=True)
         ys = [y for y in outs if y is not None]
         ctx.plan, ctx.micro, ctx.rows = plan, micro if grad else [], [y.shape[0] for y in ys]
         ctx.save_for_backward(*params)
@@ -221,6 +221,6 @@ class _Overlapped(torch.autograd.Function):
                 grad_x.append(grad_or_zeros(g[0], m.leaf))
             sums.add(g[len(first) :])
 
-        _pipeline(plan.exchange, plan.microbatches, produce, work, consume, plan.tracer, "bwd", trace_ends=True)
+        run_pipeline(plan.exchange, plan.microbatches, produce, work, consume, plan.tracer, "bwd", trace_ends=True)
         ctx.micro = []
         return (torch.cat(grad_x) if grad_x else None, None, *sums.result())

@@ -130,7 +130,7 @@ def _gather(x: Tensor, index: Tensor) -> Tensor:
     return x.index_select(0, index.to(x.device))
 
 
-def _pipeline(
+def run_pipeline(
     exchange: Exchange,
     degree: int,
     produce: Callable[[int], tuple[Tensor, list[int], list[int]]],
@@ -220,7 +220,7 @@ def _exchange_rows(
     tracer: Tracer | None,
     label: str,
 ) -> Tensor:
-    """`_pipeline` over chunks of one buffer: chunk i is `source`'s rows `send.index[i]`, and
+    """`run_pipeline` over chunks of one buffer: chunk i is `source`'s rows `send.index[i]`, and
     what comes back lands in the same rows of the result."""
     result: list[Tensor] = []
 
@@ -232,7 +232,7 @@ def _exchange_rows(
             result.append(back.new_empty((source.shape[0], *back.shape[1:])))
         result[0].index_copy_(0, send.index[i].to(back.device), back)
 
-    _pipeline(exchange, len(send.index), produce, work, consume, tracer, label)
+    run_pipeline(exchange, len(send.index), produce, work, consume, tracer, label)
     return result[0]
 
 

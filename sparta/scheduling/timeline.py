@@ -1,6 +1,6 @@
 """The replay behind the cost model: one pipelined exchange on two resources.
 
-`timeline` replays `pipeline._pipeline`'s issue order on the network (one FIFO channel: the
+`timeline` replays `pipeline.run_pipeline`'s issue order on the network (one FIFO channel: the
 slow link carries one transfer's bytes at a time; a fit's alpha delays its transfer's arrival
 but leaves the channel to the next) and this rank's compute thread, and returns a `Timeline`:
 when each transfer travelled and when the rank computed. `CostModel` (cost_model.py) feeds it
@@ -51,7 +51,7 @@ def timeline(
     before_s: Sequence[float] | float = 0.0,
     after_s: Sequence[float] | float = 0.0,
 ) -> Timeline:
-    """Replay pipeline._pipeline for chunks of `comm_s[i]` network time each way,
+    """Replay pipeline.run_pipeline for chunks of `comm_s[i]` network time each way,
     `compute_s[i]` compute, and `blocking_s[i]` spent on this thread to start each of their
     transfers (the hierarchical intra-node step). The network is one FIFO channel; of a
     transfer's time, `latency_s[i]` (a fit's alpha: setup, handshakes, the last byte's
