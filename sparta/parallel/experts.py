@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sparta.comm import HierarchicalAllToAll
+from sparta.comm import Communicator, HierarchicalAllToAll
 from sparta.errors import ConfigError
 from sparta.moe import ROUTERS, moeify
 from sparta.parallel.dims import Layout
@@ -48,13 +48,13 @@ class MoESpec:
 
 
 def moe_layers(
-    module: nn.Module, spec: MoESpec, layout: Layout | None, exchange: HierarchicalAllToAll | None = None
+    module: nn.Module, spec: MoESpec, ep: Communicator | None, exchange: HierarchicalAllToAll | None = None
 ) -> list[str]:
     """Turn the MLP of every ``spec.every``-th layer of ``module.layers`` into an MoELayer,
-    in place; each is seeded from ``spec.seed`` and the layer's name, so any stage cut and
-    the one-process model (``layout=None``) build equal experts and routers. ``exchange``:
-    the rows' two-level all-to-all over ``layout.ep`` (see `hierarchical_ep`), or None (flat)."""
-    ep = layout.ep if layout is not None else None
+    in place, its experts split over ``ep`` (a layout's ``ep``; None: all on this rank); each
+    is seeded from ``spec.seed`` and the layer's name, so any stage cut and the one-process
+    model (``ep=None``) build equal experts and routers. ``exchange``: the rows' two-level
+    all-to-all over ``ep`` (see `hierarchical_ep`), or None (flat)."""
     replaced = []
     for key, layer in module.layers.items():  # type: ignore[union-attr, operator]
         if int(key) % spec.every:

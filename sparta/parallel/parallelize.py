@@ -291,7 +291,7 @@ def parallelize(
     for index in mine:
         module = stage_module(model, parts, stages[index], index == 0, index == num_stages - 1).to(layout.device)
         if config.moe is not None:
-            moe_layers(module, config.moe, layout, moe_exchange)
+            moe_layers(module, config.moe, layout.ep, moe_exchange)
         if config.embedding == "sparse" and index == 0:
             swap_embeddings(module, layout.dp)
         if config.tensor_parallel and dims.tp > 1:

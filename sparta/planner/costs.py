@@ -16,7 +16,10 @@ on g ranks, their all-reduces inside. Dividing the plain part by g misses DTenso
 a Decoder block (d 128, 256 tokens) took 6.1 ms forward + backward plain and 30.1 ms under
 tp2 on this 2-core machine, against 3.1 ms for plain / 2. Parts without such a measurement
 (costs from published figures, runs without torch.distributed) fall back to plain / g plus
-the measured all-reduces.
+the measured all-reduces. Likewise ``moe/ep{g}``: the MoE layer with its experts split over g
+adjacent ranks, its exchanges inside (the counts exchange with its host synchronisation, the
+rows out and back, the busiest rank's experts), used for plans whose ep groups are adjacent
+(tp 1); without it the planner adds two measured all-to-alls each way to ``moe``.
 
 Collectives are fitted per group shape, seconds vs bytes per rank: "all_reduce/g4" over
 groups of 4 consecutive ranks, "all_reduce/g4s2" over groups of 4 ranks 2 apart, for every
@@ -64,9 +67,9 @@ class PartCost:
     """One part's costs. fwd, bwd: seconds vs tokens (bwd: input and weight gradients
     together; bwd_input: the input gradients alone); saved_bytes_per_token: what its forward
     keeps for backward, per token; params: parameter count (all experts of an MoE layer);
-    busy: the share of those seconds the rank computes (1 but for the halves measured under
-    tp, whose all-reduces wait inside them): ranks sharing a host's cores slow the busy share
-    down, not the waiting (see simulate.py)."""
+    busy: the share of those seconds the rank computes (1 but for the parts measured under
+    their groups, tp halves and ep MoE layers, whose collectives wait inside them): ranks
+    sharing a host's cores slow the busy share down, not the waiting (see simulate.py)."""
 
     fwd: LinearFit
     bwd: LinearFit

@@ -5,7 +5,9 @@ every rank times the same parts together and the slowest rank's median counts, s
 host's cores or a node's memory bandwidth is in the figures, as it is in training. On GPUs
 each rank times its own device. The parts are the trainer's own modules (`Block`'s halves,
 the MoE layer, the embedding and head as the Decoder has them); the collectives run over
-every group shape a layout of the launch can form (`group_shapes`).
+every group shape a layout of the launch can form (`group_shapes`). Parts that talk inside
+are timed under their groups as the trainer runs them too: a block's halves under tp
+(``attention/tp2``), the MoE layer with its experts split over ep (``moe/ep4``).
 """
 
 from __future__ import annotations
@@ -97,12 +99,17 @@ def _parts(cfg: DecoderConfig, moe: MoESpec | None) -> dict[str, nn.Module]:
         "head": _Head(cfg),
     }
     if moe is not None:
-        holder = nn.Module()
-        holder.layers = nn.ModuleDict({"0": Block(cfg)})
-        moe_layers(holder, dataclasses.replace(moe, every=1), None)
-        moe_block = holder.layers["0"]
-        parts["moe"] = _Residual(moe_block.mlp_norm, moe_block.mlp)
+        parts["moe"] = _moe_part(cfg, moe, None)
     return parts
+
+
+def _moe_part(cfg: DecoderConfig, moe: MoESpec, ep: Communicator | None) -> nn.Module:
+    """A block's MoE half, its experts split over ``ep`` (None: all here), as moe_layers builds it."""
+    holder = nn.Module()
+    holder.layers = nn.ModuleDict({"0": Block(cfg)})
+    moe_layers(holder, dataclasses.replace(moe, every=1), ep)
+    moe_block = holder.layers["0"]
+    return _Residual(moe_block.mlp_norm, moe_block.mlp)
 
 
 def measure_costs(
@@ -157,13 +164,15 @@ def measure_costs(
         for name, module in _parts(model, None).items():
             if name in ("attention", "mlp"):
                 parallelize_module(module.to(device), mesh["tp"], _tp_styles(name))
-                cost = _scaled(_part(profiler, module, name, model, cfg.rows, g, device), min(1.0, slots / g))
-                # busy: CPU seconds over those speed-one seconds (on GPUs the devices' own
-                # time is not the process's: left at 1 there)
-                busy = 1.0
-                if device.type == "cpu":
-                    busy = min(1.0, _cpu_share(profiler, module, model, cfg.rows[-1], g, device) * max(1.0, g / slots))
-                parts[f"{name}/tp{g}"] = dataclasses.replace(cost, busy=busy)
+                parts[f"{name}/tp{g}"] = _grouped_part(profiler, module, name, model, cfg.rows, g, slots, device)
+    for g in sizes if moe is not None else ():
+        if moe.num_experts % g:  # type: ignore[union-attr]
+            continue
+        # the MoE layer with its experts over g ranks, its exchanges inside (counts, rows
+        # out and back, the host synchronisation on the splits, the busiest rank's experts);
+        # each rank's own group builds its layer alike
+        module = _moe_part(model, moe, groups[f"g{g}"]).to(device)  # type: ignore[arg-type]
+        parts[f"moe/ep{g}"] = _grouped_part(profiler, module, "moe", model, cfg.rows, g, slots, device)
     optimizer = _fit(profiler, (100_000, 400_000, 1_600_000), lambda n: _adamw(n, device), active)
     return ModelCosts(
         parts=parts,
@@ -211,6 +220,26 @@ def _part(
     saved = _saved_bytes(_call(module, make(rows[-1])))
     params = sum(p.numel() for p in module.parameters())
     return PartCost(fwd, bwd, bwd_input, saved / rows[-1], params)
+
+
+def _grouped_part(
+    profiler: Profiler,
+    module: nn.Module,
+    name: str,
+    model: DecoderConfig,
+    rows: tuple[int, ...],
+    g: int,
+    slots: int,
+    device: torch.device,
+) -> PartCost:
+    """A part that talks inside, timed on the first ``g`` ranks (one group, the others idle):
+    as speed-one seconds (g ranks over fewer slots ran at slots / g), with ``busy``, its CPU
+    seconds over those (on GPUs the devices' own time is not the process's: left at 1)."""
+    cost = _scaled(_part(profiler, module, name, model, rows, g, device), min(1.0, slots / g))
+    busy = 1.0
+    if device.type == "cpu":
+        busy = min(1.0, _cpu_share(profiler, module, model, rows[-1], g, device) * max(1.0, g / slots))
+    return dataclasses.replace(cost, busy=busy)
 
 
 def _tp_styles(name: str) -> dict[str, Any]:

@@ -18,8 +18,10 @@ An action's seconds are its stage's parts at the micro-batch's tokens (`ModelCos
 attention and dense MLPs as timed under the plan's tp degree where the costs have it
 (``attention/tp2``: DTensor's dispatch and the all-reduces inside), else their per-token
 cost split over tp plus two tp all-reduces of the activations per block forward and two
-backward, MoE layers replicated over tp (as the trainer runs them) with two
-ep all-to-alls of tokens x top_k rows each way, the embedding on the first stage and the head
+backward, MoE layers replicated over tp (as the trainer runs them) as timed with their
+experts over the plan's ep (``moe/ep4``: the counts exchange, the rows out and back and the
+busiest rank's experts inside) where the costs have it and tp is 1, else with two ep
+all-to-alls of tokens x top_k rows each way, the embedding on the first stage and the head
 on the last. After the last action the rank's gradient sync runs: the dense gradients'
 all-reduce over dp, which the bucketed strategies overlap with the last micro-batch's
 backward (only what sticks out past it counts), the experts' over their replicas, and
@@ -39,8 +41,9 @@ Ranks that oversubscribe a host (8 ranks on 2 CPU cores) share its speed: the re
 processor-sharing one, each busy pipeline rank (with its dp x tp replicas) running at
 ``slots`` / (busy ranks on the host) of its speed-one time while more are busy than the host
 has slots, so a pipeline's bubble leaves the others faster. The collectives inside an action
-are not shared: they were measured with every rank at them at once; nor is what a tp-measured
-half spent waiting in its own all-reduces (``PartCost.busy``). With a device per rank (GPUs)
+are not shared: they were measured with every rank at them at once; nor is what a part timed
+under its group (a tp half, an ep MoE layer) spent waiting in its own collectives
+(``PartCost.busy``). With a device per rank (GPUs)
 nothing is shared and the replay is exact event timing.
 """
 
@@ -155,14 +158,15 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
     blocks, extras, comms = [0.0] * 4, [0.0] * 4, [0.0] * 3
     largest_block = dense = expert = 0.0
 
-    def add(into: list[float], part: str, split: int, comm: float = 0.0) -> None:
+    def add(into: list[float], part: str, split: int, comm: float = 0.0, group: int = dims.tp) -> None:
         # a part's fixed cost per call (launches, Python) is every tp rank's, whole; its
         # per-token cost is split
         p = costs.parts[part]
-        # a part that waits inside (the tp halves' all-reduces): its busy share is compute,
-        # the rest waiting, which was measured on the g ranks' share of the host (g / slots)
-        # and is not slowed by the host's other ranks: it joins the unshared collectives
-        waited = (1.0 - p.busy) * max(1.0, dims.tp / costs.slots)
+        # a part that waits inside (a tp half's all-reduces, an ep MoE layer's exchanges):
+        # its busy share is compute, the rest waiting, which was measured on its group's
+        # share of the host (group / slots) and is not slowed by the host's other ranks: it
+        # joins the unshared collectives
+        waited = (1.0 - p.busy) * max(1.0, group / costs.slots)
         for i, f in enumerate((p.fwd, p.bwd, p.bwd_input)):
             seconds = f.alpha + f.beta * tokens / split
             into[i] += p.busy * seconds
@@ -186,8 +190,12 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
         dense += costs.parts["attention"].params / dims.tp
         if moe is not None and layer % moe.every == 0:
             # replicated over tp, as the trainer runs it; tokens x top_k rows out and back
-            a2a = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k, stride=dims.tp)
-            add(blocks, "moe", 1, a2a)
+            measured = f"moe/ep{dims.ep}"  # timed over ep groups of adjacent ranks
+            if dims.ep > 1 and dims.tp == 1 and measured in costs.parts:
+                add(blocks, measured, 1, group=dims.ep)
+            else:
+                a2a = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k, stride=dims.tp)
+                add(blocks, "moe", 1, a2a)
             router = cfg.d_model * moe.num_experts
             expert += (costs.parts["moe"].params - router) / dims.ep
             dense += router

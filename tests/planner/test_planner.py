@@ -164,6 +164,28 @@ def test_a_tp_halfs_waiting_is_not_slowed_by_the_hosts_other_ranks() -> None:
         assert simulate(c, WORK, plan(1, "1F1B", 1, (), dp=4, tp=2)).step_s == pytest.approx(8 * per_half), busy
 
 
+def test_an_moe_layer_measured_under_ep_replaces_its_modelled_all_to_alls() -> None:
+    moe = MoESpec(num_experts=4, top_k=2, every=1)
+    work = Workload(MODEL, moe, 8)
+    c = costs(comm_s=0.25, moe=moe)
+
+    def step(c: ModelCosts, **dims: int) -> float:
+        config = ParallelConfig(moe=moe, split_points=())
+        return simulate(c, work, Plan(ParallelDims(dp=2, ep=2, **dims), config)).step_s
+
+    # 32 tokens a rank; 4 blocks: attention 0.5 s + MoE 0.5 s forward with 2 all-to-alls,
+    # 1 + 1 s backward with 2; the step's two scalar all-reduces; a quarter of the dp
+    # all-reduce sticks out
+    assert step(c) == pytest.approx(4 * (1.0 + 2 * 0.25) + 4 * (2.0 + 2 * 0.25) + 2 * 0.25 + 0.25 / 4)
+    # measured with its experts over 2 ranks, its exchanges inside: 3 s forward, nothing else
+    zero = const(0.0)
+    measured = dataclasses.replace(c, parts={**c.parts, "moe/ep2": PartCost(const(3.0), zero, zero, 1.0, 1000)})
+    assert step(measured) == pytest.approx(4 * (0.5 + 3.0) + 4 * 1.0 + 2 * 0.25 + 0.25 / 4)
+    # under tp the layer's ep group spans ranks tp apart, not the adjacent ones it was timed on
+    wide = dataclasses.replace(measured, world=4)
+    assert step(wide, tp=2) == pytest.approx(step(dataclasses.replace(c, world=4), tp=2))
+
+
 def test_the_search_finds_the_known_best_plan() -> None:
     # collectives so dear that the one layout without any (four pipeline stages) must win,
     # with its most micro-batches (the bubble shrinks) on a schedule with the least bubble
