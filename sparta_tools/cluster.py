@@ -29,6 +29,7 @@ HOROVOD_HOSTNAME "node<k>", HOROVOD_GLOO_IFACE its node's veth, ...).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import select
@@ -37,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +49,7 @@ from sparta.errors import ConfigError, SpartaError
 
 _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit)$")
 LAUNCHERS = ("torchrun", "horovodrun")
+NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` mounts NETNS_ETC/NS/* over /etc/*
 
 
 class ClusterUnavailableError(SpartaError, RuntimeError):
@@ -123,7 +126,9 @@ class EmulatedCluster:
         self.port_dev = [f"{p}b{k}" for k in range(config.nodes)]  # bridge end
         self.node_addr = [f"{config.subnet}.{k + 1}" for k in range(config.nodes)]
         self._made: list[str] = []  # namespaces to delete, in creation order
-        self._procs: list[subprocess.Popen[Any]] = []
+        self._made_etc = False
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._rendezvous: subprocess.Popen[bytes] | None = None  # Horovod's, for the ranks of one start()
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> EmulatedCluster:
@@ -143,15 +148,18 @@ class EmulatedCluster:
 
     def close(self) -> None:
         """Stop the ranks and delete every namespace (and with them the links). Idempotent."""
-        for proc in self._procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        for proc in [*self._procs, self._rendezvous]:
+            self._stop(proc)
         self._procs.clear()
+        self._rendezvous = None
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
         self._made.clear()
+        if self._made_etc:  # /etc/netns did not exist before this cluster: gone, unless another uses it
+            with contextlib.suppress(OSError):
+                NETNS_ETC.rmdir()
+            self._made_etc = False
         atexit.unregister(self.close)
 
     def _build(self) -> None:
@@ -168,12 +176,21 @@ class EmulatedCluster:
             self._ip(self.bridge_ns, "link", "set", port, "master", br)
             self._ip(self.bridge_ns, "link", "set", port, "up")
             self._ip(ns, "addr", "add", f"{self.node_addr[k]}/24", "dev", dev)
-            hosts = Path("/etc/netns") / ns / "hosts"
-            hosts.parent.mkdir(parents=True, exist_ok=True)
-            hosts.write_text(f"127.0.0.1 localhost\n{self.node_addr[k]} {socket.gethostname()}\n")
+            self._write_hosts(ns, self.node_addr[k])
             self._ip(ns, "link", "set", dev, "up")
             self._shape(ns, dev)  # node -> bridge
             self._shape(self.bridge_ns, port)  # bridge -> node
+
+    def _write_hosts(self, ns: str, addr: str) -> None:
+        hosts = NETNS_ETC / ns / "hosts"
+        try:
+            if not NETNS_ETC.exists():
+                NETNS_ETC.mkdir(parents=True)
+                self._made_etc = True
+            hosts.parent.mkdir(exist_ok=True)
+            hosts.write_text(f"127.0.0.1 localhost\n::1 localhost\n{addr} {socket.gethostname()}\n")
+        except OSError as exc:
+            raise ClusterUnavailableError(f"cannot write {hosts} (node {ns}'s host name): {exc}") from exc
 
     def _add_ns(self, ns: str) -> None:
         _sh("ip", "netns", "add", ns)
@@ -244,22 +261,35 @@ class EmulatedCluster:
             "PYTHONUNBUFFERED": "1",
         }
 
-    def _horovod_rendezvous(self, timeout_s: float = 60.0) -> int:
+    def _horovod_rendezvous(self, env: dict[str, str], timeout_s: float = 60.0) -> int:
+        """Start a fresh rendezvous server for one job (the last job's is stopped: its store
+        holds that job's keys), on node 0's CPUs; returns its port."""
         c = self.config
+        self._stop(self._rendezvous)
+        cpus = self.node_cpus(0)
+        errors = tempfile.TemporaryFile()  # its traceback, if it fails; never a pipe it could fill
         proc = subprocess.Popen(
             ["ip", "netns", "exec", self.node_ns[0], sys.executable, "-m", "sparta_tools.cluster",
              "horovod-rendezvous", str(c.nodes), str(c.ranks_per_node)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            env=env, stdout=subprocess.PIPE, stderr=errors, start_new_session=True,
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
         )  # fmt: skip
-        self._procs.append(proc)
+        self._rendezvous = proc
         assert proc.stdout is not None
         ready = select.select([proc.stdout], [], [], timeout_s)[0]
-        line = proc.stdout.readline().strip() if ready else ""
+        line = proc.stdout.readline().decode().strip() if ready else ""
         if not line.isdigit():
-            proc.kill()
-            err = proc.stderr.read() if proc.stderr is not None else ""
-            raise ClusterUnavailableError(f"Horovod's rendezvous did not start in node 0: {line!r} {err[-2000:]}")
+            self._stop(proc)
+            errors.seek(0)
+            tail = errors.read().decode(errors="replace")[-2000:]
+            raise ClusterUnavailableError(f"Horovod's rendezvous server did not start in node 0 ({line!r}): {tail}")
         return int(line)
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen[bytes] | None) -> None:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
     def start(
         self,
@@ -273,8 +303,8 @@ class EmulatedCluster:
         `launcher`: whose variables the ranks get, "torchrun" or "horovodrun" (--gloo)."""
         if launcher not in LAUNCHERS:
             raise ConfigError(f"EmulatedCluster.start(launcher={launcher!r}): use one of {', '.join(LAUNCHERS)}")
-        port = self._horovod_rendezvous() if launcher == "horovodrun" else 0
         base = dict(os.environ if env is None else env)
+        port = self._horovod_rendezvous(base) if launcher == "horovodrun" else 0
         procs = []
         for rank in range(self.config.world_size):
             node = rank // self.config.ranks_per_node
@@ -313,10 +343,9 @@ class EmulatedCluster:
                     raise TimeoutError(f"{list(cmd)} on the emulated cluster ran past {timeout_s:g} s; killed")
                 time.sleep(0.05)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+            for p in [*procs, self._rendezvous]:
+                self._stop(p)
+            self._rendezvous = None
         return [int(p.returncode) for p in procs]
 
 

@@ -20,9 +20,9 @@ attention and dense MLPs as timed under the plan's tp degree where the costs hav
 cost split over tp plus two tp all-reduces of the activations per block forward and two
 backward, MoE layers replicated over tp (as the trainer runs them) as timed with their
 experts over the plan's ep (``moe/ep4``: the counts exchange, the rows out and back and the
-busiest rank's experts inside) where the costs have it and tp is 1, else with two ep
-all-to-alls of tokens x top_k rows each way, the embedding on the first stage and the head
-on the last. After the last action the rank's gradient sync runs: the dense gradients'
+busiest rank's experts inside) where the costs have it, tp is 1 and the exchange flat, else
+with two ep all-to-alls of tokens x top_k rows each way, the embedding on the first stage
+and the head on the last. After the last action the rank's gradient sync runs: the dense gradients'
 all-reduce over dp, which the bucketed strategies overlap with the last micro-batch's
 backward (only what sticks out past it counts), the experts' over their replicas, and
 under fsdp a parameter all-gather per micro-batch forward and backward; then AdamW.
@@ -190,8 +190,8 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
         dense += costs.parts["attention"].params / dims.tp
         if moe is not None and layer % moe.every == 0:
             # replicated over tp, as the trainer runs it; tokens x top_k rows out and back
-            measured = f"moe/ep{dims.ep}"  # timed over ep groups of adjacent ranks
-            if dims.ep > 1 and dims.tp == 1 and measured in costs.parts:
+            measured = f"moe/ep{dims.ep}"  # timed over ep groups of adjacent ranks, flat exchange
+            if dims.ep > 1 and dims.tp == 1 and not moe.hierarchical and measured in costs.parts:
                 add(blocks, measured, 1, group=dims.ep)
             else:
                 a2a = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k, stride=dims.tp)

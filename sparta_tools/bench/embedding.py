@@ -22,7 +22,7 @@ dense weight that any step updated wrongly shows. Fields: bytes_sent_per_step (r
 ring all-reduce 2(w-1)/w of a gradient, allgather (w-1) x the looked-up rows, all-to-all the
 rows and ids to other ranks), table_bytes_per_rank (the embedding's parameter + gradient),
 state_bytes_per_rank (every parameter and its gradient as the optimizer sees it, the largest
-over the timed steps: sparse gradients count their values and indices, Horovod's gathered
+over the steps, warm-up included: sparse gradients count their values and indices, Horovod's gathered
 one before it is coalesced, hvd_dense the dense table gradient it all-reduces before it turns
 it back into a sparse one; activations, the same in every variant, are not counted).
 On an emulated cluster (`--rate 1gbit --nprocs 2 --ranks-per-node 1`, root) the torch
@@ -233,7 +233,8 @@ class Variant:
         self.opt.zero_grad()
 
     def _count_state(self) -> None:
-        total = self.model.emb.weight.numel() * 4 if self.name == "hvd_dense" else 0
+        weight = self.model.emb.weight
+        total = weight.numel() * weight.element_size() if self.name == "hvd_dense" else 0
         for p in self.params:
             g = p.grad
             total += p.numel() * p.element_size()

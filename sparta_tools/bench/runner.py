@@ -130,7 +130,7 @@ def run_on_cluster(opts: BenchOptions, argv: list[str], engine: str) -> tuple[in
         with EmulatedCluster(config) as cluster:
             codes = cluster.run(cmd, timeout_s=opts.timeout_s, env=env, launcher=LAUNCHER_OF[engine])
     except ClusterUnavailableError as exc:
-        return 1, f"sparta bench: no emulated cluster here: {exc}"
+        return 1, f"sparta bench: the emulated cluster could not start the job: {exc}"
     except TimeoutError as exc:
         return 124, str(exc)
     return max(codes, key=abs), f"emulated cluster {config}: rank exit codes {codes}"

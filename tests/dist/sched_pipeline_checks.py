@@ -18,10 +18,10 @@ import sparta
 from sparta.comm import Exchange, HierarchicalAllToAll, World
 from sparta.errors import ConfigError, InputError
 from sparta.parallel import DataParallel, ParallelDims, build_layout
+from sparta.scheduling.chunks import PipelineDegrees
 from sparta.scheduling.cost_model import CostModel, LayerShape
 from sparta.scheduling.microbatch import Routed, overlapped_block
 from sparta.scheduling.partition import GradientPartition
-from sparta.scheduling.chunks import PipelineDegrees
 from sparta.scheduling.pipeline import Compute, pipelined_exchange
 from sparta.scheduling.profiler import ProfileConfig, Profiler
 from sparta.scheduling.trace import Tracer, gather, write_chrome_trace

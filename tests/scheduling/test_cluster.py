@@ -54,6 +54,7 @@ def test_two_nodes_shaped_and_torn_down() -> None:
     except ClusterUnavailableError as e:  # e.g. a container without CAP_SYS_ADMIN
         pytest.skip(str(e))
     assert config.prefix not in _namespaces(), "namespaces left behind"
+    assert not list(Path("/etc/netns").glob(f"{config.prefix}*")), "host files left behind"
     recs = [json.loads(line) for p in Path(results).glob("rank-*.jsonl") for line in p.read_text().splitlines()]
     failed = [r["error"] for r in recs if not r["ok"]]
     assert not failed, failed[0]

@@ -6,9 +6,10 @@ import pytest
 
 from sparta.errors import ConfigError
 from sparta.scheduling.chunks import PipelineDegrees
-from sparta.scheduling.cost_model import CostModel, LayerShape, timeline
+from sparta.scheduling.cost_model import CostModel, LayerShape
 from sparta.scheduling.partition import bucketed_exposed_s, partition_gradients
 from sparta.scheduling.profiler import LinearFit, Profile
+from sparta.scheduling.timeline import timeline
 
 AR = LinearFit.fit([(1e5, 1e-3 + 1e-8 * 1e5), (1e7, 1e-3 + 1e-8 * 1e7)])  # 1 ms + 100 MB/s
 
