@@ -18,14 +18,16 @@ An action's seconds are its stage's parts at the micro-batch's tokens (`ModelCos
 attention and dense MLPs as timed under the plan's tp degree where the costs have it
 (``attention/tp2``: DTensor's dispatch and the all-reduces inside), else their per-token
 cost split over tp plus two tp all-reduces of the activations per block forward and two
-backward, MoE layers replicated over tp (as the trainer runs them) as timed with their
+backward; the embedding on the first stage and the head on the last. MoE layers run
+replicated over tp (as the trainer runs them). Where the costs have the layer timed with its
 experts over the plan's ep (``moe/ep4``: the counts exchange, the rows out and back and the
-busiest rank's experts inside) where the costs have it, tp is 1 and the exchange flat, else
-with two ep all-to-alls of tokens x top_k rows each way, the embedding on the first stage
-and the head on the last. After the last action the rank's gradient sync runs: the dense gradients'
-all-reduce over dp, which the bucketed strategies overlap with the last micro-batch's
-backward (only what sticks out past it counts), the experts' over their replicas, and
-under fsdp a parameter all-gather per micro-batch forward and backward; then AdamW.
+busiest rank's experts inside), tp is 1 and the exchange flat, that time is used; else the
+plain layer plus two ep all-to-alls of tokens x top_k rows each way.
+
+After the last action the rank's gradient sync runs: the dense gradients' all-reduce over
+dp, which the bucketed strategies overlap with the last micro-batch's backward (only what
+sticks out past it counts), the experts' over their replicas, and under fsdp a parameter
+all-gather per micro-batch forward and backward; then AdamW.
 
 Memory per pipeline rank: parameters, gradients and AdamW's two moments (16 bytes per
 float32 parameter; fsdp divides them by dp), plus the activations of the micro-batches in
@@ -43,8 +45,8 @@ processor-sharing one, each busy pipeline rank (with its dp x tp replicas) runni
 has slots, so a pipeline's bubble leaves the others faster. The collectives inside an action
 are not shared: they were measured with every rank at them at once; nor is what a part timed
 under its group (a tp half, an ep MoE layer) spent waiting in its own collectives
-(``PartCost.busy``). With a device per rank (GPUs)
-nothing is shared and the replay is exact event timing.
+(``PartCost.busy``). With a device per rank (GPUs) nothing is shared and the replay is
+exact event timing.
 """
 
 from __future__ import annotations
