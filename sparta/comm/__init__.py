@@ -14,7 +14,7 @@ exchanges go through the `Exchange` interface, which a Communicator, a two-level
     world.comm.agree(error_or_none, "my op")  # every rank raises if any rank has an error
 """
 
-from sparta.comm.autograd import all_to_all
+from sparta.comm.autograd import all_reduce_backward, all_reduce_forward, all_to_all
 from sparta.comm.communicator import Communicator
 from sparta.comm.config import CommConfig
 from sparta.comm.exchange import Exchange, PendingAllToAll
@@ -37,6 +37,8 @@ __all__ = [
     "QueueConfig",
     "TaskKey",
     "World",
+    "all_reduce_backward",
+    "all_reduce_forward",
     "all_to_all",
     "detect",
     "init",

@@ -1,13 +1,22 @@
-"""All-to-all that autograd can differentiate: its backward is the reverse all-to-all."""
+"""Collectives that autograd can differentiate.
+
+``all_to_all``: its backward is the reverse all-to-all. ``all_reduce_forward`` and
+``all_reduce_backward``: the pair around a layer whose weights are split over ranks that all
+see the same input (Megatron's tensor-parallel "g" and "f"): the partial outputs are summed
+in forward, the partial input gradients in backward.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sparta.comm.exchange import Exchange
+
+if TYPE_CHECKING:
+    from sparta.comm.communicator import Communicator
 
 
 class _AllToAll(torch.autograd.Function):
@@ -48,3 +57,36 @@ def all_to_all(
     send = [int(s) for s in send_splits] if send_splits is not None else None
     recv = [int(s) for s in recv_splits] if recv_splits is not None else None
     return _AllToAll.apply(x, send, recv, comm, check)
+
+
+class _SumForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        return comm.all_reduce(x, op="sum", check=False)  # type: ignore[return-value]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _SumBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.comm.all_reduce(grad.contiguous(), op="sum", check=False), None
+
+
+def all_reduce_forward(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """The sum of ``x`` over ``comm``'s ranks (same shape); backward passes the gradient
+    through unchanged. For partial outputs whose sum every rank then uses alike."""
+    return _SumForward.apply(x, comm)
+
+
+def all_reduce_backward(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """``x`` unchanged; backward sums the gradient over ``comm``'s ranks. For an input that
+    every rank holds alike and feeds to its own part of a split layer."""
+    return _SumBackward.apply(x, comm)

@@ -3,17 +3,28 @@
 Every GEMM of all experts is one ``torch.nn.functional.grouped_mm`` call, on CPU and CUDA
 alike: the rows ``[N, d]`` are cut into groups by cumulative ``counts`` kept on the device,
 so running the experts needs no host synchronisation.
+
+Expert tensor parallelism (Megatron-Core's): `GroupedExperts.split_ff` keeps one rank's
+share of every expert's hidden width, so its forward gives a partial output; the MoE layer
+sums the partials over the ranks that share its tokens (`MoELayer.split_experts`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from sparta.errors import InputError
+from sparta.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from sparta.comm import Communicator
+
+# how each weight is cut when the hidden width is split: the dimension of d_ff in one
+# expert's tensor (w1 [d_model, d_ff], w2 [d_ff, d_model], b1 [d_ff]); b2 stays whole
+_FF_DIM = {"w1": 1, "w3": 1, "w2": 0, "b1": 0, "b3": 0}
 
 
 def activate(activation: str, h1: Tensor, h3: Tensor | None = None) -> Tensor:
@@ -45,6 +56,20 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
 
 
+class _ShareOfSum(torch.autograd.Function):
+    """``x / n`` in forward, the gradient unscaled in backward: each of ``n`` ranks adds its
+    share of a bias they all hold, so the sum of their outputs holds it once, while each
+    rank's copy gets the whole gradient (as every other parameter replicated over them)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, n: int) -> Tensor:
+        return x / n
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` independent MLPs ``act(x @ w1[e] + b1[e]) @ w2[e] + b2[e]`` (SwiGLU:
     ``(silu(x @ w1[e] + b1[e]) * (x @ w3[e] + b3[e])) @ w2[e] + b2[e]``); the biases only
@@ -58,6 +83,12 @@ class GroupedExperts(nn.Module):
     expert under its global id (``w1.<id>`` ``[d_model, d_ff]``, ``w2.<id>`` ``[d_ff,
     d_model]``, ``b1.<id>`` ``[d_ff]``, ...), and ``load_state_dict`` takes this rank's
     experts from any checkpoint that contains them, whatever expert-parallel size wrote it.
+
+    After ``split_ff(tp)`` this rank holds hidden units ``ff_range = [a, b)`` of every expert
+    (``d_ff`` stays the full width): ``w1``, ``w3`` ``[num_experts, d_model, b - a]``, ``w2``
+    ``[num_experts, b - a, d_model]``, ``b1``, ``b3`` ``[num_experts, b - a]``; its
+    ``state_dict`` entries are those slices, and ``load_state_dict`` takes either the slices
+    or whole experts (which it cuts).
 
     The GEMMs run through ``torch.nn.functional.grouped_mm``: float32, bfloat16 and float16
     on CPU; bfloat16 on CUDA (compute capability 8.0+). Rows must be 16-byte aligned
@@ -80,6 +111,8 @@ class GroupedExperts(nn.Module):
         self.activation = activation
         # A plain attribute, not a buffer: a checkpoint must not pin the expert-parallel layout.
         self.first_expert = first_expert
+        self.tp: Communicator | None = None
+        self.ff_range = (0, d_ff)
         self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
         self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_ff)) if activation == "swiglu" else None
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
@@ -142,6 +175,8 @@ class GroupedExperts(nn.Module):
                     missing_keys.append(key)
                     continue
                 value = state_dict[key]
+                if name in _FF_DIM and self.tp is not None and value.shape[_FF_DIM[name]] == self.d_ff:
+                    value = value.narrow(_FF_DIM[name], self.ff_range[0], self.ff_range[1] - self.ff_range[0])
                 if value.shape != weight.shape[1:]:
                     error_msgs.append(
                         f"size mismatch for {key}: the checkpoint has {tuple(value.shape)}, this expert "
@@ -156,6 +191,48 @@ class GroupedExperts(nn.Module):
                 key for key in state_dict if key.startswith(prefix) and key[len(prefix) :].split(".")[0] not in ours
             )
 
+    def split_ff(self, tp: Communicator) -> None:
+        """Keep this rank's share of every expert's hidden units: ``ff_range`` = ``[r * d_ff /
+        n, (r + 1) * d_ff / n)`` for rank ``r`` of ``tp``'s ``n`` (the columns of ``w1``,
+        ``w3``, ``b1``, ``b3``, the rows of ``w2``); ``b2`` stays whole, added once after the sum.
+
+        From then on ``forward`` returns this rank's partial output: the sum of the tp ranks'
+        outputs (``b2`` included once) is the whole experts' output on the same rows, and
+        their input gradients sum to the whole experts'. The caller sums them
+        (``MoELayer.split_experts`` does, around its exchanges). Call it before an optimizer
+        or wrapper takes the parameters. Raises ConfigError if ``tp`` does not divide
+        ``d_ff`` or the experts are already split.
+        """
+        if self.tp is not None:
+            raise ConfigError(f"the experts are already split over a tp group of {self.tp.size}: split them once")
+        if self.d_ff % tp.size:
+            raise ConfigError(
+                f"expert tensor parallelism splits d_ff={self.d_ff} over tp={tp.size} ranks: pick a tp dividing "
+                f"{self.d_ff}, or replicate the experts (MoESpec.expert_tp=False)"
+            )
+        width = self.d_ff // tp.size
+        start = tp.rank * width
+        for name, weight in self.named_weights():
+            if name in _FF_DIM:
+                part = weight.detach().narrow(_FF_DIM[name] + 1, start, width).clone()
+                setattr(self, name, nn.Parameter(part, requires_grad=weight.requires_grad))
+        self.tp, self.ff_range = tp, (start, start + width)
+
+    def split_weights(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, tensor) of the weights ``split_ff`` cut (none before it)."""
+        return [(n, w) for n, w in self.named_weights() if n in _FF_DIM] if self.tp is not None else []
+
+    def expert_slice(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """Where weight ``name``'s per-expert tensor sits in the whole expert's: (offsets,
+        the whole expert's shape); None when it is whole."""
+        if self.tp is None or name not in _FF_DIM:
+            return None
+        whole = list(getattr(self, name).shape[1:])
+        whole[_FF_DIM[name]] = self.d_ff
+        offsets = [0] * len(whole)
+        offsets[_FF_DIM[name]] = self.ff_range[0]
+        return tuple(offsets), tuple(whole)
+
     def check_rows(self, rows: Tensor) -> None:
         """Raise InputError unless grouped_mm can take rows like ``rows`` with these weights."""
         if rows.dtype != self.w1.dtype or rows.device != self.w1.device:
@@ -163,10 +240,11 @@ class GroupedExperts(nn.Module):
                 f"the experts hold {self.w1.dtype} weights on {self.w1.device} but got {rows.dtype} rows on "
                 f"{rows.device}: move the layer to the input's device and dtype (layer.to(x.device, x.dtype))"
             )
-        unaligned = [n for n in (self.d_model, self.d_ff) if n * rows.element_size() % 16]
+        d_ff = self.ff_range[1] - self.ff_range[0]
+        unaligned = [n for n in (self.d_model, d_ff) if n * rows.element_size() % 16]
         if unaligned:
             raise InputError(
-                f"grouped_mm needs 16-byte aligned rows, but d_model={self.d_model}, d_ff={self.d_ff} in "
+                f"grouped_mm needs 16-byte aligned rows, but d_model={self.d_model}, d_ff={d_ff} (this rank's) in "
                 f"{rows.dtype} gives rows of {[n * rows.element_size() for n in unaligned]} bytes: use widths "
                 f"that are multiples of {16 // rows.element_size()}"
             )
@@ -183,7 +261,10 @@ class GroupedExperts(nn.Module):
 
         h1 = linear(rows, self.w1, self.b1)
         h3 = linear(rows, self.w3, self.b3) if self.w3 is not None else None
-        return _ContiguousGrad.apply(linear(activate(self.activation, h1, h3), self.w2, self.b2))
+        b2 = self.b2
+        if b2 is not None and self.tp is not None:  # the tp ranks' partial outputs sum to one b2
+            b2 = _ShareOfSum.apply(b2, self.tp.size)
+        return _ContiguousGrad.apply(linear(activate(self.activation, h1, h3), self.w2, b2))
 
     def forward_blocks(self, rows: Tensor, block_counts: Tensor) -> Tensor:
         """``rows`` ``[N, d_model]`` in blocks, each grouped by local expert (block ``b`` holds
@@ -202,4 +283,5 @@ class GroupedExperts(nn.Module):
         return (
             f"num_experts={self.num_experts}, d_model={self.d_model}, d_ff={self.d_ff}, "
             f"activation={self.activation}, first_expert={self.first_expert}"
+            + (f", ff_range={self.ff_range} of tp={self.tp.size}" if self.tp is not None else "")
         )

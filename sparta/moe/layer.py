@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from sparta.comm.autograd import all_reduce_backward, all_reduce_forward
 from sparta.errors import ConfigError, InputError
 from sparta.moe.config import MoEConfig
 from sparta.moe.dispatch import DispatchPlan, combine, expert_capacity, plan_dispatch, soft_combine, soft_dispatch
@@ -218,18 +219,35 @@ class MoELayer(nn.Module):
 
     def _experts(self, rows: Tensor, plan: DispatchPlan) -> Tensor:
         """``rows`` ``[N, d]`` grouped by global expert through their experts, wherever they
-        live: ``[N, d]`` in the same order; records the plan's counts."""
+        live: ``[N, d]`` in the same order; records the plan's counts. Under `split_experts`
+        the tp ranks' partial outputs are summed here, after the exchange back: ``[N, d]``
+        has the same shape on every tp rank whatever the routing, where the rows an expert
+        receives do not (torch's pipelining infers stage shapes from uninitialised inputs,
+        on which tp ranks route differently)."""
         stats = _stats_vector(plan)
+        tp = self.experts.tp
+        if tp is not None:
+            rows = all_reduce_backward(rows, tp)
         if self.comm is None:
             self._record(stats)
-            return self.experts(rows, plan.counts)
-        exchanged = exchange_expert_counts(
-            plan.counts, self.comm, self.name, rows, stats=stats, check=not self._counts_checked
-        )
-        self._counts_checked = True
-        out = expert_parallel(rows, plan.counts, exchanged, self.experts, self.comm, self.degrees, self.exchange)
-        self._record(stats, exchanged.stats)
-        return out
+            out = self.experts(rows, plan.counts)
+        else:
+            exchanged = exchange_expert_counts(
+                plan.counts, self.comm, self.name, rows, stats=stats, check=not self._counts_checked
+            )
+            self._counts_checked = True
+            out = expert_parallel(rows, plan.counts, exchanged, self.experts, self.comm, self.degrees, self.exchange)
+            self._record(stats, exchanged.stats)
+        return out if tp is None else all_reduce_forward(out, tp)
+
+    def split_experts(self, tp: Communicator) -> None:
+        """Expert tensor parallelism: split every expert's hidden units over ``tp``'s ranks
+        (`GroupedExperts.split_ff`), whose partial outputs this layer sums with one
+        all-reduce of its ``[tokens x top_k, d_model]`` rows per forward (and their
+        gradients with one per backward). Every rank of ``tp`` must feed the layer the same
+        tokens (as tensor parallelism's replicated activations are) and run it in step;
+        ``comm`` (expert parallelism) is then one group per tp rank. Collective-free."""
+        self.experts.split_ff(tp)
 
     def _check_input(self, x: Tensor) -> None:
         d_model = self.config.d_model

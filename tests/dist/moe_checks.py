@@ -276,6 +276,70 @@ def check_gradients_equal_one_process_on_the_global_batch(world: World) -> None:
             DataParallel(groups, "sparta", 1, False).wrap(TinyModel(world.size, world.comm))
 
 
+def check_expert_tensor_parallel_equals_whole_experts(world: World) -> None:
+    """Experts' hidden units split over tp (MoELayer.split_experts), alone and inside expert
+    parallelism (4 ranks: tp pairs {0, 1}, {2, 3}, experts over {0, 2}, {1, 3}): outputs,
+    input and router gradients equal the whole layer's, expert gradients its slices; the
+    split layer loads a whole checkpoint; a d_ff that tp does not divide is refused."""
+    tp_size = 2
+    tp = world.comm.split_groups([list(range(r, r + tp_size)) for r in range(0, world.size, tp_size)])
+    dp_size = world.size // tp_size
+    ep = world.comm.split_groups([list(range(t, world.size, tp_size)) for t in range(tp_size)]) if dp_size > 1 else None
+    assert tp is not None
+    xs, ups = inputs(dp_size, [2] * dp_size)
+    mine = world.rank // tp_size  # tp peers hold the same tokens
+    cases = [CASES[0], CASES[1], CASES[6], CASES[-1]]  # gelu; swiglu with biases; xmoe with biases; soft
+    for case in cases:
+        sharded = {"ep_size": ep.size, "comm": ep} if ep is not None else {}
+        torch.manual_seed(0)
+        whole = MoELayer(D_MODEL, D_FF, EXPERTS, **case).train()
+        torch.manual_seed(0)
+        split = MoELayer(D_MODEL, D_FF, EXPERTS, **case, **sharded).train()
+        split.split_experts(tp)
+        a, b = split.experts.ff_range
+        assert (a, b) == (tp.rank * D_FF // tp_size, (tp.rank + 1) * D_FF // tp_size), split.experts.ff_range
+        assert split.experts.w1.shape[-1] == D_FF // tp_size and split.experts.w2.shape[1] == D_FF // tp_size
+        x = xs[mine].clone().requires_grad_()
+        y = split(x)
+        (y * ups[mine]).sum().backward()
+        grads = {name: torch.zeros_like(p) for name, p in whole.experts.named_parameters()}
+        for member in range(dp_size) if ep is not None else [mine]:
+            whole.zero_grad()
+            xr = xs[member].clone().requires_grad_()
+            yr = whole(xr)
+            (yr * ups[member]).sum().backward()
+            for name, p in whole.experts.named_parameters():
+                grads[name] += p.grad
+            if member == mine:
+                torch.testing.assert_close(y, yr, **TOL, msg=lambda m, c=case: f"{c}: output: {m}")
+                torch.testing.assert_close(x.grad, xr.grad, **TOL, msg=lambda m, c=case: f"{c}: input grad: {m}")
+                for name, p in whole.router.named_parameters():
+                    got = dict(split.router.named_parameters())[name].grad
+                    torch.testing.assert_close(got, p.grad, **TOL, msg=lambda m, n=name: f"router {n}: {m}")
+        local = EXPERTS // (ep.size if ep is not None else 1)
+        first = (ep.rank if ep is not None else 0) * local
+        cut = {"w1": (2, a, b), "w3": (2, a, b), "w2": (1, a, b), "b1": (1, a, b), "b3": (1, a, b)}
+        for name, p in split.experts.named_parameters():
+            want = grads[name][first : first + local]
+            if name in cut:
+                dim, lo, hi = cut[name]
+                want = want.narrow(dim, lo, hi - lo)
+            torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name, c=case: f"{c}: {n}: {m}")
+        # a whole layer's checkpoint loads into the split one (each rank takes its slice)
+        torch.manual_seed(7)
+        loaded = MoELayer(D_MODEL, D_FF, EXPERTS, **case, **sharded).eval()
+        loaded.split_experts(tp)
+        loaded.load_state_dict(whole.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(xs[mine]), whole.eval()(xs[mine]), **TOL)
+    empty = split.train()(torch.zeros(0, SEQ, D_MODEL, requires_grad=True))  # no tokens on any rank: still in step
+    empty.sum().backward()
+    assert empty.shape == (0, SEQ, D_MODEL)
+    odd = MoELayer(D_MODEL, 19, EXPERTS)
+    with raises(ConfigError, "splits d_ff=19 over tp=2"):
+        odd.split_experts(tp)
+
+
 def check_bad_input_on_one_rank_raises_on_every_rank(world: World) -> None:
     """One rank's bad input raises the same error, naming that rank and its reason, on every
     rank (agreed on the counts exchange), and the group stays in step afterwards."""
@@ -298,6 +362,7 @@ CHECKS = [
     check_empty_ranks_and_idle_experts,
     check_checkpoint_loads_under_other_expert_parallel_sizes,
     check_gradients_equal_one_process_on_the_global_batch,
+    check_expert_tensor_parallel_equals_whole_experts,
     check_bad_input_on_one_rank_raises_on_every_rank,
 ]
 

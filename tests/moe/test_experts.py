@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
 
-from sparta.errors import InputError
+from sparta.errors import ConfigError, InputError
 from sparta.moe import GroupedExperts, MoELayer
 from sparta.moe.experts import activate
 
@@ -124,3 +125,44 @@ def test_rows_grouped_mm_cannot_take_name_the_fix() -> None:
         GroupedExperts(2, 8, 16).check_rows(torch.zeros(3, 8, dtype=torch.float64))
     with pytest.raises(InputError, match=r"d_model=6"):
         MoELayer(6, 10, 2)(torch.randn(4, 6))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_split_hidden_units_sum_to_the_whole_experts(activation: str) -> None:
+    """split_ff's slices (what each rank of a tp group keeps; only its rank and size are read)
+    give partial outputs and input gradients whose sums are the whole experts', b2 once; each
+    slice's weight gradients are the whole's slices, b2's whole; a whole checkpoint loads."""
+    torch.manual_seed(0)
+    whole = GroupedExperts(3, 8, 16, activation=activation, bias=True)
+    counts = torch.tensor([2, 0, 3])
+    rows = torch.randn(5, 8)
+    up = torch.randn(5, 8)
+    x = rows.clone().requires_grad_()
+    (whole(x, counts) * up).sum().backward()
+    out, grad_in = torch.zeros(5, 8), torch.zeros(5, 8)
+    for rank in range(2):
+        part = GroupedExperts(3, 8, 16, activation=activation, bias=True)
+        part.load_state_dict(whole.state_dict())
+        part.split_ff(types.SimpleNamespace(rank=rank, size=2))  # type: ignore[arg-type]
+        assert part.ff_range == (8 * rank, 8 * rank + 8) and part.w2.shape == (3, 8, 8)
+        gated = {"w3", "b3"} if activation == "swiglu" else set()
+        assert {n for n, _ in part.split_weights()} == {"w1", "w2", "b1"} | gated
+        xr = rows.clone().requires_grad_()
+        y = part(xr, counts)
+        (y * up).sum().backward()
+        out += y.detach()
+        grad_in += xr.grad
+        for name, p in part.named_weights():
+            want = whole.get_parameter(name).grad
+            offsets, size = part.expert_slice(name) or ((0,) * (p.dim() - 1), tuple(p.shape[1:]))
+            for dim, (start, length) in enumerate(zip(offsets, p.shape[1:], strict=True)):
+                want = want.narrow(dim + 1, start, length)
+            torch.testing.assert_close(p.grad, want, msg=name)
+        reloaded = GroupedExperts(3, 8, 16, activation=activation, bias=True)
+        reloaded.split_ff(types.SimpleNamespace(rank=rank, size=2))  # type: ignore[arg-type]
+        reloaded.load_state_dict(whole.state_dict())  # whole experts: each rank cuts its slice
+        torch.testing.assert_close(reloaded(rows, counts), y.detach())
+    torch.testing.assert_close(out, whole(rows, counts).detach())
+    torch.testing.assert_close(grad_in, x.grad)
+    with pytest.raises(ConfigError, match="already split"):
+        part.split_ff(types.SimpleNamespace(rank=0, size=2))  # type: ignore[arg-type]
