@@ -14,7 +14,8 @@ without a process group) all read and write the same checkpoint:
   which DCP saves as chunks of the global tensor and reshards on load.
 - ``model.<path>.experts.<w>.<id>``: one entry per global expert, as GroupedExperts'
   ``state_dict`` already names them; replicas of an expert (ep smaller than dp) save the same
-  key, which DCP writes once.
+  key, which DCP writes once. Experts whose hidden units are split over tp
+  (``GroupedExperts.split_ff``) save their slice as a chunk of the whole expert's tensor.
 - ``model.<path>.weight`` of a SparseEmbedding: the whole ``[num_embeddings, dim]`` table as
   one DCP tensor, of which each rank writes (and reads) the rows and columns it holds as a
   chunk at their offset (a ``Piece``); the module's own local ``state_dict`` key
@@ -97,8 +98,9 @@ class StateError(SpartaError, RuntimeError):
 @dataclass(frozen=True)
 class Slot:
     """One checkpoint key and where its tensor lives on this rank: ``tensor`` (a parameter or
-    buffer), or its row ``index`` (an expert of a GroupedExperts weight), or a chunk of a
-    global table at ``offsets`` in ``size`` (a SparseEmbedding shard)."""
+    buffer), or its row ``index`` (an expert of a GroupedExperts weight), as a chunk at
+    ``offsets`` of a global tensor of shape ``size`` where those are set (a SparseEmbedding
+    shard, an expert's slice under expert tensor parallelism)."""
 
     key: str
     tensor: Tensor
@@ -156,9 +158,10 @@ def model_slots(parts: list[nn.Module]) -> list[Slot]:
             elif isinstance(module, GroupedExperts):
                 for name, weight in module.named_weights():
                     _refuse_dtensor(weight, prefix + name)
+                    offsets, size = module.expert_slice(name) or (None, None)
                     for local in range(module.num_experts):
                         key = f"{prefix}{name}.{module.first_expert + local}"
-                        special[key] = Slot(key, weight, index=local)
+                        special[key] = Slot(key, weight, index=local, offsets=offsets, size=size)
         for key, value in root.state_dict(keep_vars=True).items():
             if not isinstance(value, Tensor):
                 raise StateError(
@@ -210,7 +213,7 @@ def dcp_state_dict(
         if isinstance(value, Tensor) and like_param:
             if slot.offsets is not None:
                 assert slot.size is not None
-                pieces[key] = Piece(value.detach(), slot.offsets, slot.size)
+                pieces[key] = Piece(slot.view(value.detach()), slot.offsets, slot.size)
             else:
                 state[key] = slot.view(value.detach())
         else:

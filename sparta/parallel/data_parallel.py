@@ -14,6 +14,10 @@ gradient of the mean loss over the global batch (dp ranks x micro-batches):
 - shards of SparseEmbeddings and VocabParallelHeads: their all-to-all already averaged over
   the dp group; divided by the micro-batches.
 
+Experts whose hidden units are split over tp (``GroupedExperts.split_ff``) follow the same
+rules: the tp ranks hold different slices, so no sum runs over tp, and `replicas` does not
+count the tp ranks for them.
+
 `wrap` refuses (ConfigError) an expert-parallel MoE layer whose group is not the layout's
 ``ep`` and a sharded table or head whose group is not its ``dp``: their gradients would be
 scaled for another group than the one they were summed over, i.e. silently averaged with
@@ -87,7 +91,7 @@ from sparta.comm import Exchange, Handle
 from sparta.comm.priority import PriorityQueue, QueueConfig, TaskKey
 from sparta.embedding import SparseEmbedding, VocabParallelHead
 from sparta.errors import ConfigError, InputError
-from sparta.moe import MoELayer
+from sparta.moe import GroupedExperts, MoELayer
 from sparta.parallel.dims import Layout
 from sparta.parallel.grad_buckets import GradBuckets, local_grad, local_tensor, scale_grads, unflatten_into
 from sparta.scheduling.grad_sync import GapRelease
@@ -209,6 +213,7 @@ class DataParallel:
         self.dense: list[nn.Parameter] = []
         self._expert_set: set[nn.Parameter] = set()
         self._shard_set: set[nn.Parameter] = set()
+        self._tp_split: set[nn.Parameter] = set()  # experts' weights cut over tp (distinct per tp rank)
         self._names: dict[nn.Parameter, str] = {}
         self._order: dict[nn.Parameter, int] = {}  # position in the forward, over every wrapped module
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -256,6 +261,8 @@ class DataParallel:
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard, ignored_params=special)
         # after wrapping: FSDP2 replaces the parameters by sharded ones
         dense = [p for p in module.parameters() if p.requires_grad and p not in special]
+        split = [m for m in module.modules() if isinstance(m, GroupedExperts)]
+        self._tp_split.update(p for m in split for _, p in m.split_weights())
         self.dense += dense
         if self.strategy in ("sparta", "horovod"):
             self._broadcast(dense)
@@ -369,6 +376,8 @@ class DataParallel:
                 split *= 1 if placement.is_replicate() else size
         else:
             split = 1
+        if p in self._tp_split:
+            split *= dims.tp
         return dims.dp * dims.tp // split
 
     def close(self) -> None:

@@ -75,6 +75,10 @@ class ParallelDims:
         """World ranks of every data-parallel group (one per (pp, tp) coordinate)."""
         return [[self.rank_of(p, d, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
 
+    def tp_groups(self) -> list[list[int]]:
+        """World ranks of every tensor-parallel group (one per (pp, dp) coordinate)."""
+        return [[self.rank_of(p, d, t) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+
     def ep_groups(self) -> list[list[int]]:
         """World ranks of every expert-parallel group: ``ep`` consecutive ranks of a dp group."""
         return [g[i : i + self.ep] for g in self.dp_groups() for i in range(0, self.dp, self.ep)]
@@ -90,7 +94,9 @@ class Layout:
 
     dp: the Communicator of this rank's data-parallel group (on the world's engine), which
         sparse embeddings shard over; ep: the experts' group (None when ep == 1);
-        expert_dp: the replicas of this rank's experts (None when ep == dp).
+        expert_dp: the replicas of this rank's experts (None when ep == dp); tp: the
+        Communicator of this rank's tensor-parallel group (None when tp == 1), over which
+        the experts' hidden units are split (MoESpec.expert_tp).
     mesh: DeviceMesh with dims ("pp", "dp", "tp") over torch.distributed (pipelining, DTensor
         and FSDP2 run on it whatever the engine).
     """
@@ -102,6 +108,7 @@ class Layout:
     dp: Communicator
     ep: Communicator | None
     expert_dp: Communicator | None
+    tp: Communicator | None = None
     pp_rank: int = field(init=False)
     dp_rank: int = field(init=False)
     tp_rank: int = field(init=False)
@@ -136,14 +143,16 @@ def build_layout(dims: ParallelDims, world: World, device: str | torch.device = 
         torch.cuda.set_device(device)
     _start_torch_distributed(world, device)
     mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
-    if world.backend == "torch":  # the mesh's own group: no second one over the same ranks
+    if world.backend == "torch":  # the mesh's own groups: no second one over the same ranks
         dp: Communicator | None = Communicator.from_process_group(mesh.get_group("dp"), world.comm.config)
+        tp = Communicator.from_process_group(mesh.get_group("tp"), world.comm.config) if dims.tp > 1 else None
     else:
         dp = world.comm.split_groups(dims.dp_groups())
+        tp = world.comm.split_groups(dims.tp_groups()) if dims.tp > 1 else None
     ep = world.comm.split_groups(dims.ep_groups()) if dims.ep > 1 else None
     replicas = world.comm.split_groups(dims.expert_replica_groups()) if dims.ep > 1 and dims.ep < dims.dp else None
     assert dp is not None  # every rank is in one group of each
-    return Layout(dims=dims, world=world, mesh=mesh, device=device, dp=dp, ep=ep, expert_dp=replicas)
+    return Layout(dims=dims, world=world, mesh=mesh, device=device, dp=dp, ep=ep, expert_dp=replicas, tp=tp)
 
 
 def _start_torch_distributed(world: World, device: torch.device) -> None:

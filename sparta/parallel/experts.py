@@ -10,7 +10,7 @@ from torch import nn
 
 from sparta.comm import Communicator, HierarchicalAllToAll
 from sparta.errors import ConfigError
-from sparta.moe import ROUTERS, moeify
+from sparta.moe import ROUTERS, MoELayer, moeify
 from sparta.parallel.dims import Layout
 
 
@@ -31,6 +31,10 @@ class MoESpec:
     # world's nodes (intra-node first, one message per node across)
     pipeline_degree: int | tuple[int, ...] = 1
     hierarchical: bool = False
+    # under tp > 1, each expert's hidden units split over the tp ranks (Megatron-Core's expert
+    # tensor parallelism: 1/tp of the experts' GEMMs and memory, two all-reduces over tp per
+    # layer); False: every tp rank holds and runs whole experts
+    expert_tp: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline_degree, list):
@@ -48,13 +52,20 @@ class MoESpec:
 
 
 def moe_layers(
-    module: nn.Module, spec: MoESpec, ep: Communicator | None, exchange: HierarchicalAllToAll | None = None
+    module: nn.Module,
+    spec: MoESpec,
+    ep: Communicator | None,
+    exchange: HierarchicalAllToAll | None = None,
+    tp: Communicator | None = None,
 ) -> list[str]:
     """Turn the MLP of every ``spec.every``-th layer of ``module.layers`` into an MoELayer,
     in place, its experts split over ``ep`` (a layout's ``ep``; None: all on this rank); each
     is seeded from ``spec.seed`` and the layer's name, so any stage cut and the one-process
     model (``ep=None``) build equal experts and routers. ``exchange``: the rows' two-level
-    all-to-all over ``ep`` (see `hierarchical_ep`), or None (flat)."""
+    all-to-all over ``ep`` (see `hierarchical_ep`), or None (flat). ``tp``: the layout's
+    tensor-parallel group, over which each expert's hidden units are split when
+    ``spec.expert_tp`` (`MoELayer.split_experts`; the whole experts are built first, so
+    the slices are the one-process model's)."""
     replaced = []
     for key, layer in module.layers.items():  # type: ignore[union-attr, operator]
         if int(key) % spec.every:
@@ -74,9 +85,23 @@ def moe_layers(
                 pipeline_degree=spec.pipeline_degree,
             )
         for path in paths:
-            layer.get_submodule(path).set_exchange(exchange)
+            moe = layer.get_submodule(path)
+            moe.set_exchange(exchange)
+            if tp is not None and spec.expert_tp:
+                moe.split_experts(tp)
         replaced += [f"layers.{key}.{p}" for p in paths]
     return replaced
+
+
+def check_expert_tp(module: nn.Module, tp: int) -> None:
+    """ConfigError unless ``tp`` divides the hidden width of every MoE layer's experts in
+    ``module`` (what `GroupedExperts.split_ff` needs). Pure: no collective."""
+    for path, moe in module.named_modules():
+        if isinstance(moe, MoELayer) and moe.config.d_ff % tp:
+            raise ConfigError(
+                f"{path}: expert tensor parallelism splits the experts' d_ff={moe.config.d_ff} over tp={tp}: pick a "
+                "tp dividing it, or replicate the experts over tp (MoESpec.expert_tp=False)"
+            )
 
 
 def hierarchical_ep(layout: Layout) -> HierarchicalAllToAll:

@@ -39,7 +39,7 @@ from sparta.errors import ConfigError
 from sparta.moe import MoELayer
 from sparta.parallel.data_parallel import DataParallel, check_strategy
 from sparta.parallel.dims import Layout, ParallelDims
-from sparta.parallel.experts import MoESpec, hierarchical_ep, moe_layers
+from sparta.parallel.experts import MoESpec, check_expert_tp, hierarchical_ep, moe_layers
 from sparta.parallel.model import ParallelModel, loss_fn
 from sparta.parallel.pipeline import (
     ZERO_BUBBLE,
@@ -159,8 +159,9 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class ParallelPlan:
     """What `parallelize` decided, as data: the layers of every stage, this rank's stages,
-    the tensor-parallel styles it applied (module path -> style) and every pipeline rank's
-    action list. ``str(plan)`` prints it."""
+    the tensor-parallel styles it applied (module path -> style), the MoE layers whose
+    experts' hidden units it split over tp (``expert_tp``) and every pipeline rank's action
+    list. ``str(plan)`` prints it."""
 
     stages: tuple[tuple[str, ...], ...]
     first: tuple[str, ...]
@@ -170,6 +171,7 @@ class ParallelPlan:
     actions: dict[int, list[str]]
     costs: dict[str, float] = field(default_factory=dict)
     recompute: tuple[int, ...] = ()
+    expert_tp: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = []
@@ -178,6 +180,7 @@ class ParallelPlan:
             mark = " (recomputed)" if index in self.recompute else ""
             lines.append(f"stage {index}{mark}: {', '.join((*layers, *extras))}")
         lines += [f"tensor parallel: {path} {style}" for path, style in self.tp_plan.items()]
+        lines += [f"tensor parallel: {path} experts (d_ff split)" for path in self.expert_tp]
         return "\n".join([*lines, format_actions(self.actions)])
 
 
@@ -269,6 +272,8 @@ def parallelize(
         probe = stage_module(model, parts, parts.layers, True, True)
         if config.moe is not None:
             moe_layers(probe, config.moe, None)
+            if config.moe.expert_tp:
+                check_expert_tp(probe, dims.tp)
         tp_plan_of(probe, dims.tp)
     # --- collectives from here on
     costs: dict[str, float] = {}
@@ -286,12 +291,15 @@ def parallelize(
         layout, config.data_parallel, config.microbatches, zero_bubble, config.bucket_mb, queue=queue
     )
     tp_plan: dict[str, str] = {}
+    expert_tp: list[str] = []
+    split_experts = layout.tp if config.tensor_parallel and config.moe is not None and config.moe.expert_tp else None
     modules, pipeline_stages = [], []
     moe_exchange = hierarchical_ep(layout) if config.moe is not None and config.moe.hierarchical and layout.ep else None
     for index in mine:
         module = stage_module(model, parts, stages[index], index == 0, index == num_stages - 1).to(layout.device)
         if config.moe is not None:
-            moe_layers(module, config.moe, layout.ep, moe_exchange)
+            replaced = moe_layers(module, config.moe, layout.ep, moe_exchange, split_experts)
+            expert_tp += replaced if split_experts is not None else []
         if config.embedding == "sparse" and index == 0:
             swap_embeddings(module, layout.dp)
         if config.tensor_parallel and dims.tp > 1:
@@ -317,6 +325,7 @@ def parallelize(
         actions=schedule_actions(config.schedule, dims.pp, config.microbatches, config.stages_per_rank),
         costs=costs,
         recompute=config.recompute,
+        expert_tp=tuple(expert_tp),
     )
     return ParallelModel(layout, config, modules, schedule, data_parallel, plan, has_first=0 in mine,
                          has_last=num_stages - 1 in mine)  # fmt: skip

@@ -18,6 +18,7 @@ from torch import nn
 
 import sparta
 from sparta.errors import ConfigError, InputError
+from sparta.moe import MoELayer
 from sparta.parallel import (
     Decoder,
     DecoderConfig,
@@ -35,6 +36,8 @@ MODEL = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=
 MOE = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2)
 # the co-scheduler on: rows pipelined in 2 chunks over the two-level all-to-all (nodes of 2 ranks)
 COSCHEDULED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degree=2, hierarchical=True)
+# under tp, whole experts on every tp rank (MOE splits their hidden units over tp)
+REPLICATED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, expert_tp=False)
 STEPS, BATCH, LR, TOL = 10, 4, 0.05, 1e-5  # BATCH: sequences per dp rank per step
 NORM_CAP = 0.5  # gradients are clipped to this global norm: clipping must agree too
 
@@ -117,6 +120,10 @@ def trained_losses(
         pm.close()
     assert pm.plan.actions == schedule_actions(config.schedule, layout.dims.pp, config.microbatches,
                                                config.stages_per_rank)  # fmt: skip
+    split = layout.dims.tp > 1 and config.moe is not None and config.moe.expert_tp
+    moe = [m for part in pm.parts for m in part.modules() if isinstance(m, MoELayer)]
+    assert all(m.experts.w1.shape[-1] == MODEL.d_ff // (layout.dims.tp if split else 1) for m in moe), "experts' d_ff"
+    assert (len(pm.plan.expert_tp) == len(moe)) if split else not pm.plan.expert_tp, pm.plan.expert_tp
     marks = {s: " (recomputed)" if s in config.recompute else "" for s in range(len(pm.plan.stages))}
     assert all(f"stage {s}{mark}:" in str(pm.plan) for s, mark in marks.items()), str(pm.plan)
     return losses, probe
@@ -168,7 +175,7 @@ def parity(
         compare(layout, config, ragged, balance)
 
     check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
-    check.__name__ += "_coscheduled" * (moe is COSCHEDULED)
+    check.__name__ += "_coscheduled" * (moe is COSCHEDULED) + "_experts_replicated" * (moe is REPLICATED)
     check.__name__ += "".join(f"_recompute{i}" for i in recompute)
     return check
 
@@ -246,6 +253,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         # rank 0 recomputing its stage 0 and rank 1 its stage 2
         parity("1F1B", 1, "sparta", recompute=(0,)),
         parity("ZBVZeroBubble", 2, "fsdp", recompute=(0, 2)),
+        parity("1F1B", 1, "sparta", moe=REPLICATED),
         bad_inputs,
     ],
     "ddp": [
