@@ -18,8 +18,11 @@ An action's seconds are its stage's parts at the micro-batch's tokens (`ModelCos
 attention and dense MLPs as timed under the plan's tp degree where the costs have it
 (``attention/tp2``: DTensor's dispatch and the all-reduces inside), else their per-token
 cost split over tp plus two tp all-reduces of the activations per block forward and two
-backward; the embedding on the first stage and the head on the last. MoE layers run
-replicated over tp (as the trainer runs them). Where the costs have the layer timed with its
+backward; the embedding on the first stage and the head on the last. Under tp, MoE layers
+split their experts' hidden units over it (``MoESpec.expert_tp``, as the trainer does): the
+layer's per-token time divided by tp plus one tp all-reduce of its tokens x top_k rows per
+pass (routing is replicated, and counted split: it is small); with ``expert_tp=False`` they
+run replicated. Where the costs have the layer timed with its
 experts over the plan's ep (``moe/ep4``: the counts exchange, the rows out and back and the
 busiest rank's experts inside), tp is 1 and the exchange flat, that time is used; else the
 plain layer plus two ep all-to-alls of tokens x top_k rows each way.
@@ -191,15 +194,20 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
         add_dense("attention")
         dense += costs.parts["attention"].params / dims.tp
         if moe is not None and layer % moe.every == 0:
-            # replicated over tp, as the trainer runs it; tokens x top_k rows out and back
+            # tokens x top_k rows out and back; under tp the experts' hidden units split over
+            # it (MoESpec.expert_tp: the layer's per-token time divided, its rows all-reduced
+            # once each way) or replicated
+            split = dims.tp if moe.expert_tp else 1
             measured = f"moe/ep{dims.ep}"  # timed over ep groups of adjacent ranks, flat exchange
             if dims.ep > 1 and dims.tp == 1 and not moe.hierarchical and measured in costs.parts:
                 add(blocks, measured, 1, group=dims.ep)
             else:
-                a2a = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k, stride=dims.tp)
-                add(blocks, "moe", 1, a2a)
+                comm = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k, stride=dims.tp)
+                if split > 1:
+                    comm += costs.collective("all_reduce", split, act * moe.top_k)
+                add(blocks, "moe", split, comm)
             router = cfg.d_model * moe.num_experts
-            expert += (costs.parts["moe"].params - router) / dims.ep
+            expert += (costs.parts["moe"].params - router) / (dims.ep * split)
             dense += router
         else:
             add_dense("mlp")

@@ -12,7 +12,18 @@ import pytest
 from sparta.errors import ConfigError
 from sparta.parallel import DecoderConfig, MoESpec, ParallelConfig, ParallelDims, schedule_actions
 from sparta.parallel.config_file import load_config
-from sparta.planner import GIB, ModelCosts, PartCost, Plan, Space, Workload, model_fingerprint, search, simulate
+from sparta.planner import (
+    GIB,
+    ModelCosts,
+    PartCost,
+    Plan,
+    Prediction,
+    Space,
+    Workload,
+    model_fingerprint,
+    search,
+    simulate,
+)
 from sparta.planner.search import FSDP_ALONE, plan_overrides, write_plan
 from sparta.scheduling.profiler import LinearFit
 
@@ -184,6 +195,20 @@ def test_an_moe_layer_measured_under_ep_replaces_its_modelled_all_to_alls() -> N
     # under tp the layer's ep group spans ranks tp apart, not the adjacent ones it was timed on
     wide = dataclasses.replace(measured, world=4)
     assert step(wide, tp=2) == pytest.approx(step(dataclasses.replace(c, world=4), tp=2))
+
+
+def test_moe_experts_split_over_tp_halve_their_time_and_add_a_tp_all_reduce_each_way() -> None:
+    def predict(expert_tp: bool) -> Prediction:
+        moe = MoESpec(num_experts=4, top_k=2, every=1, expert_tp=expert_tp)
+        config = ParallelConfig(moe=moe, split_points=())
+        return simulate(costs(comm_s=0.25, moe=moe), Workload(MODEL, moe, 8), Plan(ParallelDims(tp=2), config))
+
+    split, whole = predict(True), predict(False)
+    # 64 tokens: per block the MoE layer's 1 s forward and 2 s backward halve, plus a 0.25 s
+    # all-reduce each way: 1 s less per block, 4 blocks
+    assert whole.step_s - split.step_s == pytest.approx(4 * 1.0)
+    # the experts' parameters (and their gradients and AdamW moments) halve on each rank
+    assert whole.peak_bytes[0] > split.peak_bytes[0]
 
 
 def test_the_search_finds_the_known_best_plan() -> None:
