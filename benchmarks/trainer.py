@@ -29,8 +29,11 @@ Candidates (each layout runs those that apply):
   ddp         torch DistributedDataParallel on the same model and batch: the floor for dp
               (MoE: every rank holds all experts)
   sparta      sparta.parallel.parallelize + ParallelModel.step + clip_grad_norm_ + AdamW
-              (data_parallel "sparta", or "fsdp" at fsdp4; MoE: experts not split, ep=1)
+              (data_parallel "sparta", or "fsdp" at fsdp4; MoE: experts not split over ep
+              (ep=1), their hidden units split over tp at tp2)
   sparta_ep   the MoE model with its experts split over the dp ranks (ep = dp)
+  sparta_experts_whole  the MoE model under tp with every expert whole on each tp rank
+              (MoESpec.expert_tp=False), against "sparta"'s experts split over tp
   sparta_ddp  (opt-in) Sparta's trainer with data_parallel="ddp"
   torchtitan  torchtitan 0.3.0's debug Llama, its ParallelDims, parallelize_llama (TP and
               FSDP2), loss and clip_grad_norm_, in processes of its own with the CPU patches

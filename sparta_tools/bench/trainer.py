@@ -100,8 +100,8 @@ LAYOUTS = {
         LayoutSpec("fsdp4", dp=4, data_parallel="fsdp"),
     )
 }
-CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_ddp", "torchtitan")
-DEFAULT_CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "torchtitan")
+CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_experts_whole", "sparta_ddp", "torchtitan")
+DEFAULT_CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_experts_whole", "torchtitan")
 TORCHTITAN_LAYOUTS = {"1": (1, 1), "tp2": (2, 1), "fsdp4": (1, 4)}  # layout -> (tp, fsdp) degrees
 TORCHTITAN_PP_REASON = (
     "torchtitan 0.3.0's pipeline path fails on CPU inside the schedule ('Expecting 2 arg_mbs but got 1', "
@@ -134,6 +134,8 @@ def plan_candidates(shape: ModelShape, layout: LayoutSpec, wanted: list[str]) ->
         elif name == "sparta":
             run.append(name)
         elif name == "sparta_ep" and moe and layout.pure_dp:
+            run.append(name)
+        elif name == "sparta_experts_whole" and moe and layout.tp > 1:
             run.append(name)
         elif name == "sparta_ddp" and layout.pure_dp:
             run.append(name)
@@ -199,10 +201,12 @@ def build_model(shape: ModelShape) -> torch.nn.Module:
     )
 
 
-def moe_spec(shape: ModelShape) -> Any:
+def moe_spec(shape: ModelShape, expert_tp: bool = True) -> Any:
     from sparta.parallel import MoESpec
 
-    return MoESpec(num_experts=shape.num_experts, top_k=shape.top_k) if shape.kind == "moe_gpt" else None
+    if shape.kind != "moe_gpt":
+        return None
+    return MoESpec(num_experts=shape.num_experts, top_k=shape.top_k, expert_tp=expert_tp)
 
 
 def one_process_model(shape: ModelShape) -> torch.nn.Module:
@@ -273,7 +277,9 @@ def build_ddp(shape: ModelShape) -> Step:
 class SpartaRun:
     """Sparta's trainer on ``layout``: parallelize, then step / clip / AdamW per step."""
 
-    def __init__(self, shape: ModelShape, spec: LayoutSpec, layout: Any, data_parallel: str) -> None:
+    def __init__(
+        self, shape: ModelShape, spec: LayoutSpec, layout: Any, data_parallel: str, expert_tp: bool = True
+    ) -> None:
         from sparta.parallel import ParallelConfig, parallelize
 
         model = build_model(shape)
@@ -282,7 +288,7 @@ class SpartaRun:
             microbatches=spec.microbatches,
             stages_per_rank=spec.stages_per_rank,
             data_parallel=data_parallel,
-            moe=moe_spec(shape),
+            moe=moe_spec(shape, expert_tp),
         )
         stages = spec.pp * spec.stages_per_rank
         # several stages: balanced by measured time on one micro-batch, as a user would run it
@@ -307,18 +313,20 @@ def build_step(name: str, shape: ModelShape, spec: LayoutSpec, layout_for: Calla
     if name == "ddp":
         return build_ddp(shape)
     strategy = "ddp" if name == "sparta_ddp" else spec.data_parallel
-    return SpartaRun(shape, spec, layout_for(spec.dp if name == "sparta_ep" else 1), strategy)
+    ep = spec.dp if name == "sparta_ep" else 1
+    return SpartaRun(shape, spec, layout_for(ep), strategy, expert_tp=name != "sparta_experts_whole")
 
 
 # ----------------------------------------------------------------------------- the suite
-SUITE_CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_ddp")
+SUITE_CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_experts_whole", "sparta_ddp")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated: {', '.join(LAYOUTS)}")
     parser.add_argument("--size", default="debug", help=f"model sizes: {', '.join(SIZES)} (tiny: for tests)")
-    parser.add_argument("--candidates", default="eager,ddp,sparta,sparta_ep", help=f"of {', '.join(SUITE_CANDIDATES)}")
+    default = "eager,ddp,sparta,sparta_ep,sparta_experts_whole"
+    parser.add_argument("--candidates", default=default, help=f"of {', '.join(SUITE_CANDIDATES)}")
 
 
 def _names(opts: Any, flag: str, known: Any) -> list[str]:

@@ -132,3 +132,13 @@ def test_bench_suite_times_the_layouts_of_its_world_and_checks_the_first_loss(tm
     code, out = _suite(["--nprocs", "1", "--layouts", "1", "--models", "dense", "--candidates", "sparta",
                         "--_plant-wrong"], 300)  # fmt: skip
     assert code == 1, out[-3000:]
+
+
+def test_whole_experts_run_only_for_the_moe_model_under_tp() -> None:
+    from sparta_tools.bench.trainer import LAYOUTS, SIZES, plan_candidates
+
+    wanted = ["sparta", "sparta_experts_whole"]
+    moe, dense = SIZES["tiny"]["moe"], SIZES["tiny"]["dense"]
+    assert plan_candidates(moe, LAYOUTS["tp2"], wanted)[0] == wanted
+    assert plan_candidates(dense, LAYOUTS["tp2"], wanted)[0] == ["sparta"]
+    assert plan_candidates(moe, LAYOUTS["dp2"], wanted)[0] == ["sparta"]
