@@ -142,3 +142,21 @@ def agreed_error(reasons: torch.Tensor, failed: Sequence[int], op: str) -> Spart
     said = "; ".join(f"rank {rs[0]}: {why}" if len(rs) == 1 else f"ranks {rs}: {why}" for why, rs in by_reason.items())
     kind = ERROR_KINDS[int(rows[failed[0], 0])]
     return kind(f"{op}: {said}. Every rank of the group raises this error.")
+
+
+def disjoint_groups(groups: Sequence[Sequence[int]], size: int) -> list[list[int]]:
+    """``groups`` of a communicator's ranks as sorted lists; InputError unless each is a
+    non-empty set of ranks in ``0..size-1`` and no rank is in two of them."""
+    clean = [sorted({int(r) for r in g}) for g in groups]
+    seen: set[int] = set()
+    for g in clean:
+        if not g:
+            raise InputError("split_groups: an empty group; every group needs at least one rank")
+        bad = [r for r in g if not 0 <= r < size]
+        if bad:
+            raise InputError(f"split_groups: ranks {bad} are not in this group of {size} (0..{size - 1})")
+        if seen & set(g):
+            twice = sorted(seen & set(g))
+            raise InputError(f"split_groups: rank(s) {twice} appear in two groups; groups must be disjoint")
+        seen |= set(g)
+    return clean

@@ -21,7 +21,7 @@ import torch
 
 from sparta.comm import checks
 from sparta.comm.config import CommConfig
-from sparta.comm.dtypes import as_bytes, from_bytes, reduction_dtype
+from sparta.comm.dtypes import as_bytes, from_bytes, reduction_result, widened_for_reduction
 from sparta.comm.exchange import Exchange, PendingAllToAll
 from sparta.comm.handle import Handle
 from sparta.errors import CollectiveError, InputError, SpartaError
@@ -29,7 +29,6 @@ from sparta.errors import CollectiveError, InputError, SpartaError
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-REDUCE_OPS = ("sum", "avg")
 T = TypeVar("T")
 
 
@@ -295,13 +294,14 @@ class Communicator(Exchange, abc.ABC):
         `check`: as for `all_to_all` (None follows `CommConfig.check_inputs`)."""
         name = self._op(f"all_reduce({op})")
         x, problem = checks.as_tensor(x)
-        wide, problem = self._widened(x, op, problem)
+        wide, problem = widened_for_reduction(x, op, problem, self.native_reduce_dtypes, self.backend)
         self._settle(x, problem, name, check)
         if self.size == 1:  # the reduction over one rank is its own tensor: no engine round trip
             self._ready(name)
-            out = Handle.completed(self._reduce_finish(wide.clone(), x, op))
+            out = Handle.completed(reduction_result(wide.clone(), x, op, self.size))
         else:
-            out = self._issue(name, lambda: self._all_reduce(wide, name)).then(lambda y: self._reduce_finish(y, x, op))
+            out = self._issue(name, lambda: self._all_reduce(wide, name))
+            out = out.then(lambda y: reduction_result(y, x, op, self.size))
         return out if async_op else out.wait()
 
     def reduce_scatter(
@@ -314,7 +314,8 @@ class Communicator(Exchange, abc.ABC):
         """
         name = self._op(f"reduce_scatter({op})")
         x, problem = checks.as_tensor(x)
-        wide, problem = self._widened(x, op, problem or checks.blocks_problem(x, self.size))
+        problem = problem or checks.blocks_problem(x, self.size)
+        wide, problem = widened_for_reduction(x, op, problem, self.native_reduce_dtypes, self.backend)
         self._settle(x, problem, name, check)
         m = x.shape[0] // self.size
         nbytes = [wide.numel() // self.size * wide.element_size()] * self.size
@@ -322,34 +323,10 @@ class Communicator(Exchange, abc.ABC):
 
         def finish(buf: torch.Tensor) -> torch.Tensor:
             blocks = from_bytes(buf, wide.dtype, (self.size, m, *wide.shape[1:]))
-            return self._reduce_finish(blocks.sum(0, dtype=wide.dtype), x, op)
+            return reduction_result(blocks.sum(0, dtype=wide.dtype), x, op, self.size)
 
         out = handle.then(finish)
         return out if async_op else out.wait()
-
-    def _widened(self, x: torch.Tensor, op: str, problem: str | None) -> tuple[torch.Tensor, str | None]:
-        """`x` in the dtype the engine sums it in, or what keeps it from being reduced."""
-        if problem is not None:
-            return x, problem
-        if op not in REDUCE_OPS:
-            return x, f"unknown reduction op {op!r}; use one of {REDUCE_OPS}"
-        if op == "avg" and not (x.is_floating_point() or x.is_complex()):
-            return x, f"op='avg' needs a floating dtype, got {x.dtype}; use op='sum' and divide"
-        try:
-            dt = reduction_dtype(x.dtype, self.native_reduce_dtypes, self.backend)
-        except InputError as exc:
-            return x, str(exc)
-        y = torch.view_as_real(x.contiguous()) if x.is_complex() else x
-        return y.to(dt).contiguous(), None
-
-    def _reduce_finish(self, y: torch.Tensor, like: torch.Tensor, op: str) -> torch.Tensor:
-        if op == "avg":
-            y = y / self.size
-        if like.is_complex():
-            return torch.view_as_complex(y.to(torch.view_as_real(like).dtype).contiguous())
-        if like.dtype == torch.bool:
-            return y != 0
-        return y.to(like.dtype)
 
     def broadcast(
         self, x: torch.Tensor, src: int = 0, async_op: bool = False, check: bool | None = None
@@ -390,19 +367,7 @@ class Communicator(Exchange, abc.ABC):
         none of them gets None. Called by every rank of this communicator.
         """
         self._ready(self._op("split_groups"))
-        clean = [sorted({int(r) for r in g}) for g in groups]
-        seen: set[int] = set()
-        for g in clean:
-            if not g:
-                raise InputError("split_groups: an empty group; every group needs at least one rank")
-            bad = [r for r in g if not 0 <= r < self.size]
-            if bad:
-                raise InputError(f"split_groups: ranks {bad} are not in this group of {self.size} (0..{self.size - 1})")
-            if seen & set(g):
-                raise InputError(
-                    f"split_groups: rank(s) {sorted(seen & set(g))} appear in two groups; groups must be disjoint"
-                )
-            seen |= set(g)
+        clean = checks.disjoint_groups(groups, self.size)
         mine = next((i for i, g in enumerate(clean) if self.rank in g), None)
         try:
             child = self._split(clean, mine, config or self.config)

@@ -87,3 +87,38 @@ def as_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return buf.view(dtype).view(shape)
+
+
+REDUCE_OPS = ("sum", "avg")
+
+
+def widened_for_reduction(
+    x: torch.Tensor, op: str, problem: str | None, native: frozenset[torch.dtype], engine: str
+) -> tuple[torch.Tensor, str | None]:
+    """``x`` in the dtype ``engine`` sums it in (its ``native`` reduce dtypes; complex as
+    real pairs), contiguous; or ``x`` and what keeps it from being reduced (``problem`` if
+    one is already known, an unknown ``op``, ``avg`` of integers, a dtype no engine sums)."""
+    if problem is not None:
+        return x, problem
+    if op not in REDUCE_OPS:
+        return x, f"unknown reduction op {op!r}; use one of {REDUCE_OPS}"
+    if op == "avg" and not (x.is_floating_point() or x.is_complex()):
+        return x, f"op='avg' needs a floating dtype, got {x.dtype}; use op='sum' and divide"
+    try:
+        dt = reduction_dtype(x.dtype, native, engine)
+    except InputError as exc:
+        return x, str(exc)
+    y = torch.view_as_real(x.contiguous()) if x.is_complex() else x
+    return y.to(dt).contiguous(), None
+
+
+def reduction_result(y: torch.Tensor, like: torch.Tensor, op: str, size: int) -> torch.Tensor:
+    """The sum ``y`` of ``size`` ranks' widened tensors back in ``like``'s dtype (the mean
+    for ``avg``; bool as any-true)."""
+    if op == "avg":
+        y = y / size
+    if like.is_complex():
+        return torch.view_as_complex(y.to(torch.view_as_real(like).dtype).contiguous())
+    if like.dtype == torch.bool:
+        return y != 0
+    return y.to(like.dtype)

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparta.comm.communicator import REDUCE_OPS, Communicator
+from sparta.comm.communicator import Communicator
+from sparta.comm.dtypes import REDUCE_OPS
 from sparta.comm.handle import Handle
 from sparta.errors import ConfigError, InputError
 
