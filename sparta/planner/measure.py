@@ -7,7 +7,8 @@ each rank times its own device. The parts are the trainer's own modules (`Block`
 the MoE layer, the embedding and head as the Decoder has them); the collectives run over
 every group shape a layout of the launch can form (`group_shapes`). Parts that talk inside
 are timed under their groups as the trainer runs them too: a block's halves under tp
-(``attention/tp2``), the MoE layer with its experts split over ep (``moe/ep4``).
+(``attention/tp2``), the MoE layer with its experts split over ep (``moe/ep4``) and with
+their hidden units split over tp (``moe/tp2``).
 """
 
 from __future__ import annotations
@@ -103,11 +104,14 @@ def _parts(cfg: DecoderConfig, moe: MoESpec | None) -> dict[str, nn.Module]:
     return parts
 
 
-def _moe_part(cfg: DecoderConfig, moe: MoESpec, ep: Communicator | None) -> nn.Module:
-    """A block's MoE half, its experts split over ``ep`` (None: all here), as moe_layers builds it."""
+def _moe_part(
+    cfg: DecoderConfig, moe: MoESpec, ep: Communicator | None, tp: Communicator | None = None
+) -> nn.Module:
+    """A block's MoE half, its experts split over ``ep`` (None: all here) and their hidden
+    units over ``tp`` (None: whole), as moe_layers builds it."""
     holder = nn.Module()
     holder.layers = nn.ModuleDict({"0": Block(cfg)})
-    moe_layers(holder, dataclasses.replace(moe, every=1), ep)
+    moe_layers(holder, dataclasses.replace(moe, every=1), ep, tp=tp)
     moe_block = holder.layers["0"]
     return _Residual(moe_block.mlp_norm, moe_block.mlp)
 
@@ -165,6 +169,11 @@ def measure_costs(
             if name in ("attention", "mlp"):
                 parallelize_module(module.to(device), mesh["tp"], _tp_styles(name))
                 parts[f"{name}/tp{g}"] = _grouped_part(profiler, module, name, model, cfg.rows, g, slots, device)
+        if moe is not None and moe.expert_tp:
+            # the MoE layer with its experts' hidden units over g adjacent ranks, its two
+            # all-reduces inside
+            module = _moe_part(model, moe, None, groups[f"g{g}"]).to(device)
+            parts[f"moe/tp{g}"] = _grouped_part(profiler, module, "moe", model, cfg.rows, g, slots, device)
     for g in sizes if moe is not None else ():
         if moe.num_experts % g:  # type: ignore[union-attr]
             continue

@@ -18,14 +18,17 @@ An action's seconds are its stage's parts at the micro-batch's tokens (`ModelCos
 attention and dense MLPs as timed under the plan's tp degree where the costs have it
 (``attention/tp2``: DTensor's dispatch and the all-reduces inside), else their per-token
 cost split over tp plus two tp all-reduces of the activations per block forward and two
-backward; the embedding on the first stage and the head on the last. Under tp, MoE layers
-split their experts' hidden units over it (``MoESpec.expert_tp``, as the trainer does): the
-layer's per-token time divided by tp plus one tp all-reduce of its tokens x top_k rows per
-pass (routing is replicated, and counted split: it is small); with ``expert_tp=False`` they
-run replicated. Where the costs have the layer timed with its
-experts over the plan's ep (``moe/ep4``: the counts exchange, the rows out and back and the
-busiest rank's experts inside), tp is 1 and the exchange flat, that time is used; else the
-plain layer plus two ep all-to-alls of tokens x top_k rows each way.
+backward; the embedding on the first stage and the head on the last.
+
+MoE layers: where the costs have the layer timed with its experts over the plan's ep
+(``moe/ep4``: the counts exchange, the rows out and back and the busiest rank's experts
+inside), tp is 1 and the exchange flat, that time is used; else the plain layer plus two
+ep all-to-alls of tokens x top_k rows each way. Under tp their experts' hidden units split
+over it (``MoESpec.expert_tp``, as the trainer does): where ep is 1 and the costs have the
+layer timed so (``moe/tp2``, its all-reduces inside), that time; else the layer's per-token
+time divided by tp (routing is replicated, and counted split: it is small) plus one tp
+all-reduce of its tokens x top_k rows per pass. With ``expert_tp=False`` they run
+replicated.
 
 After the last action the rank's gradient sync runs: the dense gradients' all-reduce over
 dp, which the bucketed strategies overlap with the last micro-batch's backward (only what
@@ -199,8 +202,11 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
             # once each way) or replicated
             split = dims.tp if moe.expert_tp else 1
             measured = f"moe/ep{dims.ep}"  # timed over ep groups of adjacent ranks, flat exchange
+            split_measured = f"moe/tp{dims.tp}"  # timed with its experts split over adjacent ranks
             if dims.ep > 1 and dims.tp == 1 and not moe.hierarchical and measured in costs.parts:
                 add(blocks, measured, 1, group=dims.ep)
+            elif dims.ep == 1 and split > 1 and split_measured in costs.parts:
+                add(blocks, split_measured, 1)
             else:
                 comm = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k, stride=dims.tp)
                 if split > 1:

@@ -60,8 +60,9 @@ def test_a_measured_plan_trains_like_one_process(tmp_path: Path) -> None:
     _run([*_torchrun(4), *cli, "plan", "--config", str(run), "--measure", str(costs_path)], "plan --measure")
     costs = ModelCosts.load(costs_path)
     # the halves under tp as the trainer runs them, for each tp degree the model allows (2 heads:
-    # tp2), and the MoE layer with its 4 experts over 2 and over 4 ranks
-    parts = {"embed", "attention", "mlp", "moe", "head", "attention/tp2", "mlp/tp2", "moe/ep2", "moe/ep4"}
+    # tp2), the MoE layer with its 4 experts over 2 and over 4 ranks, and with their hidden
+    # units over tp2
+    parts = {"embed", "attention", "mlp", "moe", "head", "attention/tp2", "mlp/tp2", "moe/tp2", "moe/ep2", "moe/ep4"}
     assert set(costs.parts) == parts and costs.world == 4
     # every group shape a layout of 4 ranks has: 2 consecutive, 2 ranks 2 apart (dp under tp2), 4
     assert {"all_reduce/g2", "all_reduce/g2s2", "all_reduce/g4", "all_to_all/g4", "all_gather/g2s2"} <= set(costs.comm)

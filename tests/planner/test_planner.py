@@ -198,10 +198,13 @@ def test_an_moe_layer_measured_under_ep_replaces_its_modelled_all_to_alls() -> N
 
 
 def test_moe_experts_split_over_tp_halve_their_time_and_add_a_tp_all_reduce_each_way() -> None:
-    def predict(expert_tp: bool) -> Prediction:
+    def predict(expert_tp: bool, measured: PartCost | None = None) -> Prediction:
         moe = MoESpec(num_experts=4, top_k=2, every=1, expert_tp=expert_tp)
         config = ParallelConfig(moe=moe, split_points=())
-        return simulate(costs(comm_s=0.25, moe=moe), Workload(MODEL, moe, 8), Plan(ParallelDims(tp=2), config))
+        c = costs(comm_s=0.25, moe=moe)
+        if measured is not None:
+            c = dataclasses.replace(c, parts={**c.parts, "moe/tp2": measured})
+        return simulate(c, Workload(MODEL, moe, 8), Plan(ParallelDims(tp=2), config))
 
     split, whole = predict(True), predict(False)
     # 64 tokens: per block the MoE layer's 1 s forward and 2 s backward halve, plus a 0.25 s
@@ -209,6 +212,12 @@ def test_moe_experts_split_over_tp_halve_their_time_and_add_a_tp_all_reduce_each
     assert whole.step_s - split.step_s == pytest.approx(4 * 1.0)
     # the experts' parameters (and their gradients and AdamW moments) halve on each rank
     assert whole.peak_bytes[0] > split.peak_bytes[0]
+    # timed under tp (moe/tp2, its all-reduces inside): 3 s forward, nothing else, instead of
+    # the modelled 0.75 s forward and 1.25 s backward per block
+    zero = const(0.0)
+    timed = predict(True, PartCost(const(3.0), zero, zero, 1.0, 1000))
+    assert timed.step_s - split.step_s == pytest.approx(4 * (3.0 - 2.0))
+    assert predict(False, PartCost(const(3.0), zero, zero, 1.0, 1000)).step_s == pytest.approx(whole.step_s)
 
 
 def test_the_search_finds_the_known_best_plan() -> None:
