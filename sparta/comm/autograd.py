@@ -59,34 +59,52 @@ def all_to_all(
     return _AllToAll.apply(x, send, recv, comm, check)
 
 
+def _summed(x: torch.Tensor, comm: Communicator, length: int | None) -> torch.Tensor:
+    """The sum over ``comm`` of ``x``, sent as ``length`` rows (zeros after x's) when given."""
+    pad = 0 if length is None else length - x.shape[0]
+    if pad < 0:
+        raise ValueError(f"all_reduce: {x.shape[0]} rows exceed length={length}")
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    out = comm.all_reduce(x.contiguous(), op="sum", check=False)
+    assert isinstance(out, torch.Tensor)
+    return out[: out.shape[0] - pad] if pad else out
+
+
 class _SumForward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        return comm.all_reduce(x, op="sum", check=False)  # type: ignore[return-value]
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, length: int | None) -> torch.Tensor:
+        return _summed(x, comm, length)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
 
 
 class _SumBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, length: int | None) -> torch.Tensor:
+        ctx.comm, ctx.length = comm, length
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.comm.all_reduce(grad.contiguous(), op="sum", check=False), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _summed(grad, ctx.comm, ctx.length), None, None
 
 
-def all_reduce_forward(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+def all_reduce_forward(x: torch.Tensor, comm: Communicator, length: int | None = None) -> torch.Tensor:
     """The sum of ``x`` over ``comm``'s ranks (same shape); backward passes the gradient
-    through unchanged. For partial outputs whose sum every rank then uses alike."""
-    return _SumForward.apply(x, comm)
+    through unchanged. For partial outputs whose sum every rank then uses alike.
+
+    ``length``: send ``x`` [n, *rest] as ``length`` >= n rows (zero-padded), for callers
+    whose n can differ between ranks where the values do not matter (torch's pipelining
+    infers stage shapes from uninitialised tensors): the collective then has one size on
+    every rank, and never hangs on a size mismatch."""
+    return _SumForward.apply(x, comm, length)
 
 
-def all_reduce_backward(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """``x`` unchanged; backward sums the gradient over ``comm``'s ranks. For an input that
-    every rank holds alike and feeds to its own part of a split layer."""
-    return _SumBackward.apply(x, comm)
+def all_reduce_backward(x: torch.Tensor, comm: Communicator, length: int | None = None) -> torch.Tensor:
+    """``x`` unchanged; backward sums the gradient over ``comm``'s ranks (``length`` as for
+    `all_reduce_forward`). For an input that every rank holds alike and feeds to its own
+    part of a split layer."""
+    return _SumBackward.apply(x, comm, length)

@@ -24,7 +24,8 @@ Around the layer: ``moeify(model, ...)`` swaps an existing model's MLPs for MoE 
 groups (``layout.ep``, ``layout.expert_dp``) and ``sparta.parallel.DataParallel`` reduces the
 gradients (each expert's over its replicas only), inside the 3D trainer or a plain loop;
 ``state_dict()`` saves experts under their global ids and
-``full_state_dict`` gathers them, so a checkpoint reloads under any ``ep_size``.
+``full_state_dict`` gathers them (whole, when their hidden units are split over tp), so a
+checkpoint reloads under any ``ep_size`` and any split.
 
 Soft MoE mixes tokens into ``E * slots_per_expert`` slots per sequence instead
 (``soft_dispatch`` / ``soft_combine``).

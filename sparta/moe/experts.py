@@ -12,15 +12,12 @@ sums the partials over the ranks that share its tokens (`MoELayer.split_experts`
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from sparta.errors import ConfigError, InputError
-
-if TYPE_CHECKING:
-    from sparta.comm import Communicator
 
 # how each weight is cut when the hidden width is split: the dimension of d_ff in one
 # expert's tensor (w1 [d_model, d_ff], w2 [d_ff, d_model], b1 [d_ff]); b2 stays whole
@@ -84,11 +81,12 @@ class GroupedExperts(nn.Module):
     d_model]``, ``b1.<id>`` ``[d_ff]``, ...), and ``load_state_dict`` takes this rank's
     experts from any checkpoint that contains them, whatever expert-parallel size wrote it.
 
-    After ``split_ff(tp)`` this rank holds hidden units ``ff_range = [a, b)`` of every expert
-    (``d_ff`` stays the full width): ``w1``, ``w3`` ``[num_experts, d_model, b - a]``, ``w2``
-    ``[num_experts, b - a, d_model]``, ``b1``, ``b3`` ``[num_experts, b - a]``; its
-    ``state_dict`` entries are those slices, and ``load_state_dict`` takes either the slices
-    or whole experts (which it cuts).
+    After ``split_ff(rank, size)`` this rank holds hidden units ``ff_range = [a, b)`` of every
+    expert (``d_ff`` stays the full width): ``w1``, ``w3`` ``[num_experts, d_model, b - a]``,
+    ``w2`` ``[num_experts, b - a, d_model]``, ``b1``, ``b3`` ``[num_experts, b - a]``; its
+    ``state_dict`` entries are those slices (layout-dependent: ``sparta.moe.full_state_dict``
+    and the trainer's checkpoints save whole experts), and ``load_state_dict`` takes whole
+    experts (and cuts its slice) or slices of its own width.
 
     The GEMMs run through ``torch.nn.functional.grouped_mm``: float32, bfloat16 and float16
     on CPU; bfloat16 on CUDA (compute capability 8.0+). Rows must be 16-byte aligned
@@ -111,7 +109,7 @@ class GroupedExperts(nn.Module):
         self.activation = activation
         # A plain attribute, not a buffer: a checkpoint must not pin the expert-parallel layout.
         self.first_expert = first_expert
-        self.tp: Communicator | None = None
+        self.ff_split: tuple[int, int] | None = None  # (rank, size) after split_ff
         self.ff_range = (0, d_ff)
         self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
         self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_ff)) if activation == "swiglu" else None
@@ -125,21 +123,31 @@ class GroupedExperts(nn.Module):
     def reset_parameters(self) -> None:
         """Initialise each expert's matrices and biases as ``nn.Linear`` initialises its
         weight and bias (uniform in ``+-1/sqrt(fan_in)``), from a generator seeded by one
-        draw of the global RNG plus the global expert id."""
+        draw of the global RNG plus the global expert id; after ``split_ff``, each rank
+        keeps its slice of those whole experts."""
         base_seed = int(torch.randint(0, 2**62, ()).item())
-        pairs = ((self.w1, self.b1), (self.w3, self.b3), (self.w2, self.b2))
+        names = (("w1", "b1"), ("w3", "b3"), ("w2", "b2"))
         for local in range(self.num_experts):
             generator = torch.Generator().manual_seed(base_seed + self.first_expert + local)
-            for weight, bias in pairs:
+            for weight_name, bias_name in names:
+                weight, bias = getattr(self, weight_name), getattr(self, bias_name)
                 if weight is None:
                     continue
-                fan_in, fan_out = weight.shape[1], weight.shape[2]
+                fan_in, fan_out = (self.d_ff, self.d_model) if weight_name == "w2" else (self.d_model, self.d_ff)
                 linear_weight = torch.empty(fan_out, fan_in)
                 nn.init.kaiming_uniform_(linear_weight, a=math.sqrt(5), generator=generator)
-                weight[local].copy_(linear_weight.t())
+                weight[local].copy_(self._own_slice(weight_name, linear_weight.t()))
                 if bias is not None:
                     bound = 1 / math.sqrt(fan_in)
-                    bias[local].uniform_(-bound, bound, generator=generator)
+                    whole = torch.empty(fan_out).uniform_(-bound, bound, generator=generator)
+                    bias[local].copy_(self._own_slice(bias_name, whole))
+
+    def _own_slice(self, name: str, whole: Tensor) -> Tensor:
+        """This rank's part of one whole expert's tensor ``name`` (all of it unless split)."""
+        if self.ff_split is None or name not in _FF_DIM:
+            return whole
+        a, b = self.ff_range
+        return whole.narrow(_FF_DIM[name], a, b - a)
 
     def named_weights(self) -> list[tuple[str, nn.Parameter]]:
         """(name, tensor) of each per-expert parameter: ``w1``, ``w3`` (SwiGLU only),
@@ -149,7 +157,8 @@ class GroupedExperts(nn.Module):
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         # One entry per expert under its global id ("w1.5": [d_model, d_ff]), so that a
-        # checkpoint does not depend on how the experts were split over ranks.
+        # checkpoint does not depend on how the experts were split over ep ranks (after
+        # split_ff, the entries are this rank's slices: full_state_dict gathers them whole).
         for name, weight in self.named_weights():
             tensor = weight if keep_vars else weight.detach()
             for local in range(self.num_experts):
@@ -175,12 +184,15 @@ class GroupedExperts(nn.Module):
                     missing_keys.append(key)
                     continue
                 value = state_dict[key]
-                if name in _FF_DIM and self.tp is not None and value.shape[_FF_DIM[name]] == self.d_ff:
-                    value = value.narrow(_FF_DIM[name], self.ff_range[0], self.ff_range[1] - self.ff_range[0])
+                whole = self.expert_slice(name)
+                if whole is not None and tuple(value.shape) == whole[1]:
+                    value = self._own_slice(name, value)
                 if value.shape != weight.shape[1:]:
+                    split = f" (its slice {self.ff_range} of d_ff={self.d_ff})" if whole is not None else ""
                     error_msgs.append(
                         f"size mismatch for {key}: the checkpoint has {tuple(value.shape)}, this expert "
-                        f"{tuple(weight.shape[1:])}: build the layer with the checkpoint's d_model and d_ff"
+                        f"{tuple(weight.shape[1:])}{split}: build the layer with the checkpoint's d_model and d_ff "
+                        "(and load whole experts, e.g. sparta.moe.full_state_dict, into split ones)"
                     )
                     continue
                 with torch.no_grad():
@@ -191,41 +203,49 @@ class GroupedExperts(nn.Module):
                 key for key in state_dict if key.startswith(prefix) and key[len(prefix) :].split(".")[0] not in ours
             )
 
-    def split_ff(self, tp: Communicator) -> None:
-        """Keep this rank's share of every expert's hidden units: ``ff_range`` = ``[r * d_ff /
-        n, (r + 1) * d_ff / n)`` for rank ``r`` of ``tp``'s ``n`` (the columns of ``w1``,
-        ``w3``, ``b1``, ``b3``, the rows of ``w2``); ``b2`` stays whole, added once after the sum.
+    def split_ff(self, rank: int, size: int) -> None:
+        """Keep rank ``rank`` of ``size``'s share of every expert's hidden units: ``ff_range``
+        = ``[rank * d_ff / size, (rank + 1) * d_ff / size)`` (the columns of ``w1``, ``w3``,
+        ``b1``, ``b3``, the rows of ``w2``); ``b2`` stays whole, added as ``b2 / size`` so that
+        the ranks' sum holds it once.
 
         From then on ``forward`` returns this rank's partial output: the sum of the tp ranks'
         outputs (``b2`` included once) is the whole experts' output on the same rows, and
         their input gradients sum to the whole experts'. The caller sums them
         (``MoELayer.split_experts`` does, around its exchanges). Call it before an optimizer
-        or wrapper takes the parameters. Raises ConfigError if ``tp`` does not divide
+        or wrapper takes the parameters. Raises ConfigError if ``size`` does not divide
         ``d_ff`` or the experts are already split.
         """
-        if self.tp is not None:
-            raise ConfigError(f"the experts are already split over a tp group of {self.tp.size}: split them once")
-        if self.d_ff % tp.size:
+        if self.ff_split is not None:
+            raise ConfigError(f"the experts are already split over a tp group of {self.ff_split[1]}: split them once")
+        if self.d_ff % size:
             raise ConfigError(
-                f"expert tensor parallelism splits d_ff={self.d_ff} over tp={tp.size} ranks: pick a tp dividing "
+                f"expert tensor parallelism splits d_ff={self.d_ff} over tp={size} ranks: pick a tp dividing "
                 f"{self.d_ff}, or replicate the experts (MoESpec.expert_tp=False)"
             )
-        width = self.d_ff // tp.size
-        start = tp.rank * width
+        if not 0 <= rank < size:
+            raise ConfigError(f"split_ff: rank={rank} is not one of size={size}'s ranks")
+        width = self.d_ff // size
+        start = rank * width
         for name, weight in self.named_weights():
             if name in _FF_DIM:
                 part = weight.detach().narrow(_FF_DIM[name] + 1, start, width).clone()
                 setattr(self, name, nn.Parameter(part, requires_grad=weight.requires_grad))
-        self.tp, self.ff_range = tp, (start, start + width)
+        self.ff_split, self.ff_range = (rank, size), (start, start + width)
 
     def split_weights(self) -> list[tuple[str, nn.Parameter]]:
         """(name, tensor) of the weights ``split_ff`` cut (none before it)."""
-        return [(n, w) for n, w in self.named_weights() if n in _FF_DIM] if self.tp is not None else []
+        return [(n, w) for n, w in self.named_weights() if n in _FF_DIM] if self.ff_split is not None else []
+
+    def split_dim(self, name: str) -> int | None:
+        """The dimension of one expert's tensor ``name`` that ``split_ff`` cuts (None for
+        ``b2``, and for every weight before the split)."""
+        return _FF_DIM.get(name) if self.ff_split is not None else None
 
     def expert_slice(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """Where weight ``name``'s per-expert tensor sits in the whole expert's: (offsets,
         the whole expert's shape); None when it is whole."""
-        if self.tp is None or name not in _FF_DIM:
+        if self.ff_split is None or name not in _FF_DIM:
             return None
         whole = list(getattr(self, name).shape[1:])
         whole[_FF_DIM[name]] = self.d_ff
@@ -262,8 +282,8 @@ class GroupedExperts(nn.Module):
         h1 = linear(rows, self.w1, self.b1)
         h3 = linear(rows, self.w3, self.b3) if self.w3 is not None else None
         b2 = self.b2
-        if b2 is not None and self.tp is not None:  # the tp ranks' partial outputs sum to one b2
-            b2 = _ShareOfSum.apply(b2, self.tp.size)
+        if b2 is not None and self.ff_split is not None:  # the tp ranks' partial outputs sum to one b2
+            b2 = _ShareOfSum.apply(b2, self.ff_split[1])
         return _ContiguousGrad.apply(linear(activate(self.activation, h1, h3), self.w2, b2))
 
     def forward_blocks(self, rows: Tensor, block_counts: Tensor) -> Tensor:
@@ -283,5 +303,5 @@ class GroupedExperts(nn.Module):
         return (
             f"num_experts={self.num_experts}, d_model={self.d_model}, d_ff={self.d_ff}, "
             f"activation={self.activation}, first_expert={self.first_expert}"
-            + (f", ff_range={self.ff_range} of tp={self.tp.size}" if self.tp is not None else "")
+            + (f", ff_range={self.ff_range} of d_ff={self.d_ff}" if self.ff_split is not None else "")
         )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from sparta.comm.autograd import all_reduce_backward, all_reduce_forward
+from sparta.comm import all_reduce_backward, all_reduce_forward
 from sparta.errors import ConfigError, InputError
 from sparta.moe.config import MoEConfig
 from sparta.moe.dispatch import DispatchPlan, combine, expert_capacity, plan_dispatch, soft_combine, soft_dispatch
@@ -77,8 +77,9 @@ class MoELayer(nn.Module):
     all-to-alls (counts, rows, outputs); the counts exchange also carries each rank's input
     verdict (an error on one rank raises on all), the rows' dtype and width, and the counts
     behind ``last_stats``, and is the forward's one host synchronisation. Each backward
-    issues two all-to-alls. With ``ep_size == 1`` no collective is issued and dropless
-    routing never synchronises with the host.
+    issues two all-to-alls. With ``ep_size == 1`` (and no ``split_experts``) no collective is
+    issued and dropless routing never synchronises with the host. ``split_experts`` adds one
+    all-reduce over tp to each forward and each backward.
 
     ``stats_comm`` sums those counts over every rank that trains the layer instead, by one
     all-reduce after the outputs' all-to-all (e.g. over the world, when expert-parallel
@@ -136,6 +137,7 @@ class MoELayer(nn.Module):
             bias=config.expert_bias,
         )
         self.name = name
+        self.tp: Communicator | None = None  # the group the experts' hidden units split over (split_experts)
         self.aux_loss: Tensor = torch.zeros(())
         self._stats: Tensor | None = None
         self._counts_checked = False  # the counts exchange's layout, proven at the first forward
@@ -204,7 +206,7 @@ class MoELayer(nn.Module):
             groups = x.reshape(math.prod(x.shape[:-2]), seq_len, cfg.d_model)
             route = self._guard(lambda: self.router(groups))
             slots = soft_dispatch(groups, route.dispatch_weights, cfg.num_experts)
-            out = self._experts(slots.rows, slots)
+            out = self._experts(slots.rows, slots, slots.rows.shape[0])
             return soft_combine(out, self._attach_aux_loss(route, route.combine_weights), cfg.num_experts).view(x.shape)
         tokens = x.reshape(-1, cfg.d_model)
         route = self._guard(lambda: self.router(tokens))
@@ -214,20 +216,23 @@ class MoELayer(nn.Module):
         weight = self._attach_aux_loss(route, route.weight)
         plan = plan_dispatch(route.token_idx, route.expert_idx, weight, cfg.num_experts, capacity)
         assert plan.token_idx is not None
-        out = self._experts(tokens.index_select(0, plan.token_idx), plan)
+        rows = tokens.index_select(0, plan.token_idx)
+        # token choice keeps at most top_k rows a token; expert choice's count is fixed
+        most = rows.shape[0] if cfg.router == "expert_choice" else tokens.shape[0] * cfg.top_k
+        out = self._experts(rows, plan, most)
         return combine(out, plan, tokens.shape[0]).view(x.shape)
 
-    def _experts(self, rows: Tensor, plan: DispatchPlan) -> Tensor:
+    def _experts(self, rows: Tensor, plan: DispatchPlan, most: int) -> Tensor:
         """``rows`` ``[N, d]`` grouped by global expert through their experts, wherever they
         live: ``[N, d]`` in the same order; records the plan's counts. Under `split_experts`
-        the tp ranks' partial outputs are summed here, after the exchange back: ``[N, d]``
-        has the same shape on every tp rank whatever the routing, where the rows an expert
-        receives do not (torch's pipelining infers stage shapes from uninitialised inputs,
-        on which tp ranks route differently)."""
+        the tp ranks' partial outputs are summed here, after the exchange back, sent as
+        ``most`` rows (N's bound from the input's shape alone): torch's pipelining infers
+        stage shapes from uninitialised inputs, on which tp ranks route differently, and
+        the collective must still match."""
         stats = _stats_vector(plan)
-        tp = self.experts.tp
+        tp = self.tp
         if tp is not None:
-            rows = all_reduce_backward(rows, tp)
+            rows = all_reduce_backward(rows, tp, most)
         if self.comm is None:
             self._record(stats)
             out = self.experts(rows, plan.counts)
@@ -238,7 +243,7 @@ class MoELayer(nn.Module):
             self._counts_checked = True
             out = expert_parallel(rows, plan.counts, exchanged, self.experts, self.comm, self.degrees, self.exchange)
             self._record(stats, exchanged.stats)
-        return out if tp is None else all_reduce_forward(out, tp)
+        return out if tp is None else all_reduce_forward(out, tp, most)
 
     def split_experts(self, tp: Communicator) -> None:
         """Expert tensor parallelism: split every expert's hidden units over ``tp``'s ranks
@@ -247,7 +252,8 @@ class MoELayer(nn.Module):
         gradients with one per backward). Every rank of ``tp`` must feed the layer the same
         tokens (as tensor parallelism's replicated activations are) and run it in step;
         ``comm`` (expert parallelism) is then one group per tp rank. Collective-free."""
-        self.experts.split_ff(tp)
+        self.experts.split_ff(tp.rank, tp.size)
+        self.tp = tp
 
     def _check_input(self, x: Tensor) -> None:
         d_model = self.config.d_model

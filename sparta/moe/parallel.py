@@ -3,8 +3,8 @@
 Rank ``r`` of an ``ep_size`` communicator holds global experts ``[r * L, (r + 1) * L)``
 with ``L = num_experts / ep_size``. Dispatch leaves the rows sorted by global expert, hence
 already grouped by destination rank: ``send_splits[r]`` is the sum of the counts of rank
-``r``'s experts. This is the only place sparta.moe calls ``sparta.comm``, and only for a
-layer with ``ep_size > 1``.
+``r``'s experts. The exchanges and counts of a layer with ``ep_size > 1`` all go through
+here (the layer itself calls ``sparta.comm`` only for its tp all-reduces and its stats).
 """
 
 from __future__ import annotations

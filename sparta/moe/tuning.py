@@ -55,7 +55,9 @@ def tune_schedule(
         groups["hier"] = hierarchical
         groups["intra"] = hierarchical.intra  # the share of "hier" that blocks this thread
     profiler = Profiler(comm, groups, config, device=device)
-    profile = profiler.collectives(("all_to_all",)) | profiler.expert_mlp(cfg.d_model, cfg.d_ff, tokens.dtype)
+    # this rank's hidden width: its share under expert tensor parallelism
+    d_ff = layer.experts.ff_range[1] - layer.experts.ff_range[0]
+    profile = profiler.collectives(("all_to_all",)) | profiler.expert_mlp(cfg.d_model, d_ff, tokens.dtype)
     router = copy.deepcopy(layer.router)  # leaves the layer's router state and RNG as they were
     with torch.random.fork_rng(devices=[]):
         profile |= profiler.router(cfg.router, lambda t: _routed_weight(router(t)), cfg.d_model, tokens.dtype)
@@ -74,7 +76,7 @@ def tune_schedule(
         tokens=max(1, math.ceil(most_rows / cfg.top_k)),
         top_k=cfg.top_k,
         d_model=cfg.d_model,
-        d_ff=cfg.d_ff,
+        d_ff=d_ff,
         ep_size=cfg.ep_size,
         element_bytes=tokens.element_size(),
     )

@@ -188,7 +188,8 @@ class HFLlama(HFDecoder):
     def check_tp(self, tp_size: int) -> None:
         cfg = self.config
         sizes = [("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads)]
-        # the MLP width counts only while a dense MLP is left (moeify's experts are not in the plan)
+        # the MLP width counts only while a dense MLP is left: moeify's experts are not in the
+        # tp plan (parallelize checks their own split, MoESpec.expert_tp)
         if any(isinstance(layer.mlp, self.mlp_class) for layer in self.layers.values()):
             sizes.append(("intermediate_size", cfg.intermediate_size))
         for name, value in sizes:

@@ -166,9 +166,12 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
     blocks, extras, comms = [0.0] * 4, [0.0] * 4, [0.0] * 3
     largest_block = dense = expert = 0.0
 
-    def add(into: list[float], part: str, split: int, comm: float = 0.0, group: int = dims.tp) -> None:
+    def add(
+        into: list[float], part: str, split: int, comm: float = 0.0, group: int = dims.tp, saved_split: int = 0
+    ) -> None:
         # a part's fixed cost per call (launches, Python) is every tp rank's, whole; its
-        # per-token cost is split
+        # per-token cost is split, and so are its saved activations unless saved_split says
+        # otherwise
         p = costs.parts[part]
         # a part that waits inside (a tp half's all-reduces, an ep MoE layer's exchanges):
         # its busy share is compute, the rest waiting, which was measured on its group's
@@ -179,7 +182,7 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
             seconds = f.alpha + f.beta * tokens / split
             into[i] += p.busy * seconds
             comms[i] += comm + waited * seconds
-        into[3] += p.saved_bytes_per_token * tokens / split
+        into[3] += p.saved_bytes_per_token * tokens / (saved_split or split)
 
     if index == 0:
         add(extras, "embed", 1)
@@ -211,7 +214,9 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
                 comm = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k, stride=dims.tp)
                 if split > 1:
                     comm += costs.collective("all_reduce", split, act * moe.top_k)
-                add(blocks, "moe", split, comm)
+                # the rows it saves are whole on every tp rank, only the hidden units split:
+                # counted whole (the budget errs safe)
+                add(blocks, "moe", split, comm, saved_split=1)
             router = cfg.d_model * moe.num_experts
             expert += (costs.parts["moe"].params - router) / (dims.ep * split)
             dense += router

@@ -325,6 +325,10 @@ def check_expert_tensor_parallel_equals_whole_experts(world: World) -> None:
                 dim, lo, hi = cut[name]
                 want = want.narrow(dim, lo, hi - lo)
             torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name, c=case: f"{c}: {n}: {m}")
+        # gathered whole from the slices (and the ep ranks), it is the whole layer's state
+        gathered = full_state_dict(split)
+        for key, value in whole.state_dict().items():
+            torch.testing.assert_close(gathered[key], value, msg=lambda m, k=key: f"full_state_dict {k}: {m}")
         # a whole layer's checkpoint loads into the split one (each rank takes its slice)
         torch.manual_seed(7)
         loaded = MoELayer(D_MODEL, D_FF, EXPERTS, **case, **sharded).eval()
@@ -335,6 +339,15 @@ def check_expert_tensor_parallel_equals_whole_experts(world: World) -> None:
     empty = split.train()(torch.zeros(0, SEQ, D_MODEL, requires_grad=True))  # no tokens on any rank: still in step
     empty.sum().backward()
     assert empty.shape == (0, SEQ, D_MODEL)
+    # tp ranks that route differently (torch's pipelining infers shapes on uninitialised
+    # tensors) keep fewer rows under capacity: the sums still match in size, nothing hangs
+    torch.manual_seed(0)
+    sharded = {"ep_size": ep.size, "comm": ep} if ep is not None else {}
+    capped = MoELayer(D_MODEL, D_FF, EXPERTS, router="switch", top_k=1, capacity_factor=0.5, **sharded)
+    capped.split_experts(tp)
+    noise = torch.randn(2, SEQ, D_MODEL, generator=torch.Generator().manual_seed(world.rank), requires_grad=True)
+    capped(noise).sum().backward()
+    assert noise.grad is not None and noise.grad.shape == noise.shape
     odd = MoELayer(D_MODEL, 19, EXPERTS)
     with raises(ConfigError, "splits d_ff=19 over tp=2"):
         odd.split_experts(tp)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
@@ -129,9 +128,9 @@ def test_rows_grouped_mm_cannot_take_name_the_fix() -> None:
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_split_hidden_units_sum_to_the_whole_experts(activation: str) -> None:
-    """split_ff's slices (what each rank of a tp group keeps; only its rank and size are read)
-    give partial outputs and input gradients whose sums are the whole experts', b2 once; each
-    slice's weight gradients are the whole's slices, b2's whole; a whole checkpoint loads."""
+    """split_ff's slices (what each rank of a tp group keeps) give partial outputs and input
+    gradients whose sums are the whole experts', b2 once; each slice's weight gradients are
+    the whole's slices, b2's whole; a whole checkpoint loads."""
     torch.manual_seed(0)
     whole = GroupedExperts(3, 8, 16, activation=activation, bias=True)
     counts = torch.tensor([2, 0, 3])
@@ -143,7 +142,7 @@ def test_split_hidden_units_sum_to_the_whole_experts(activation: str) -> None:
     for rank in range(2):
         part = GroupedExperts(3, 8, 16, activation=activation, bias=True)
         part.load_state_dict(whole.state_dict())
-        part.split_ff(types.SimpleNamespace(rank=rank, size=2))  # type: ignore[arg-type]
+        part.split_ff(rank, 2)
         assert part.ff_range == (8 * rank, 8 * rank + 8) and part.w2.shape == (3, 8, 8)
         gated = {"w3", "b3"} if activation == "swiglu" else set()
         assert {n for n, _ in part.split_weights()} == {"w1", "w2", "b1"} | gated
@@ -159,10 +158,33 @@ def test_split_hidden_units_sum_to_the_whole_experts(activation: str) -> None:
                 want = want.narrow(dim + 1, start, length)
             torch.testing.assert_close(p.grad, want, msg=name)
         reloaded = GroupedExperts(3, 8, 16, activation=activation, bias=True)
-        reloaded.split_ff(types.SimpleNamespace(rank=rank, size=2))  # type: ignore[arg-type]
+        reloaded.split_ff(rank, 2)
         reloaded.load_state_dict(whole.state_dict())  # whole experts: each rank cuts its slice
         torch.testing.assert_close(reloaded(rows, counts), y.detach())
     torch.testing.assert_close(out, whole(rows, counts).detach())
     torch.testing.assert_close(grad_in, x.grad)
     with pytest.raises(ConfigError, match="already split"):
-        part.split_ff(types.SimpleNamespace(rank=0, size=2))  # type: ignore[arg-type]
+        part.split_ff(0, 2)
+
+
+def test_split_experts_initialise_as_slices_of_the_whole_ones() -> None:
+    """reset_parameters after split_ff draws the whole experts (nn.Linear's bounds from the
+    whole fan-in) and keeps this rank's slice; a slice of another width is refused by name."""
+    torch.manual_seed(1)
+    whole = GroupedExperts(2, 8, 16, activation="swiglu", bias=True)
+    parts = []
+    for rank in range(2):
+        torch.manual_seed(1)
+        part = GroupedExperts(2, 8, 16, activation="swiglu", bias=True)
+        part.split_ff(rank, 2)
+        torch.manual_seed(1)
+        part.reset_parameters()
+        parts.append(part)
+    torch.testing.assert_close(torch.cat([p.w1 for p in parts], dim=2), whole.w1)
+    torch.testing.assert_close(torch.cat([p.w2 for p in parts], dim=1), whole.w2)
+    torch.testing.assert_close(torch.cat([p.b3 for p in parts], dim=1), whole.b3)
+    torch.testing.assert_close(parts[1].b2, whole.b2)
+    quarter = GroupedExperts(2, 8, 16, activation="swiglu", bias=True)
+    quarter.split_ff(0, 4)
+    with pytest.raises(RuntimeError, match=r"its slice \(0, 4\) of d_ff=16"):
+        quarter.load_state_dict(parts[0].state_dict())
