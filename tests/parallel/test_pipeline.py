@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from sparta.errors import ConfigError
-from sparta.parallel import Decoder, DecoderConfig, MoESpec, ParallelConfig, ParallelDims, schedule_actions
+from sparta.parallel import (
+    Decoder,
+    DecoderConfig,
+    MoESpec,
+    ParallelConfig,
+    ParallelDims,
+    moe_layers,
+    schedule_actions,
+)
+from sparta.parallel.experts import check_expert_tp
 from sparta.parallel.pipeline import ModelParts, check_schedule, split_by_cost, split_by_points, stage_ids, stage_module
 
 CFG = DecoderConfig(vocab_size=300, seq_len=8, d_model=16, n_layers=6, n_heads=2, d_ff=32)
@@ -92,3 +101,15 @@ def test_bad_plans_raise_config_errors() -> None:
         ParallelDims(dp=6, ep=4)
     with pytest.raises(ConfigError, match="positive integer"):
         ParallelDims(pp=0)
+
+
+def test_experts_split_over_tp_need_aligned_slices() -> None:
+    """check_expert_tp (what parallelize runs before any collective): tp must cut every MoE
+    layer's d_ff into slices grouped_mm takes, 16-byte rows in the experts' dtype."""
+    model = Decoder(DecoderConfig(vocab_size=300, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=24))
+    moe_layers(model, MoESpec(num_experts=2, top_k=1), None)
+    check_expert_tp(model, 2)  # 12 float32 units: 48-byte rows
+    with pytest.raises(ConfigError, match=r"d_ff=24 over tp=4 into 6 units, rows of 24 bytes"):
+        check_expert_tp(model, 4)
+    with pytest.raises(ConfigError, match=r"d_ff=24 over tp=5: pick a tp"):
+        check_expert_tp(model, 5)
