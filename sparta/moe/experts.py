@@ -213,16 +213,12 @@ class GroupedExperts(nn.Module):
         outputs (``b2`` included once) is the whole experts' output on the same rows, and
         their input gradients sum to the whole experts'. The caller sums them
         (``MoELayer.split_experts`` does, around its exchanges). Call it before an optimizer
-        or wrapper takes the parameters. Raises ConfigError if ``size`` does not divide
-        ``d_ff`` or the experts are already split.
+        or wrapper takes the parameters. Raises ConfigError where `check_ff_split` does
+        or the experts are already split.
         """
         if self.ff_split is not None:
             raise ConfigError(f"the experts are already split over a tp group of {self.ff_split[1]}: split them once")
-        if self.d_ff % size:
-            raise ConfigError(
-                f"expert tensor parallelism splits d_ff={self.d_ff} over tp={size} ranks: pick a tp dividing "
-                f"{self.d_ff}, or replicate the experts (MoESpec.expert_tp=False)"
-            )
+        self.check_ff_split(size)
         if not 0 <= rank < size:
             raise ConfigError(f"split_ff: rank={rank} is not one of size={size}'s ranks")
         width = self.d_ff // size
@@ -232,6 +228,19 @@ class GroupedExperts(nn.Module):
                 part = weight.detach().narrow(_FF_DIM[name] + 1, start, width).clone()
                 setattr(self, name, nn.Parameter(part, requires_grad=weight.requires_grad))
         self.ff_split, self.ff_range = (rank, size), (start, start + width)
+
+    def check_ff_split(self, size: int) -> None:
+        """ConfigError unless ``size`` ranks can split the hidden units (`split_ff`): ``size``
+        divides ``d_ff`` into slices whose rows grouped_mm takes (multiples of 16 bytes in
+        the experts' dtype). Pure: no collective, so callers check it before any."""
+        units = 0 if self.d_ff % size else self.d_ff // size
+        row = units * self.w1.element_size()
+        if self.d_ff % size or row % 16:
+            cut = f" into {units} units, rows of {row} bytes (grouped_mm needs multiples of 16)" if units else ""
+            raise ConfigError(
+                f"expert tensor parallelism splits the experts' d_ff={self.d_ff} over tp={size}{cut}: pick a tp "
+                "that divides it so, or replicate the experts over tp (MoESpec.expert_tp=False)"
+            )
 
     def split_weights(self) -> list[tuple[str, nn.Parameter]]:
         """(name, tensor) of the weights ``split_ff`` cut (none before it)."""

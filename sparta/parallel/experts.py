@@ -98,16 +98,11 @@ def check_expert_tp(module: nn.Module, tp: int) -> None:
     ``module`` (what `GroupedExperts.split_ff` needs) into slices whose rows grouped_mm
     takes (16-byte aligned in the experts' dtype). Pure: no collective."""
     for path, moe in module.named_modules():
-        if not isinstance(moe, MoELayer):
-            continue
-        d_ff, size = moe.config.d_ff, moe.experts.w1.element_size()
-        if d_ff % tp or d_ff // tp * size % 16:
-            raise ConfigError(
-                f"{path}: expert tensor parallelism splits the experts' d_ff={d_ff} over tp={tp}"
-                + ("" if d_ff % tp else f" into {d_ff // tp} units, rows of {d_ff // tp * size} bytes (grouped_mm "
-                   "needs multiples of 16)")
-                + ": pick a tp that divides it so, or replicate the experts over tp (MoESpec.expert_tp=False)"
-            )  # fmt: skip
+        if isinstance(moe, MoELayer):
+            try:
+                moe.experts.check_ff_split(tp)
+            except ConfigError as exc:
+                raise ConfigError(f"{path}: {exc}") from None
 
 
 def hierarchical_ep(layout: Layout) -> HierarchicalAllToAll:
