@@ -20,6 +20,9 @@ the measured all-reduces. Likewise ``moe/ep{g}``: the MoE layer with its experts
 adjacent ranks, its exchanges inside (the counts exchange with its host synchronisation, the
 rows out and back, the busiest rank's experts), used for plans whose ep groups are adjacent
 (tp 1); without it the planner adds two measured all-to-alls each way to ``moe``.
+``moe/tp{g}`` has the experts' hidden units split over g adjacent ranks instead (its tp
+all-reduces inside), and ``moe/ep{e}tp{t}`` both: ep groups of e ranks t apart, as in the
+trainer's mesh.
 
 Collectives are fitted per group shape, seconds vs bytes per rank: "all_reduce/g4" over
 groups of 4 consecutive ranks, "all_reduce/g4s2" over groups of 4 ranks 2 apart, for every

@@ -7,8 +7,8 @@ each rank times its own device. The parts are the trainer's own modules (`Block`
 the MoE layer, the embedding and head as the Decoder has them); the collectives run over
 every group shape a layout of the launch can form (`group_shapes`). Parts that talk inside
 are timed under their groups as the trainer runs them too: a block's halves under tp
-(``attention/tp2``), the MoE layer with its experts split over ep (``moe/ep4``) and with
-their hidden units split over tp (``moe/tp2``).
+(``attention/tp2``), the MoE layer with its experts split over ep (``moe/ep4``), with
+their hidden units split over tp (``moe/tp2``), and with both (``moe/ep2tp2``).
 """
 
 from __future__ import annotations
@@ -182,6 +182,11 @@ def measure_costs(
         # each rank's own group builds its layer alike
         module = _moe_part(model, moe, groups[f"g{g}"]).to(device)  # type: ignore[arg-type]
         parts[f"moe/ep{g}"] = _grouped_part(profiler, module, "moe", model, cfg.rows, g, slots, device)
+    for e, t in _ep_tp_pairs(comm.size, sizes, model, moe):
+        # both at once, as the trainer's mesh lays them: tp groups of t adjacent ranks, ep
+        # groups of e ranks t apart, on the first e x t ranks
+        module = _moe_part(model, moe, groups[f"g{e}s{t}"], groups[f"g{t}"]).to(device)  # type: ignore[arg-type]
+        parts[f"moe/ep{e}tp{t}"] = _grouped_part(profiler, module, "moe", model, cfg.rows, e * t, slots, device)
     optimizer = _fit(profiler, (100_000, 400_000, 1_600_000), lambda n: _adamw(n, device), active)
     return ModelCosts(
         parts=parts,
@@ -193,6 +198,21 @@ def measure_costs(
         slots=slots,
         ranks_per_host=ranks_per_host,
     )
+
+
+def _ep_tp_pairs(
+    world: int, sizes: tuple[int, ...], model: DecoderConfig, moe: MoESpec | None
+) -> list[tuple[int, int]]:
+    """(ep, tp) of every layout with experts over ep and their hidden units over tp that the
+    launch's ``world`` ranks hold and the model divides."""
+    if moe is None or not moe.expert_tp:
+        return []
+    return [
+        (e, t)
+        for e in sizes
+        for t in sizes
+        if world % (e * t) == 0 and moe.num_experts % e == 0 and model.d_ff % t == 0
+    ]
 
 
 def group_shapes(world: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -25,7 +25,9 @@ MoE layers: where the costs have the layer timed with its experts over the plan'
 inside), tp is 1 and the exchange flat, that time is used; else the plain layer plus two
 ep all-to-alls of tokens x top_k rows each way. Under tp their experts' hidden units split
 over it (``MoESpec.expert_tp``, as the trainer does): where ep is 1 and the costs have the
-layer timed so (``moe/tp2``, its all-reduces inside), that time; else the layer's per-token
+layer timed so (``moe/tp2``, its all-reduces inside), that time; where ep is above 1 too,
+the layer timed with both (``moe/ep2tp2``: ep groups tp apart, as the trainer's mesh lays
+them, the flat exchange), that time; else the layer's per-token
 time divided by tp (routing is replicated, and counted split: it is small) plus one tp
 all-reduce of its tokens x top_k rows per pass. With ``expert_tp=False`` they run
 replicated.
@@ -206,10 +208,13 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
             split = dims.tp if moe.expert_tp else 1
             measured = f"moe/ep{dims.ep}"  # timed over ep groups of adjacent ranks, flat exchange
             split_measured = f"moe/tp{dims.tp}"  # timed with its experts split over adjacent ranks
+            both_measured = f"moe/ep{dims.ep}tp{dims.tp}"  # both, ep groups tp apart as in the mesh
             if dims.ep > 1 and dims.tp == 1 and not moe.hierarchical and measured in costs.parts:
                 add(blocks, measured, 1, group=dims.ep)
             elif dims.ep == 1 and split > 1 and split_measured in costs.parts:
                 add(blocks, split_measured, 1)
+            elif dims.ep > 1 and split > 1 and not moe.hierarchical and both_measured in costs.parts:
+                add(blocks, both_measured, 1, group=dims.ep * dims.tp)
             else:
                 comm = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k, stride=dims.tp)
                 if split > 1:

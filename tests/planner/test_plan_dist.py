@@ -61,8 +61,9 @@ def test_a_measured_plan_trains_like_one_process(tmp_path: Path) -> None:
     costs = ModelCosts.load(costs_path)
     # the halves under tp as the trainer runs them, for each tp degree the model allows (2 heads:
     # tp2), the MoE layer with its 4 experts over 2 and over 4 ranks, and with their hidden
-    # units over tp2
+    # units over tp2, and with both (ep2 x tp2)
     parts = {"embed", "attention", "mlp", "moe", "head", "attention/tp2", "mlp/tp2", "moe/tp2", "moe/ep2", "moe/ep4"}
+    parts |= {"moe/ep2tp2"}
     assert set(costs.parts) == parts and costs.world == 4
     # every group shape a layout of 4 ranks has: 2 consecutive, 2 ranks 2 apart (dp under tp2), 4
     assert {"all_reduce/g2", "all_reduce/g2s2", "all_reduce/g4", "all_to_all/g4", "all_gather/g2s2"} <= set(costs.comm)

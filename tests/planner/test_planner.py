@@ -195,6 +195,14 @@ def test_an_moe_layer_measured_under_ep_replaces_its_modelled_all_to_alls() -> N
     # under tp the layer's ep group spans ranks tp apart, not the adjacent ones it was timed on
     wide = dataclasses.replace(measured, world=4)
     assert step(wide, tp=2) == pytest.approx(step(dataclasses.replace(c, world=4), tp=2))
+    # timed with its experts over ep and their hidden units over tp both (moe/ep2tp2, ep
+    # groups tp apart as the mesh lays them): that time, here 2 s more forward per block
+    both = [
+        dataclasses.replace(wide, parts={**wide.parts, "moe/ep2tp2": PartCost(const(f), zero, zero, 1.0, 1000)})
+        for f in (3.0, 5.0)
+    ]
+    assert step(both[1], tp=2) - step(both[0], tp=2) == pytest.approx(4 * 2.0)
+    assert step(both[0], tp=2) != pytest.approx(step(wide, tp=2))
 
 
 def test_moe_experts_split_over_tp_halve_their_time_and_add_a_tp_all_reduce_each_way() -> None:
