@@ -3,6 +3,7 @@ the ranking, and how the chosen plan compares with the median and the best measu
 
     python benchmarks/planner.py                       # 8 ranks, both models, 6 plans each
     python benchmarks/planner.py --models moe --plans 3 --steps 4     # quicker
+    python benchmarks/planner.py --models moe --plans 2 --also 'tp[248] ep[248]'   # + a kind
 
 For each model (``dense``: the reference Decoder; ``moe``: the same with MoE MLPs, 8 experts
 top-2, as the demo), on ``--world`` ranks of this machine (torchrun, gloo, one thread each):
@@ -43,6 +44,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -150,7 +152,16 @@ def bench_model(name: str, a: argparse.Namespace, tmp: Path, launch: Launcher) -
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
         return statistics.median(r["step_s"] for r in records[2:] or records), records
 
-    for index in _spread(len(result.fits), a.plans):
+    # plus the best-ranked plan matching each --also pattern (a kind the spread may miss)
+    picked = set(_spread(len(result.fits), a.plans))
+    for pattern in a.also:
+        found = [i for i, r in enumerate(result.fits) if re.search(pattern, r.plan.describe())]
+        if found:
+            picked.add(found[0])
+        else:
+            skipped = {"record": "skipped", "model": name, "also": pattern, "reason": "no plan that fits matches"}
+            print(json.dumps(skipped), flush=True)
+    for index in sorted(picked):
         ranked = result.fits[index]
         measured, records = train(index, "")
         predicted = ranked.prediction.step_s
@@ -259,6 +270,10 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--models", default="dense,moe")
     parser.add_argument("--plans", type=int, default=6, help="plans measured per model, spread over the ranking")
+    parser.add_argument(
+        "--also", action="append", default=[], metavar="REGEX",
+        help="also measure the best-ranked plan whose description matches, e.g. 'tp[248] ep[248]' (repeatable)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--memory", type=float, default=4.0, help="GiB per rank")
     parser.add_argument("--timeout", type=float, default=600.0)
