@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.utils import get_total_norm
 
 from sparta.errors import InputError
@@ -23,11 +25,18 @@ if TYPE_CHECKING:
     from sparta.parallel.parallelize import ParallelConfig, ParallelPlan
 
 IGNORE_INDEX = -100  # targets of padding positions: the loss skips them
+# the tp style of an output head whose vocabulary is split over tp (parallelize's tp plan)
+VOCAB_STYLE = "vocab"
 
 
 def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean cross-entropy of logits [b, T, vocab] against targets [b, T], padding ignored."""
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+    """Mean cross-entropy of logits [b, T, vocab] against targets [b, T], padding ignored.
+    Logits split over the vocabulary (a DTensor, under `loss_parallel`) give the same loss,
+    returned as the local tensor every tp rank holds alike."""
+    loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+    # a copy, not to_local()'s view: zero-bubble schedules detach the loss in place after
+    # their input-gradient pass, which a view refuses
+    return loss.to_local().clone() if isinstance(loss, DTensor) else loss
 
 
 class ParallelModel:
@@ -52,6 +61,11 @@ class ParallelModel:
         self.data_parallel, self.plan = data_parallel, plan
         self.has_first, self.has_last = has_first, has_last
         self.seq_len = config.seq_len
+        self._vocab_parallel = has_last and VOCAB_STYLE in plan.tp_plan.values()
+
+    def _loss_context(self) -> AbstractContextManager[None]:
+        # the head's logits stay split over the vocabulary: torch's vocab-parallel cross-entropy
+        return loss_parallel() if self._vocab_parallel else nullcontext()
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters, each once (for the optimizer)."""
@@ -81,7 +95,8 @@ class ParallelModel:
         losses: list[Tensor] = []
         args = (ids.to(self.layout.device),) if self.has_first else ()
         kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, **kwargs)  # type: ignore[attr-defined]
+        with self._loss_context():
+            self.schedule.step(*args, **kwargs)  # type: ignore[attr-defined]
         self.data_parallel.finish()
         return self._global_mean(losses)
 
@@ -92,15 +107,16 @@ class ParallelModel:
         ids, targets = self._padded(ids, targets)
         m, dims, config = self.config.microbatches, self.layout.dims, self.config
         # not the schedule's eval(): torch 2.13's fails under V-shaped schedules (forward_only.py)
-        losses = forward_only(
-            dict(zip(self.plan.stage_ids, self.parts, strict=True)),
-            dims.pp * config.stages_per_rank,
-            partial(stage_owner, config.schedule, dims.pp, stages_per_rank=config.stages_per_rank),
-            self.layout.pp_group if dims.pp > 1 else None,
-            ids.to(self.layout.device).tensor_split(m),
-            targets.to(self.layout.device).tensor_split(m),
-            loss_fn,
-        )
+        with self._loss_context():
+            losses = forward_only(
+                dict(zip(self.plan.stage_ids, self.parts, strict=True)),
+                dims.pp * config.stages_per_rank,
+                partial(stage_owner, config.schedule, dims.pp, stages_per_rank=config.stages_per_rank),
+                self.layout.pp_group if dims.pp > 1 else None,
+                ids.to(self.layout.device).tensor_split(m),
+                targets.to(self.layout.device).tensor_split(m),
+                loss_fn,
+            )
         return self._global_mean(losses)
 
     def _global_mean(self, losses: list[Tensor]) -> float:

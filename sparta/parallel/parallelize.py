@@ -6,7 +6,8 @@ pipeline stage this rank holds:
     cut (deep copy, other stages deleted)           pipeline.py
     MLPs -> expert-parallel MoELayers (moeify)      over layout.ep, each layer seeded alike
     embeddings -> SparseEmbedding                   over layout.dp (rows by all-to-all)
-    tensor parallel (model.tp_plan, as data)        DTensor over layout.tp_mesh
+    tensor parallel (model.tp_plan, as data)        DTensor over layout.tp_mesh; the head
+                                                    by vocabulary, its loss on the shards
     recomputation (config.recompute)                each layers.* block checkpointed
     data parallel (ddp | fsdp | horovod | sparta)   data_parallel.py
     torch PipelineStage, then the schedule by name
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
@@ -40,7 +42,7 @@ from sparta.moe import MoELayer
 from sparta.parallel.data_parallel import DataParallel, check_strategy
 from sparta.parallel.dims import Layout, ParallelDims
 from sparta.parallel.experts import MoESpec, check_expert_tp, hierarchical_ep, moe_layers
-from sparta.parallel.model import ParallelModel, loss_fn
+from sparta.parallel.model import VOCAB_STYLE, ParallelModel, loss_fn
 from sparta.parallel.pipeline import (
     ZERO_BUBBLE,
     ModelParts,
@@ -56,6 +58,9 @@ from sparta.parallel.pipeline import (
 
 EMBEDDINGS = ("dense", "sparse")
 TP_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+# the output head's style: its vocabulary split over tp, the logits left sharded for the
+# loss (torch's loss_parallel, in ParallelModel) instead of gathered whole on every tp rank
+_ALL_STYLES = {**TP_STYLES, VOCAB_STYLE: partial(ColwiseParallel, output_layouts=Shard(-1), use_local_output=False)}
 
 
 @dataclass(frozen=True)
@@ -159,9 +164,9 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class ParallelPlan:
     """What `parallelize` decided, as data: the layers of every stage, this rank's stages,
-    the tensor-parallel styles it applied (module path -> style), the MoE layers whose
-    experts' hidden units it split over tp (``expert_tp``) and every pipeline rank's action
-    list. ``str(plan)`` prints it."""
+    the tensor-parallel styles it applied (module path -> style; ``"output": "vocab"`` is
+    the head split by vocabulary), the MoE layers whose experts' hidden units it split over
+    tp (``expert_tp``) and every pipeline rank's action list. ``str(plan)`` prints it."""
 
     stages: tuple[tuple[str, ...], ...]
     first: tuple[str, ...]
@@ -198,7 +203,11 @@ def plan_stages(
 
 def tp_plan_of(module: nn.Module, tp: int) -> dict[str, str]:
     """The model's per-layer ``tp_plan`` expanded to this module's linear layers (those not
-    inside an MoE layer), checked to divide by ``tp``. Pure."""
+    inside an MoE layer), checked to divide by ``tp``; plus ``"output": "vocab"`` where the
+    module has the model's output head (an untied ``nn.Linear`` named ``output``) and tp
+    divides its vocabulary: its columns split over tp, the loss computed on the shards
+    (Megatron's vocab-parallel cross-entropy, torch's ``loss_parallel``), so no tp rank
+    holds or computes the whole head. Pure."""
     per_layer: dict[str, str] = getattr(module, "tp_plan", None) or {}
     if not per_layer:
         raise ConfigError(
@@ -225,6 +234,10 @@ def tp_plan_of(module: nn.Module, tp: int) -> dict[str, str]:
                     f"layers.{key}.{path} ({style}) splits {width} features over tp={tp}: pick tp dividing {width}"
                 )
             plan[f"layers.{key}.{path}"] = style
+    head = getattr(module, "output", None)
+    tied = head is not None and head.weight is getattr(getattr(module, "tok_emb", None), "weight", None)
+    if isinstance(head, nn.Linear) and head.out_features % tp == 0 and not tied:
+        plan["output"] = VOCAB_STYLE
     return plan
 
 
@@ -304,7 +317,7 @@ def parallelize(
             swap_embeddings(module, layout.dp)
         if config.tensor_parallel and dims.tp > 1:
             plan = tp_plan_of(module, dims.tp)
-            parallelize_module(module, layout.tp_mesh, {p: TP_STYLES[s]() for p, s in plan.items()})
+            parallelize_module(module, layout.tp_mesh, {p: _ALL_STYLES[s]() for p, s in plan.items()})
             tp_plan.update(plan)
         if index in config.recompute:  # inside the data-parallel wrapper, as torchtitan orders them
             recompute_layers(module)

@@ -18,7 +18,8 @@ An action's seconds are its stage's parts at the micro-batch's tokens (`ModelCos
 attention and dense MLPs as timed under the plan's tp degree where the costs have it
 (``attention/tp2``: DTensor's dispatch and the all-reduces inside), else their per-token
 cost split over tp plus two tp all-reduces of the activations per block forward and two
-backward; the embedding on the first stage and the head on the last.
+backward; the embedding on the first stage and the head on the last (its vocabulary split
+over tp where tp divides it, with one all-reduce of its input gradient).
 
 MoE layers: where the costs have the layer timed with its experts over the plan's ep
 (``moe/ep4``: the counts exchange, the rows out and back and the busiest rank's experts
@@ -230,8 +231,15 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
             dense += costs.parts["mlp"].params / dims.tp
         largest_block = max(largest_block, blocks[3] - before)
     if index == n_stages - 1:
-        add(extras, "head", 1)
-        dense += costs.parts["head"].params
+        # its vocabulary split over tp where tp divides it, as parallelize does (the "vocab"
+        # style, the loss on the shards): per-token time and parameters divided, plus the
+        # input gradient's all-reduce
+        head = dims.tp if dims.tp > 1 and cfg.vocab_size % dims.tp == 0 else 1
+        add(extras, "head", head)
+        if head > 1:
+            comms[1] += costs.collective("all_reduce", head, act)
+            comms[2] += costs.collective("all_reduce", head, act)
+        dense += costs.parts["head"].params / head
     transient = 0.0
     if index in plan.config.recompute:
         # only each block's input is kept; backward runs its forward again first

@@ -124,6 +124,13 @@ def trained_losses(
     moe = [m for part in pm.parts for m in part.modules() if isinstance(m, MoELayer)]
     assert all(m.experts.w1.shape[-1] == MODEL.d_ff // (layout.dims.tp if split else 1) for m in moe), "experts' d_ff"
     assert (len(pm.plan.expert_tp) == len(moe)) if split else not pm.plan.expert_tp, pm.plan.expert_tp
+    # the last stage's head: its vocabulary over tp, its loss on the shards (losses compared below)
+    heads = [part.get_submodule("output") for part in pm.parts if hasattr(part, "output") and part.output is not None]
+    tp_head = layout.dims.tp > 1 and config.tensor_parallel
+    assert (pm.plan.tp_plan.get("output") == "vocab") == (tp_head and pm.has_last), pm.plan.tp_plan
+    for head in heads if tp_head else ():  # split by rows over the tp mesh dimension (FSDP2 may add dp)
+        tp_dim = head.weight.device_mesh.mesh_dim_names.index("tp")
+        assert head.weight.placements[tp_dim].is_shard(0), head.weight.placements
     marks = {s: " (recomputed)" if s in config.recompute else "" for s in range(len(pm.plan.stages))}
     assert all(f"stage {s}{mark}:" in str(pm.plan) for s, mark in marks.items()), str(pm.plan)
     return losses, probe

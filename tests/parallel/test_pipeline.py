@@ -17,6 +17,7 @@ from sparta.parallel import (
     schedule_actions,
 )
 from sparta.parallel.experts import check_expert_tp
+from sparta.parallel.parallelize import tp_plan_of
 from sparta.parallel.pipeline import ModelParts, check_schedule, split_by_cost, split_by_points, stage_ids, stage_module
 
 CFG = DecoderConfig(vocab_size=300, seq_len=8, d_model=16, n_layers=6, n_heads=2, d_ff=32)
@@ -113,3 +114,19 @@ def test_experts_split_over_tp_need_aligned_slices() -> None:
         check_expert_tp(model, 4)
     with pytest.raises(ConfigError, match=r"d_ff=24 over tp=5: pick a tp"):
         check_expert_tp(model, 5)
+
+
+def test_the_head_splits_its_vocabulary_over_tp_where_it_can() -> None:
+    """tp_plan_of gives the last stage's head the "vocab" style (colwise, the loss on the
+    shards) where tp divides an untied head's vocabulary, and leaves it whole otherwise."""
+    cfg = DecoderConfig(vocab_size=300, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=24)
+    model = Decoder(cfg)
+    parts = ModelParts.of(model)
+    last = stage_module(model, parts, ["layers.1"], False, True)
+    assert tp_plan_of(last, 2)["output"] == "vocab"
+    odd = Decoder(DecoderConfig(vocab_size=301, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=24))
+    assert "output" not in tp_plan_of(odd, 2)  # 301 rows over 2 ranks: whole on each
+    assert "output" not in tp_plan_of(stage_module(model, parts, ["layers.0"], True, False), 2)  # no head here
+    tied = Decoder(cfg)
+    tied.output.weight = tied.tok_emb.weight  # type: ignore[union-attr]
+    assert "output" not in tp_plan_of(tied, 2)

@@ -122,9 +122,10 @@ def test_ranks_sharing_a_host_share_its_speed() -> None:
     assert simulate(shared, WORK, plan(1, "1F1B", 1, (), dp=2)).pipeline_s == pytest.approx(24.0)
     # tp2 there: the compute is shared, the collectives are not (measured with both ranks at them).
     # Per block forward 1 s of compute at half speed + two 0.25 s all-reduces, backward 2 s + 0.5 s:
-    # 4 x (2 + 0.5) + 4 x (4 + 0.5), then the two scalar all-reduces over the world
+    # 4 x (2 + 0.5) + 4 x (4 + 0.5), the head's backward all-reduce of its input gradient (its
+    # vocabulary split over tp), then the two scalar all-reduces over the world
     tp_shared = dataclasses.replace(costs(comm_s=0.25), slots=1, ranks_per_host=2)
-    assert simulate(tp_shared, WORK, plan(1, "1F1B", 1, (), tp=2)).step_s == pytest.approx(28.0 + 0.5)
+    assert simulate(tp_shared, WORK, plan(1, "1F1B", 1, (), tp=2)).step_s == pytest.approx(28.0 + 0.25 + 0.5)
 
 
 def test_collectives_enter_where_the_layout_puts_them() -> None:
@@ -132,9 +133,10 @@ def test_collectives_enter_where_the_layout_puts_them() -> None:
     base = simulate(c, WORK, plan(1, "1F1B", 1, ())).step_s  # no group of more than one rank
     assert base == pytest.approx(4 * 2.0 + 4 * 4.0)  # 64 tokens: 2 s forward, 4 s backward per block
     # tp2: each block's compute halves, two all-reduces forward and two backward per block;
-    # then the step's two scalar all-reduces over the world (the clip's norm, the loss)
+    # the head's vocabulary split over tp adds one backward (its input gradient); then the
+    # step's two scalar all-reduces over the world (the clip's norm, the loss)
     tp = simulate(c, WORK, plan(1, "1F1B", 1, (), tp=2)).step_s
-    assert tp == pytest.approx(4 * (1.0 + 2 * 0.25) + 4 * (2.0 + 2 * 0.25) + 2 * 0.25)
+    assert tp == pytest.approx(4 * (1.0 + 2 * 0.25) + 4 * (2.0 + 2 * 0.25) + 0.25 + 2 * 0.25)
     # dp2: the gradient all-reduce overlaps the backward; a quarter of it always shows
     assert simulate(c, WORK, plan(1, "1F1B", 1, (), dp=2)).sync_s == pytest.approx(0.25 / 4)
 
@@ -157,11 +159,12 @@ def test_halves_measured_under_tp_replace_the_split_and_its_all_reduces() -> Non
     zero = const(0.0)
     measured = PartCost(const(1.0), zero, zero, 1.0, 1000)  # 1 s forward, its all-reduces inside
     c.parts.update({"attention/tp2": measured, "mlp/tp2": measured})
-    # 4 blocks x 2 halves x 1 s, nothing else per block; then the step's two scalar all-reduces
-    assert simulate(c, WORK, plan(1, "1F1B", 1, (), tp=2)).step_s == pytest.approx(8 + 2 * 0.25)
+    # 4 blocks x 2 halves x 1 s, nothing else per block; the head's input-gradient all-reduce;
+    # then the step's two scalar all-reduces
+    assert simulate(c, WORK, plan(1, "1F1B", 1, (), tp=2)).step_s == pytest.approx(8 + 0.25 + 2 * 0.25)
     # tp4 has no measurement here: the plain halves over 4 plus their all-reduces, as before
     tp4 = simulate(dataclasses.replace(c, world=4), WORK, plan(1, "1F1B", 1, (), tp=4)).step_s
-    assert tp4 == pytest.approx(4 * (0.5 + 2 * 0.25) + 4 * (1.0 + 2 * 0.25) + 2 * 0.25)
+    assert tp4 == pytest.approx(4 * (0.5 + 2 * 0.25) + 4 * (1.0 + 2 * 0.25) + 0.25 + 2 * 0.25)
 
 
 def test_a_tp_halfs_waiting_is_not_slowed_by_the_hosts_other_ranks() -> None:
