@@ -34,6 +34,9 @@ Candidates (each layout runs those that apply):
   sparta_ep   the MoE model with its experts split over the dp ranks (ep = dp)
   sparta_experts_whole  the MoE model under tp with every expert whole on each tp rank
               (MoESpec.expert_tp=False), against "sparta"'s experts split over tp
+  sparta_head_whole  either model under tp with the output head whole on each tp rank
+              (ParallelConfig.vocab_parallel_head=False), against "sparta"'s head split by
+              vocabulary with the loss on the shards
   sparta_ddp  (opt-in) Sparta's trainer with data_parallel="ddp"
   torchtitan  torchtitan 0.3.0's debug Llama, its ParallelDims, parallelize_llama (TP and
               FSDP2), loss and clip_grad_norm_, in processes of its own with the CPU patches

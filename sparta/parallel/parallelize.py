@@ -76,6 +76,9 @@ class ParallelConfig:
         row-sharded SparseEmbedding over the data-parallel group.
     moe: MoESpec to turn MLPs into expert-parallel MoE layers, or None.
     tensor_parallel: apply the model's ``tp_plan`` when tp > 1.
+    vocab_parallel_head: with tensor_parallel and tp > 1, split the output head by vocabulary
+        over tp and compute the loss on the shards (see `tp_plan_of`); False keeps the head
+        whole on every tp rank.
     seq_len: pad batches to this length (None: the first batch's length).
     bucket_mb: bucket size of the "sparta" data-parallel strategy, MiB.
     recompute: global indices (0 .. pp * stages_per_rank - 1) of the stages whose ``layers.*``
@@ -98,6 +101,7 @@ class ParallelConfig:
     embedding: str = "dense"
     moe: MoESpec | None = None
     tensor_parallel: bool = True
+    vocab_parallel_head: bool = True
     seq_len: int | None = None
     bucket_mb: float = 25.0
     recompute: tuple[int, ...] = ()
@@ -201,10 +205,11 @@ def plan_stages(
     return split_by_cost(parts, num_stages, costs)
 
 
-def tp_plan_of(module: nn.Module, tp: int) -> dict[str, str]:
+def tp_plan_of(module: nn.Module, tp: int, vocab_head: bool = True) -> dict[str, str]:
     """The model's per-layer ``tp_plan`` expanded to this module's linear layers (those not
     inside an MoE layer), checked to divide by ``tp``; plus ``"output": "vocab"`` where the
-    module has the model's output head (an untied ``nn.Linear`` named ``output``) and tp
+    module has the model's output head (an untied ``nn.Linear`` named ``output``), ``vocab_head``
+    is set and tp
     divides its vocabulary: its columns split over tp, the loss computed on the shards
     (Megatron's vocab-parallel cross-entropy, torch's ``loss_parallel``), so no tp rank
     holds or computes the whole head. Pure."""
@@ -236,7 +241,7 @@ def tp_plan_of(module: nn.Module, tp: int) -> dict[str, str]:
             plan[f"layers.{key}.{path}"] = style
     head = getattr(module, "output", None)
     tied = head is not None and head.weight is getattr(getattr(module, "tok_emb", None), "weight", None)
-    if isinstance(head, nn.Linear) and head.out_features % tp == 0 and not tied:
+    if vocab_head and isinstance(head, nn.Linear) and head.out_features % tp == 0 and not tied:
         plan["output"] = VOCAB_STYLE
     return plan
 
@@ -316,7 +321,7 @@ def parallelize(
         if config.embedding == "sparse" and index == 0:
             swap_embeddings(module, layout.dp)
         if config.tensor_parallel and dims.tp > 1:
-            plan = tp_plan_of(module, dims.tp)
+            plan = tp_plan_of(module, dims.tp, config.vocab_parallel_head)
             parallelize_module(module, layout.tp_mesh, {p: _ALL_STYLES[s]() for p, s in plan.items()})
             tp_plan.update(plan)
         if index in config.recompute:  # inside the data-parallel wrapper, as torchtitan orders them

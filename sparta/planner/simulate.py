@@ -234,7 +234,9 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
         # its vocabulary split over tp where tp divides it, as parallelize does (the "vocab"
         # style, the loss on the shards): per-token time and parameters divided, plus the
         # input gradient's all-reduce
-        head = dims.tp if dims.tp > 1 and cfg.vocab_size % dims.tp == 0 else 1
+        config = plan.config
+        split_head = config.tensor_parallel and config.vocab_parallel_head and cfg.vocab_size % dims.tp == 0
+        head = dims.tp if dims.tp > 1 and split_head else 1
         add(extras, "head", head)
         if head > 1:
             comms[1] += costs.collective("all_reduce", head, act)

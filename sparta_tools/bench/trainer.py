@@ -100,8 +100,10 @@ LAYOUTS = {
         LayoutSpec("fsdp4", dp=4, data_parallel="fsdp"),
     )
 }
-CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_experts_whole", "sparta_ddp", "torchtitan")
-DEFAULT_CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_experts_whole", "torchtitan")
+CANDIDATES = (
+    "eager", "ddp", "sparta", "sparta_ep", "sparta_experts_whole", "sparta_head_whole", "sparta_ddp", "torchtitan"
+)  # fmt: skip
+DEFAULT_CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_experts_whole", "sparta_head_whole", "torchtitan")
 TORCHTITAN_LAYOUTS = {"1": (1, 1), "tp2": (2, 1), "fsdp4": (1, 4)}  # layout -> (tp, fsdp) degrees
 TORCHTITAN_PP_REASON = (
     "torchtitan 0.3.0's pipeline path fails on CPU inside the schedule ('Expecting 2 arg_mbs but got 1', "
@@ -136,6 +138,8 @@ def plan_candidates(shape: ModelShape, layout: LayoutSpec, wanted: list[str]) ->
         elif name == "sparta_ep" and moe and layout.pure_dp:
             run.append(name)
         elif name == "sparta_experts_whole" and moe and layout.tp > 1:
+            run.append(name)
+        elif name == "sparta_head_whole" and layout.tp > 1:
             run.append(name)
         elif name == "sparta_ddp" and layout.pure_dp:
             run.append(name)
@@ -278,7 +282,13 @@ class SpartaRun:
     """Sparta's trainer on ``layout``: parallelize, then step / clip / AdamW per step."""
 
     def __init__(
-        self, shape: ModelShape, spec: LayoutSpec, layout: Any, data_parallel: str, expert_tp: bool = True
+        self,
+        shape: ModelShape,
+        spec: LayoutSpec,
+        layout: Any,
+        data_parallel: str,
+        expert_tp: bool = True,
+        vocab_parallel_head: bool = True,
     ) -> None:
         from sparta.parallel import ParallelConfig, parallelize
 
@@ -289,6 +299,7 @@ class SpartaRun:
             stages_per_rank=spec.stages_per_rank,
             data_parallel=data_parallel,
             moe=moe_spec(shape, expert_tp),
+            vocab_parallel_head=vocab_parallel_head,
         )
         stages = spec.pp * spec.stages_per_rank
         # several stages: balanced by measured time on one micro-batch, as a user would run it
@@ -314,18 +325,25 @@ def build_step(name: str, shape: ModelShape, spec: LayoutSpec, layout_for: Calla
         return build_ddp(shape)
     strategy = "ddp" if name == "sparta_ddp" else spec.data_parallel
     ep = spec.dp if name == "sparta_ep" else 1
-    return SpartaRun(shape, spec, layout_for(ep), strategy, expert_tp=name != "sparta_experts_whole")
+    return SpartaRun(
+        shape,
+        spec,
+        layout_for(ep),
+        strategy,
+        expert_tp=name != "sparta_experts_whole",
+        vocab_parallel_head=name != "sparta_head_whole",
+    )
 
 
 # ----------------------------------------------------------------------------- the suite
-SUITE_CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_experts_whole", "sparta_ddp")
+SUITE_CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_experts_whole", "sparta_head_whole", "sparta_ddp")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated: {', '.join(LAYOUTS)}")
     parser.add_argument("--size", default="debug", help=f"model sizes: {', '.join(SIZES)} (tiny: for tests)")
-    default = "eager,ddp,sparta,sparta_ep,sparta_experts_whole"
+    default = "eager,ddp,sparta,sparta_ep,sparta_experts_whole,sparta_head_whole"
     parser.add_argument("--candidates", default=default, help=f"of {', '.join(SUITE_CANDIDATES)}")
 
 

@@ -124,6 +124,7 @@ def test_the_head_splits_its_vocabulary_over_tp_where_it_can() -> None:
     parts = ModelParts.of(model)
     last = stage_module(model, parts, ["layers.1"], False, True)
     assert tp_plan_of(last, 2)["output"] == "vocab"
+    assert "output" not in tp_plan_of(last, 2, vocab_head=False)  # ParallelConfig.vocab_parallel_head=False
     odd = Decoder(DecoderConfig(vocab_size=301, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=24))
     assert "output" not in tp_plan_of(odd, 2)  # 301 rows over 2 ranks: whole on each
     assert "output" not in tp_plan_of(stage_module(model, parts, ["layers.0"], True, False), 2)  # no head here

@@ -134,7 +134,7 @@ def test_bench_suite_times_the_layouts_of_its_world_and_checks_the_first_loss(tm
     assert code == 1, out[-3000:]
 
 
-def test_whole_experts_run_only_for_the_moe_model_under_tp() -> None:
+def test_whole_experts_and_whole_heads_run_only_under_tp() -> None:
     from sparta_tools.bench.trainer import LAYOUTS, SIZES, plan_candidates
 
     wanted = ["sparta", "sparta_experts_whole"]
@@ -142,3 +142,8 @@ def test_whole_experts_run_only_for_the_moe_model_under_tp() -> None:
     assert plan_candidates(moe, LAYOUTS["tp2"], wanted)[0] == wanted
     assert plan_candidates(dense, LAYOUTS["tp2"], wanted)[0] == ["sparta"]
     assert plan_candidates(moe, LAYOUTS["dp2"], wanted)[0] == ["sparta"]
+    # the head whole on each tp rank: either model, only under tp
+    wanted = ["sparta", "sparta_head_whole"]
+    assert plan_candidates(dense, LAYOUTS["tp2"], wanted)[0] == wanted
+    assert plan_candidates(moe, LAYOUTS["tp2"], wanted)[0] == wanted
+    assert plan_candidates(dense, LAYOUTS["fsdp4"], wanted)[0] == ["sparta"]
