@@ -349,7 +349,7 @@ def check_expert_tensor_parallel_equals_whole_experts(world: World) -> None:
     capped(noise).sum().backward()
     assert noise.grad is not None and noise.grad.shape == noise.shape
     odd = MoELayer(D_MODEL, 19, EXPERTS)
-    with raises(ConfigError, "splits d_ff=19 over tp=2"):
+    with raises(ConfigError, "d_ff=19 over tp=2: pick a tp"):
         odd.split_experts(tp)
 
 
