@@ -208,11 +208,10 @@ def plan_stages(
 def tp_plan_of(module: nn.Module, tp: int, vocab_head: bool = True) -> dict[str, str]:
     """The model's per-layer ``tp_plan`` expanded to this module's linear layers (those not
     inside an MoE layer), checked to divide by ``tp``; plus ``"output": "vocab"`` where the
-    module has the model's output head (an untied ``nn.Linear`` named ``output``), ``vocab_head``
-    is set and tp
-    divides its vocabulary: its columns split over tp, the loss computed on the shards
-    (Megatron's vocab-parallel cross-entropy, torch's ``loss_parallel``), so no tp rank
-    holds or computes the whole head. Pure."""
+    module has the model's output head (an untied ``nn.Linear`` named ``output``),
+    ``vocab_head`` is set and tp divides its vocabulary: its columns split over tp, the loss
+    computed on the shards (Megatron's vocab-parallel cross-entropy, torch's
+    ``loss_parallel``), so no tp rank holds or computes the whole head. Pure."""
     per_layer: dict[str, str] = getattr(module, "tp_plan", None) or {}
     if not per_layer:
         raise ConfigError(
