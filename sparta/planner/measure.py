@@ -169,7 +169,7 @@ def measure_costs(
             if name in ("attention", "mlp"):
                 parallelize_module(module.to(device), mesh["tp"], _tp_styles(name))
                 parts[f"{name}/tp{g}"] = _grouped_part(profiler, module, name, model, cfg.rows, g, slots, device)
-        if moe is not None and moe.expert_tp:
+        if moe is not None and moe.expert_tp and _experts_split(model, g):
             # the MoE layer with its experts' hidden units over g adjacent ranks, its two
             # all-reduces inside
             module = _moe_part(model, moe, None, groups[f"g{g}"]).to(device)
@@ -211,8 +211,15 @@ def _ep_tp_pairs(
         (e, t)
         for e in sizes
         for t in sizes
-        if world % (e * t) == 0 and moe.num_experts % e == 0 and model.d_ff % t == 0
+        if world % (e * t) == 0 and moe.num_experts % e == 0 and _experts_split(model, t)
     ]
+
+
+def _experts_split(model: DecoderConfig, tp: int) -> bool:
+    """Whether the trainer can split the experts' hidden units over ``tp`` ranks (what
+    `GroupedExperts.check_ff_split` asks, in the parts' float32): ``tp`` divides ``d_ff``
+    into rows of a multiple of 16 bytes. A model that cannot is not timed so."""
+    return model.d_ff % tp == 0 and model.d_ff // tp * 4 % 16 == 0
 
 
 def group_shapes(world: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:

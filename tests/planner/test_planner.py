@@ -342,3 +342,17 @@ def test_measured_group_shapes_are_those_a_layout_can_form() -> None:
         assert sorted(r for group in strided_groups(12, g, s) for r in group) == list(range(12)), (g, s)
     with pytest.raises(ConfigError, match=r"group sizes \[3\] do not divide the launch's 8 ranks"):
         group_shapes(8, (2, 3))
+
+
+def test_experts_are_timed_split_only_where_the_trainer_can_split_them() -> None:
+    """measure_costs times moe/tp{t} and moe/ep{e}tp{t} only where tp cuts d_ff into the
+    16-byte rows GroupedExperts.check_ff_split demands (else the measure would raise)."""
+    from sparta.planner.measure import _ep_tp_pairs, _experts_split
+
+    moe = MoESpec(num_experts=4, top_k=2)
+    aligned = dataclasses.replace(MODEL, d_ff=32)  # 16 or 8 float32 units: 64- or 32-byte rows
+    assert _experts_split(aligned, 2) and _experts_split(aligned, 4)
+    assert _ep_tp_pairs(8, (2, 4, 8), aligned, moe) == [(2, 2), (2, 4), (4, 2)]
+    odd = dataclasses.replace(MODEL, d_ff=36)  # 18 units over 2: 72-byte rows
+    assert not _experts_split(odd, 2) and _ep_tp_pairs(8, (2, 4, 8), odd, moe) == []
+    assert _ep_tp_pairs(8, (2, 4, 8), aligned, dataclasses.replace(moe, expert_tp=False)) == []
