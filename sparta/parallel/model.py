@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING
@@ -43,7 +43,8 @@ class ParallelModel:
     """This rank's part of the model and the step that trains it (built by `parallelize`).
 
     parts: this rank's stage modules (names as in the full model; possibly DDP/FSDP-wrapped).
-    plan: the ParallelPlan (data). schedule: the torch pipelining schedule.
+    plan: the ParallelPlan (data). schedule: builds a torch pipelining schedule over fresh
+    stages of ``parts``; called once per padded length (`schedules` holds them).
     """
 
     def __init__(
@@ -51,13 +52,15 @@ class ParallelModel:
         layout: Layout,
         config: ParallelConfig,
         parts: list[nn.Module],
-        schedule: object,
+        schedule: Callable[[], object],
         data_parallel: DataParallel,
         plan: ParallelPlan,
         has_first: bool,
         has_last: bool,
     ) -> None:
-        self.layout, self.config, self.parts, self.schedule = layout, config, parts, schedule
+        self.layout, self.config, self.parts, self._new_schedule = layout, config, parts, schedule
+        # padded length -> (the batch size its stages were shaped for, its schedule)
+        self.schedules: dict[int, tuple[int, object]] = {}
         self.data_parallel, self.plan = data_parallel, plan
         self.has_first, self.has_last = has_first, has_last
         self.seq_len = config.seq_len
@@ -91,12 +94,13 @@ class ParallelModel:
         gradient of the mean loss over the global batch (every dp rank's B sequences) and
         returns that loss, from the last stage, on every rank. Does not step an optimizer."""
         ids, targets = self._padded(ids, targets)
+        schedule = self._schedule(*ids.shape)
         self.data_parallel.start()
         losses: list[Tensor] = []
         args = (ids.to(self.layout.device),) if self.has_first else ()
         kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
         with self._loss_context():
-            self.schedule.step(*args, **kwargs)  # type: ignore[attr-defined]
+            schedule.step(*args, **kwargs)  # type: ignore[attr-defined]
         self.data_parallel.finish()
         return self._global_mean(losses)
 
@@ -135,6 +139,23 @@ class ParallelModel:
                 f"a batch of {batch} sequences does not divide into microbatches={self.config.microbatches}: "
                 f"give each rank a multiple of {self.config.microbatches}"
             )
+        pad = self.padded_length(length) - length
+        if pad:
+            ids = nn.functional.pad(ids, (0, pad), value=0)
+            targets = nn.functional.pad(targets, (0, pad), value=IGNORE_INDEX)
+        return ids, targets
+
+    def padded_length(self, length: int) -> int:
+        """The length a batch of ``length`` tokens is padded to: the smallest of
+        ``config.lengths`` that holds it, else ``seq_len`` (the first batch's, if not set)."""
+        lengths = self.config.lengths
+        if lengths:
+            if length > lengths[-1]:
+                raise InputError(
+                    f"a batch of length {length} exceeds the longest of lengths={list(lengths)}: cut it, or add "
+                    f"a length of at least {length}"
+                )
+            return next(n for n in lengths if n >= length)
         if self.seq_len is None:
             self.seq_len = length
         if length > self.seq_len:
@@ -142,11 +163,21 @@ class ParallelModel:
                 f"a batch of length {length} exceeds the pipeline's sequence length {self.seq_len} (fixed at the "
                 "first step, or by ParallelConfig.seq_len): cut it, or set seq_len to the longest"
             )
-        pad = self.seq_len - length
-        if pad:
-            ids = nn.functional.pad(ids, (0, pad), value=0)
-            targets = nn.functional.pad(targets, (0, pad), value=IGNORE_INDEX)
-        return ids, targets
+        return self.seq_len
+
+    def _schedule(self, batch: int, length: int) -> object:
+        """The schedule of padded ``length``, built at its first batch; torch's stages keep the
+        shapes of that batch, so a later one of another size is refused here, on every pp rank
+        alike (they take the same batch), instead of failing inside a send."""
+        if length not in self.schedules:
+            self.schedules[length] = (batch, self._new_schedule())
+        shaped, schedule = self.schedules[length]
+        if batch != shaped:
+            raise InputError(
+                f"a batch of {batch} sequences padded to length {length}, but the pipeline's stages for that length "
+                f"were shaped by a batch of {shaped} at its first step: give each padded length one batch size"
+            )
+        return schedule
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale every gradient so that their global norm (over all ranks, each value counted

@@ -17,7 +17,8 @@ configuration fails with the same ConfigError on every rank instead of hanging.
 
 Variable sequence lengths: torch's PipelineStage fixes the shapes it sends at the first
 step, so `ParallelModel.step` pads each batch on the right to ``seq_len`` (ids with 0,
-targets with -100, which the loss ignores). Causal attention keeps the real tokens' outputs
+targets with -100, which the loss ignores), or to the smallest of ``lengths``, each of which
+gets its own stages and schedule over the same modules. Causal attention keeps the real tokens' outputs
 unchanged; MoE routing sees the padding tokens (they take expert capacity and enter the
 aux loss), so prefer batches of the full length.
 """
@@ -80,6 +81,12 @@ class ParallelConfig:
         over tp and compute the loss on the shards (see `tp_plan_of`); False keeps the head
         whole on every tp rank.
     seq_len: pad batches to this length (None: the first batch's length).
+    lengths: the padded lengths the pipeline takes, instead of one ``seq_len``: a batch is
+        padded to the smallest that holds it. torch's PipelineStage fixes its shapes at its
+        first step, so each length gets its own stages and schedule (over the same modules,
+        built at the first batch of that length), and keeps the batch size [B] it first saw;
+        each holds its own receive buffers, so a length costs memory: keep them few (e.g.
+        powers of two; `sparta.planner.bucketed_steps` groups samples for them).
     bucket_mb: bucket size of the "sparta" data-parallel strategy, MiB.
     recompute: global indices (0 .. pp * stages_per_rank - 1) of the stages whose ``layers.*``
         blocks keep only their inputs in forward and recompute the rest in backward
@@ -103,6 +110,7 @@ class ParallelConfig:
     tensor_parallel: bool = True
     vocab_parallel_head: bool = True
     seq_len: int | None = None
+    lengths: tuple[int, ...] = ()
     bucket_mb: float = 25.0
     recompute: tuple[int, ...] = ()
 
@@ -121,9 +129,24 @@ class ParallelConfig:
             raise ConfigError(f"embedding={self.embedding!r} is unknown; choose one of {', '.join(EMBEDDINGS)}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise ConfigError(f"seq_len={self.seq_len!r} must be a positive integer or None")
+        self._check_lengths()
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
         check_schedule(self.schedule, 1, self.microbatches, self.stages_per_rank)
+
+    def _check_lengths(self) -> None:
+        if not isinstance(self.lengths, (tuple, list)):
+            raise ConfigError(f"lengths={self.lengths!r} must be a list of sequence lengths, e.g. [128, 256, 512]")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lengths):
+            raise ConfigError(f"lengths={list(self.lengths)}: every length must be a positive integer")
+        if len(set(self.lengths)) != len(self.lengths):
+            raise ConfigError(f"lengths={list(self.lengths)} names a length twice: list each once")
+        if self.lengths and self.seq_len is not None:
+            raise ConfigError(
+                f"seq_len={self.seq_len} and lengths={list(self.lengths)} both set: give seq_len for one padded "
+                "length, or lengths for several"
+            )
+        object.__setattr__(self, "lengths", tuple(sorted(self.lengths)))
 
     def check(self, dims: ParallelDims, n_layers: int | None = None, backend: str | None = None) -> None:
         """ConfigError unless this configuration can run ``dims`` (and a model of ``n_layers``
@@ -310,7 +333,7 @@ def parallelize(
     tp_plan: dict[str, str] = {}
     expert_tp: list[str] = []
     split_experts = layout.tp if config.tensor_parallel and config.moe is not None and config.moe.expert_tp else None
-    modules, pipeline_stages = [], []
+    modules: list[nn.Module] = []
     moe_exchange = hierarchical_ep(layout) if config.moe is not None and config.moe.hierarchical and layout.ep else None
     for index in mine:
         module = stage_module(model, parts, stages[index], index == 0, index == num_stages - 1).to(layout.device)
@@ -325,14 +348,7 @@ def parallelize(
             tp_plan.update(plan)
         if index in config.recompute:  # inside the data-parallel wrapper, as torchtitan orders them
             recompute_layers(module)
-        module = data_parallel.wrap(module)
-        modules.append(module)
-        pipeline_stages.append(PipelineStage(module, index, num_stages, layout.device, group=layout.pp_group))
-    cls = get_schedule_class(config.schedule)
-    if issubclass(cls, PipelineScheduleSingle):
-        schedule = cls(pipeline_stages[0], config.microbatches, loss_fn=loss_fn, scale_grads=False)
-    else:
-        schedule = cls(pipeline_stages, config.microbatches, loss_fn=loss_fn, scale_grads=False)
+        modules.append(data_parallel.wrap(module))
     plan = ParallelPlan(
         stages=tuple(tuple(s) for s in stages),
         first=parts.first,
@@ -344,7 +360,17 @@ def parallelize(
         recompute=config.recompute,
         expert_tp=tuple(expert_tp),
     )
+    schedule = partial(_schedule, config, layout, dict(zip(mine, modules, strict=True)), num_stages)
     return ParallelModel(layout, config, modules, schedule, data_parallel, plan, has_first=0 in mine,
                          has_last=num_stages - 1 in mine)  # fmt: skip
 
 
+def _schedule(config: ParallelConfig, layout: Layout, modules: dict[int, nn.Module], num_stages: int) -> Any:
+    """A fresh torch schedule over fresh PipelineStages of this rank's ``modules`` (global
+    stage index -> module): one per padded length, since a stage fixes its shapes at its first
+    step. Builds no communicator: the stages' first step does."""
+    stages = [PipelineStage(m, i, num_stages, layout.device, group=layout.pp_group) for i, m in modules.items()]
+    cls = get_schedule_class(config.schedule)
+    if issubclass(cls, PipelineScheduleSingle):
+        return cls(stages[0], config.microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, config.microbatches, loss_fn=loss_fn, scale_grads=False)

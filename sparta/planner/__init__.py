@@ -25,6 +25,7 @@ from sparta.planner.simulate import Plan, Prediction, Workload, simulate, stage_
 from sparta.planner.varlen import (
     LengthCost,
     MicroBatch,
+    bucketed_steps,
     collate,
     dynamic_batches,
     pack_batches,
@@ -48,6 +49,7 @@ __all__ = [
     "Space",
     "Workload",
     "analytic_costs",
+    "bucketed_steps",
     "collate",
     "dynamic_batches",
     "layouts",

@@ -28,9 +28,14 @@ linear only: parts are measured at ``seq_len``).
 targets of -100, which the trainer's loss skips, so with causal attention every real token's
 loss and gradient are those of the sample alone, whatever it is grouped with.
 
-Limits: `torch.distributed.pipelining` infers a stage's shapes once, so the trainer's
-pipeline schedules take micro-batches of one shape; the grouping is measured here on one
-rank (gradient accumulation) and predicted for pipelines by `pipeline_seconds`.
+For the trainer's pipeline, ``bucketed_steps``: torch's pipeline schedules run micro-batches
+of one shape per step, and a stage keeps the shapes of its first step, so the trainer takes a
+few padded lengths (``ParallelConfig.lengths``, a schedule each). The same programme then cuts
+the sorted samples into steps, each padded to a bucket and dealt into the schedule's
+micro-batches of ``max_tokens // bucket`` rows: one shape per bucket. Each step is one
+`ParallelModel.step` call and one optimizer step, a batch by token budget (fairseq's
+``max_tokens``): `ParallelModel.step` scales the gradients it leaves, so it does not add
+several calls into one update.
 """
 
 from __future__ import annotations
@@ -243,6 +248,61 @@ def dynamic_batches(lengths: Sequence[int], cost: LengthCost, max_tokens: int, s
     return [MicroBatch(tuple(order[s:e]), e - s, sorted_len[e - 1]) for s, e in zip(starts, ends, strict=True)]
 
 
+def bucketed_steps(
+    lengths: Sequence[int],
+    cost: LengthCost,
+    buckets: Sequence[int],
+    max_tokens: int,
+    microbatches: int,
+    stages: int = 1,
+) -> list[list[MicroBatch]]:
+    """The grouping for the trainer's pipeline, whose `ParallelModel.step` runs
+    ``microbatches`` micro-batches of one shape and shapes its stages once per padded length
+    (``ParallelConfig.lengths = buckets``). Each returned step is one such call: the samples
+    sorted by length are cut into contiguous steps, each padded to the smallest bucket L that
+    holds its longest sample and dealt round-robin into ``microbatches`` micro-batches of
+    ``max_tokens // L`` rows (rows past the samples are padding), so each bucket has one shape.
+    A dynamic programme over the cuts minimises the predicted time, each step costing
+    `pipeline_seconds` of its micro-batches over ``stages``. A step holds at least one sample
+    per micro-batch (a micro-batch of padding alone has no loss). Steps come shortest first."""
+    lengths = _check_lengths(lengths)
+    buckets = sorted(set(buckets))
+    if not buckets or buckets[0] < 1:
+        raise InputError(f"buckets={list(buckets)} must hold padded lengths >= 1, e.g. [128, 256, 512]")
+    if max(lengths) > buckets[-1]:
+        raise InputError(f"a sample of {max(lengths)} tokens exceeds the longest bucket ({buckets[-1]}); add one")
+    if max_tokens < buckets[-1]:
+        raise InputError(f"max_tokens={max_tokens} holds no row of the longest bucket ({buckets[-1]}); raise it")
+    if not 1 <= microbatches <= len(lengths):
+        raise InputError(f"microbatches={microbatches} must be between 1 and the {len(lengths)} samples")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    padded = [next(b for b in buckets if b >= lengths[i]) for i in order]
+    rows = {b: max_tokens // b for b in buckets}
+    step_cost = {b: pipeline_seconds([MicroBatch((), rows[b], b)] * microbatches, cost, stages) for b in buckets}
+    n = len(order)
+    total, cut = [0.0] + [math.inf] * n, [0] * (n + 1)
+    for j in range(microbatches, n + 1):  # step (i, j]: padded to padded[j - 1]
+        bucket = padded[j - 1]
+        for i in range(max(0, j - microbatches * rows[bucket]), j - microbatches + 1):
+            if total[i] + step_cost[bucket] < total[j]:
+                total[j], cut[j] = total[i] + step_cost[bucket], i
+    if math.isinf(total[n]):
+        raise InputError(
+            f"{n} samples do not cut into steps of {microbatches} micro-batches (at least one sample and at most "
+            f"max_tokens // length rows each): raise max_tokens={max_tokens}, or pass more samples"
+        )
+    ends, j = [], n
+    while j:
+        ends.append(j)
+        j = cut[j]
+    ends.reverse()
+    steps = []
+    for start, end in zip([0, *ends[:-1]], ends, strict=True):
+        bucket, members = padded[end - 1], order[start:end]
+        steps.append([MicroBatch(tuple(members[k::microbatches]), rows[bucket], bucket) for k in range(microbatches)])
+    return steps
+
+
 def summed_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Cross-entropy of logits [rows, length, vocab] against targets [rows, length], summed
     over the real tokens (targets of -100 skipped). Divided by the global batch's real
@@ -254,9 +314,10 @@ def summed_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 def collate(samples: Sequence[Tensor], mb: MicroBatch, pad_id: int = 0) -> tuple[Tensor, Tensor]:
     """``(ids [rows, length], targets [rows, length])`` of a padded micro-batch (from
-    `pad_batches` or `dynamic_batches`). ``samples[i]`` holds sample i's tokens plus one: the
-    ids are ``s[:-1]``, the targets ``s[1:]``; padding is ``pad_id`` with target -100."""
-    if mb.rows != len(mb.samples):
+    `pad_batches`, `dynamic_batches` or `bucketed_steps`; rows past its samples are padding).
+    ``samples[i]`` holds sample i's tokens plus one: the ids are ``s[:-1]``, the targets
+    ``s[1:]``; padding is ``pad_id`` with target -100."""
+    if mb.rows < len(mb.samples):
         raise InputError(
             f"collate takes padded micro-batches (one sample a row); this one packs {mb.samples} into {mb.rows} rows"
         )

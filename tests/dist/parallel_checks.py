@@ -39,6 +39,8 @@ COSCHEDULED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degre
 # under tp, whole experts on every tp rank (MOE splits their hidden units over tp)
 REPLICATED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, expert_tp=False)
 STEPS, BATCH, LR, TOL = 10, 4, 0.05, 1e-5  # BATCH: sequences per dp rank per step
+# the lengths of ragged batches (seq_len - step * 3 % 4 over the steps)
+LENGTHS_SEEN = (MODEL.seq_len, MODEL.seq_len - 3, MODEL.seq_len - 2, MODEL.seq_len - 1)
 NORM_CAP = 0.5  # gradients are clipped to this global norm: clipping must agree too
 
 
@@ -51,14 +53,17 @@ def batches(dp: int, step: int, ragged: bool = False) -> tuple[torch.Tensor, tor
     return ids[:, :length], ids[:, 1 : length + 1]
 
 
-def padded(ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the trainer documents it does to a short batch: pad ids with 0, targets with -100."""
-    pad = MODEL.seq_len - ids.shape[1]
+def padded(
+    ids: torch.Tensor, targets: torch.Tensor, lengths: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the trainer documents it does to a short batch: pad ids with 0, targets with -100,
+    to seq_len, or to the smallest of ``lengths`` that holds it."""
+    pad = min((n for n in lengths if n >= ids.shape[1]), default=MODEL.seq_len) - ids.shape[1]
     return nn.functional.pad(ids, (0, pad), value=0), nn.functional.pad(targets, (0, pad), value=-100)
 
 
 def reference_losses(
-    dp: int, microbatches: int, moe: MoESpec | None, ragged: bool = False
+    dp: int, microbatches: int, moe: MoESpec | None, ragged: bool = False, lengths: tuple[int, ...] = ()
 ) -> tuple[list[tuple[float, float]], float]:
     """One process, the global batch in dp x microbatches chunks, SGD on the chunks' mean,
     gradients clipped to NORM_CAP. Returns (loss, gradient norm before clipping) per step, and
@@ -70,7 +75,7 @@ def reference_losses(
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
-        ids, targets = padded(*batches(dp, step, ragged))
+        ids, targets = padded(*batches(dp, step, ragged), lengths)
         chunks = list(zip(ids.chunk(dp * microbatches), targets.chunk(dp * microbatches), strict=True))
         total = 0.0
         for x, y in chunks:
@@ -84,13 +89,13 @@ def reference_losses(
         opt.step()
         opt.zero_grad()
         losses.append((total / len(chunks), norm))
-    return losses, _probe(model, dp, microbatches, ragged)
+    return losses, _probe(model, dp, microbatches, ragged, lengths)
 
 
 @torch.no_grad()
-def _probe(model: nn.Module, dp: int, microbatches: int, ragged: bool) -> float:
+def _probe(model: nn.Module, dp: int, microbatches: int, ragged: bool, lengths: tuple[int, ...]) -> float:
     """The trained model's forward loss on the batch after the last step, in the same chunks."""
-    ids, targets = padded(*batches(dp, STEPS, ragged))
+    ids, targets = padded(*batches(dp, STEPS, ragged), lengths)
     chunks = zip(ids.chunk(dp * microbatches), targets.chunk(dp * microbatches), strict=True)
     losses = [float(nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())) for x, y in chunks]
     return sum(losses) / len(losses)
@@ -131,6 +136,8 @@ def trained_losses(
     for head in heads if tp_head else ():  # split by rows over the tp mesh dimension (FSDP2 may add dp)
         tp_dim = head.weight.device_mesh.mesh_dim_names.index("tp")
         assert head.weight.placements[tp_dim].is_shard(0), head.weight.placements
+    if config.lengths:  # one schedule per padded length the batches took
+        assert sorted(pm.schedules) == sorted({pm.padded_length(n) for n in LENGTHS_SEEN}), pm.schedules
     marks = {s: " (recomputed)" if s in config.recompute else "" for s in range(len(pm.plan.stages))}
     assert all(f"stage {s}{mark}:" in str(pm.plan) for s, mark in marks.items()), str(pm.plan)
     return losses, probe
@@ -138,7 +145,7 @@ def trained_losses(
 
 def compare(layout: Layout, config: ParallelConfig, ragged: bool = False, balance: bool = False) -> None:
     got, probe = trained_losses(layout, config, ragged, balance)
-    want, want_probe = reference_losses(layout.dims.dp, config.microbatches, config.moe, ragged)
+    want, want_probe = reference_losses(layout.dims.dp, config.microbatches, config.moe, ragged, config.lengths)
     # evaluate: forward only, on every schedule (torch's own eval() fails under V-shaped ones)
     assert abs(probe - want_probe) < TOL, f"{config.schedule}: evaluate {probe} vs one process {want_probe}"
     gaps = [abs(a[0] - b[0]) for a, b in zip(got, want, strict=True)]
@@ -159,11 +166,13 @@ def parity(
     microbatches: int = 2,
     moe: MoESpec = MOE,
     recompute: tuple[int, ...] = (),
+    lengths: tuple[int, ...] = (),
 ) -> Callable:
     """A check: the trainer's losses equal one process's. ragged: batch lengths change from step
     to step (the trainer pads them); balance: stages cut by measured time, not given points;
     recompute: the stages whose layers recompute their activations in backward (the one
-    process recomputes nothing)."""
+    process recomputes nothing); lengths: the trainer pads each batch to the smallest of these
+    (a schedule each), not to seq_len."""
 
     def check(layout: Layout) -> None:
         stages = layout.dims.pp * stages_per_rank
@@ -176,14 +185,15 @@ def parity(
             data_parallel=strategy,
             embedding=embedding,
             moe=moe,
-            seq_len=MODEL.seq_len,
+            seq_len=None if lengths else MODEL.seq_len,
+            lengths=lengths,
             recompute=recompute,
         )
         compare(layout, config, ragged, balance)
 
     check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
     check.__name__ += "_coscheduled" * (moe is COSCHEDULED) + "_experts_replicated" * (moe is REPLICATED)
-    check.__name__ += "".join(f"_recompute{i}" for i in recompute)
+    check.__name__ += "".join(f"_recompute{i}" for i in recompute) + "".join(f"_len{n}" for n in lengths)
     return check
 
 
@@ -223,6 +233,17 @@ def bad_inputs(layout: Layout) -> None:
     with raises(InputError, "does not divide into microbatches"):
         pm.step(ids, ids)
     pm.close()
+    # several padded lengths: longer than the longest, and a second batch size for one length
+    pm = parallelize(Decoder(MODEL), layout, ParallelConfig(microbatches=2, split_points=split, moe=MOE, lengths=(4, 8)))
+    with raises(InputError, "exceeds the longest of lengths"):
+        pm.step(torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long))
+    ids = torch.ones(2, 3, dtype=torch.long)
+    pm.step(ids, ids)
+    with raises(InputError, "shaped by a batch of 2"):
+        pm.step(torch.ones(4, 4, dtype=torch.long), torch.ones(4, 4, dtype=torch.long))
+    pm.close()
+    with raises(ConfigError, "both set"):
+        ParallelConfig(seq_len=8, lengths=(4, 8))
 
 
 def main() -> None:
@@ -255,6 +276,8 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("ZBVZeroBubble", 2, "sparta"),
         parity("DualPipeV", 2, "fsdp", microbatches=4),  # DualPipeV: micro-batches >= stages
         parity("1F1B", 1, "sparta", ragged=True, balance=True),
+        # batches of 5..8 tokens padded to 5 or 8: two schedules over the same stages' modules
+        parity("ZBVZeroBubble", 2, "fsdp", ragged=True, lengths=(5, MODEL.seq_len)),
         # stage-aware recomputation under TP, MoE and the sparse embedding; under zero-bubble
         # (input and weight gradients by autograd.grad, each pass recomputing) with FSDP2,
         # rank 0 recomputing its stage 0 and rank 1 its stage 2
@@ -270,7 +293,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
     ],
     "ddp_pp": [parity("1F1B", 1, "ddp", microbatches=4)],
     "horovod": [parity("1F1B", 1, "horovod")],
-    "sparta": [parity("1F1B", 1, "sparta")],
+    "sparta": [parity("1F1B", 1, "sparta"), parity("1F1B", 1, "sparta", ragged=True, lengths=(6, MODEL.seq_len))],
     "coscheduled": [parity("1F1B", 1, "sparta", moe=COSCHEDULED)],
     "quick": [parity("1F1B", 1, "sparta"), bad_inputs],
     "one": [parity("1F1B", 1, "sparta", embedding="dense"), parity("1F1B", 1, "ddp"), parity("GPipe", 1, "fsdp")],

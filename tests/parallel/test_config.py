@@ -116,6 +116,9 @@ def test_overrides_are_parsed_and_applied() -> None:
         (["parallel.schedule=Interleaved1F1B", "parallel.stages_per_rank=2", "parallel.microbatches=1",
           "parallel.split_points=['layers.1', 'layers.2', 'layers.3']", "train.global_batch=2"],
          r"needs at least as many micro-batches as pipeline ranks: microbatches=1 < pp=2"),
+        (["parallel.lengths=[0, 64]"], r"lengths=\[0, 64\]: every length must be a positive integer"),
+        (["parallel.lengths=[64, 64]"], r"lengths=\[64, 64\] names a length twice"),
+        (["parallel.lengths=[32, 64]", "parallel.seq_len=64"], r"seq_len=64 and lengths=\[32, 64\] both set"),
         (["parallel.schedule=ZBVZeroBubble"], r"two stages on each rank \(a V\): pass stages_per_rank=2"),
         (["parallel.split_points=['layers.9']"], r"split_points \['layers\.9'\] name no layer; the layers are "
          r"layers\.0, layers\.1"),

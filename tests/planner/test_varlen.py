@@ -17,6 +17,7 @@ from sparta.planner import (
     MicroBatch,
     Plan,
     Workload,
+    bucketed_steps,
     collate,
     dynamic_batches,
     pack_batches,
@@ -87,6 +88,34 @@ def test_every_way_keeps_each_sample_once_and_the_cap() -> None:
         )
 
 
+@pytest.mark.parametrize("stages", [1, 2])
+def test_bucketed_steps_are_optimal_and_one_shape_per_bucket(stages: int) -> None:
+    """Against brute force over every partition into steps (not only contiguous cuts of the
+    sorted samples): a step of bucket b holds microbatches..microbatches * rows(b) samples
+    and costs its micro-batches' pipeline time."""
+    buckets, max_tokens, m = (8, 16, 64), 64, 2
+    rows = {b: max_tokens // b for b in buckets}
+    rng = random.Random(stages)
+    for _ in range(5):
+        lengths = [rng.choice([3, 5, 8, 13, 40, 64]) for _ in range(7)]
+        got = bucketed_steps(lengths, COST, buckets, max_tokens, m, stages)
+        assert covers_once([mb for step in got for mb in step], len(lengths))
+        shapes: dict[int, int] = {}
+        for step in got:
+            assert len(step) == m and len({(mb.rows, mb.length) for mb in step}) == 1
+            longest = max(lengths[i] for mb in step for i in mb.samples)
+            assert step[0].length == min(b for b in buckets if b >= longest)
+            assert all(1 <= len(mb.samples) <= mb.rows == rows[mb.length] for mb in step)
+            assert shapes.setdefault(step[0].length, step[0].rows) == step[0].rows
+        best = float("inf")
+        for part in partitions(list(range(len(lengths)))):
+            bucket = [min(b for b in buckets if b >= max(lengths[i] for i in g)) for g in part]
+            if all(m <= len(g) <= m * rows[b] for g, b in zip(part, bucket, strict=True)):
+                best = min(best, sum(pipeline_seconds([MicroBatch((), rows[b], b)] * m, COST, stages) for b in bucket))
+        total = sum(pipeline_seconds(step, COST, stages) for step in got)
+        assert total == pytest.approx(best), lengths
+
+
 def test_length_cost_fit_and_from_costs() -> None:
     truth = LengthCost(0.002, 3e-6, 2e-8)
     shapes = [(r, n) for r in (1, 2, 4) for n in (16, 64, 256)]
@@ -138,6 +167,8 @@ def test_grouped_micro_batches_equal_one_padded_batch() -> None:
     for batches in (
         pad_batches(lengths, 4, pad_to=cfg.seq_len),
         dynamic_batches(lengths, COST, max_tokens=64, stages=2),
+        # rows past a micro-batch's samples are padding
+        [mb for step in bucketed_steps(lengths, COST, (8, 32), max_tokens=64, microbatches=2) for mb in step],
     ):
         loss, grads = run(batches)
         assert loss == pytest.approx(one_loss, abs=1e-6)
@@ -159,6 +190,11 @@ def test_bad_input_is_refused_by_name() -> None:
         (lambda: LengthCost.fit([(1, 2), (1, 2)], [0.1, 0.2]), "three or more"),
         (lambda: collate([torch.arange(5)], MicroBatch((0,), 1, 3)), "sample 0 has 4 tokens"),
         (lambda: collate([torch.arange(5)], pack_batches([4, 4], 8, 8)[0]), "padded micro-batches"),
+        (lambda: bucketed_steps([4, 5], COST, (), 64, 1), "buckets=[]"),
+        (lambda: bucketed_steps([4, 50], COST, (8, 32), 64, 1), "longest bucket (32)"),
+        (lambda: bucketed_steps([4, 5], COST, (8, 32), 16, 1), "max_tokens=16"),
+        (lambda: bucketed_steps([4, 5, 6], COST, (8,), 8, 2), "do not cut into steps of 2"),
+        (lambda: bucketed_steps([4], COST, (8,), 8, 2), "microbatches=2"),
     ]
     for call, words in cases:
         with pytest.raises(InputError) as err:
