@@ -44,7 +44,7 @@ class ParallelModel:
 
     parts: this rank's stage modules (names as in the full model; possibly DDP/FSDP-wrapped).
     plan: the ParallelPlan (data). schedule: builds a torch pipelining schedule over fresh
-    stages of ``parts``; called once per padded length (`schedules` holds them).
+    stages of ``parts``; called once per batch shape (`schedules` holds them).
     """
 
     def __init__(
@@ -59,8 +59,8 @@ class ParallelModel:
         has_last: bool,
     ) -> None:
         self.layout, self.config, self.parts, self._new_schedule = layout, config, parts, schedule
-        # padded length -> (the batch size its stages were shaped for, its schedule)
-        self.schedules: dict[int, tuple[int, object]] = {}
+        # (batch, padded length) -> the schedule whose stages were shaped by such batches
+        self.schedules: dict[tuple[int, int], object] = {}
         self.data_parallel, self.plan = data_parallel, plan
         self.has_first, self.has_last = has_first, has_last
         self.seq_len = config.seq_len
@@ -166,18 +166,11 @@ class ParallelModel:
         return self.seq_len
 
     def _schedule(self, batch: int, length: int) -> object:
-        """The schedule of padded ``length``, built at its first batch; torch's stages keep the
-        shapes of that batch, so a later one of another size is refused here, on every pp rank
-        alike (they take the same batch), instead of failing inside a send."""
-        if length not in self.schedules:
-            self.schedules[length] = (batch, self._new_schedule())
-        shaped, schedule = self.schedules[length]
-        if batch != shaped:
-            raise InputError(
-                f"a batch of {batch} sequences padded to length {length}, but the pipeline's stages for that length "
-                f"were shaped by a batch of {shaped} at its first step: give each padded length one batch size"
-            )
-        return schedule
+        """The schedule of batches [batch, length] (padded), built at the first such batch:
+        torch's stages keep the shapes of their first step."""
+        if (batch, length) not in self.schedules:
+            self.schedules[(batch, length)] = self._new_schedule()
+        return self.schedules[(batch, length)]
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale every gradient so that their global norm (over all ranks, each value counted

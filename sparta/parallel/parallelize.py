@@ -17,8 +17,8 @@ configuration fails with the same ConfigError on every rank instead of hanging.
 
 Variable sequence lengths: torch's PipelineStage fixes the shapes it sends at the first
 step, so `ParallelModel.step` pads each batch on the right to ``seq_len`` (ids with 0,
-targets with -100, which the loss ignores), or to the smallest of ``lengths``, each of which
-gets its own stages and schedule over the same modules. Causal attention keeps the real tokens' outputs
+targets with -100, which the loss ignores), or to the smallest of ``lengths``; each batch
+shape gets its own stages and schedule over the same modules. Causal attention keeps the real tokens' outputs
 unchanged; MoE routing sees the padding tokens (they take expert capacity and enter the
 aux loss), so prefer batches of the full length.
 """
@@ -83,10 +83,9 @@ class ParallelConfig:
     seq_len: pad batches to this length (None: the first batch's length).
     lengths: the padded lengths the pipeline takes, instead of one ``seq_len``: a batch is
         padded to the smallest that holds it. torch's PipelineStage fixes its shapes at its
-        first step, so each length gets its own stages and schedule (over the same modules,
-        built at the first batch of that length), and keeps the batch size [B] it first saw;
-        each holds its own receive buffers, so a length costs memory: keep them few (e.g.
-        powers of two; `sparta.planner.bucketed_steps` groups samples for them).
+        first step, so each batch shape [B, length] gets its own stages and schedule over the
+        same modules, built at its first batch, each with its own receive buffers (memory):
+        keep the shapes few (`sparta.planner.bucketed_steps` makes a few per length).
     bucket_mb: bucket size of the "sparta" data-parallel strategy, MiB.
     recompute: global indices (0 .. pp * stages_per_rank - 1) of the stages whose ``layers.*``
         blocks keep only their inputs in forward and recompute the rest in backward

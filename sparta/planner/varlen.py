@@ -32,7 +32,7 @@ For the trainer's pipeline, ``bucketed_steps``: torch's pipeline schedules run m
 of one shape per step, and a stage keeps the shapes of its first step, so the trainer takes a
 few padded lengths (``ParallelConfig.lengths``, a schedule each). The same programme then cuts
 the sorted samples into steps, each padded to a bucket and dealt into the schedule's
-micro-batches of ``max_tokens // bucket`` rows: one shape per bucket. Each step is one
+micro-batches of a power-of-two number of rows: a few shapes per bucket. Each step is one
 `ParallelModel.step` call and one optimizer step, a batch by token budget (fairseq's
 ``max_tokens``): `ParallelModel.step` scales the gradients it leaves, so it does not add
 several calls into one update.
@@ -40,6 +40,7 @@ several calls into one update.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -257,14 +258,16 @@ def bucketed_steps(
     stages: int = 1,
 ) -> list[list[MicroBatch]]:
     """The grouping for the trainer's pipeline, whose `ParallelModel.step` runs
-    ``microbatches`` micro-batches of one shape and shapes its stages once per padded length
+    ``microbatches`` micro-batches of one shape and shapes its stages once per batch shape
     (``ParallelConfig.lengths = buckets``). Each returned step is one such call: the samples
     sorted by length are cut into contiguous steps, each padded to the smallest bucket L that
-    holds its longest sample and dealt round-robin into ``microbatches`` micro-batches of
-    ``max_tokens // L`` rows (rows past the samples are padding), so each bucket has one shape.
-    A dynamic programme over the cuts minimises the predicted time, each step costing
-    `pipeline_seconds` of its micro-batches over ``stages``. A step holds at least one sample
-    per micro-batch (a micro-batch of padding alone has no loss). Steps come shortest first."""
+    holds its longest sample and dealt round-robin into ``microbatches`` micro-batches of R
+    rows, R the smallest power of two that holds them, at most ``max_tokens // L`` (rows
+    past the samples are padding). So a bucket has at most log2(max_tokens / L) + 2 shapes,
+    whatever the batches. A dynamic programme over the cuts minimises the predicted time, each
+    step costing `pipeline_seconds` of its micro-batches over ``stages``. A step holds at
+    least one sample per micro-batch (a micro-batch of padding alone has no loss). Steps come
+    shortest first."""
     lengths = _check_lengths(lengths)
     buckets = sorted(set(buckets))
     if not buckets or buckets[0] < 1:
@@ -277,15 +280,26 @@ def bucketed_steps(
         raise InputError(f"microbatches={microbatches} must be between 1 and the {len(lengths)} samples")
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     padded = [next(b for b in buckets if b >= lengths[i]) for i in order]
-    rows = {b: max_tokens // b for b in buckets}
-    step_cost = {b: pipeline_seconds([MicroBatch((), rows[b], b)] * microbatches, cost, stages) for b in buckets}
+    cap = {b: max_tokens // b for b in buckets}
+
+    def rows(size: int, bucket: int) -> int:
+        return min(1 << (-(-size // microbatches) - 1).bit_length(), cap[bucket])
+
+    @functools.cache
+    def shape_cost(r: int, bucket: int) -> float:
+        return pipeline_seconds([MicroBatch((), r, bucket)] * microbatches, cost, stages)
+
+    def step_cost(size: int, bucket: int) -> float:
+        return shape_cost(rows(size, bucket), bucket)
+
     n = len(order)
     total, cut = [0.0] + [math.inf] * n, [0] * (n + 1)
     for j in range(microbatches, n + 1):  # step (i, j]: padded to padded[j - 1]
         bucket = padded[j - 1]
-        for i in range(max(0, j - microbatches * rows[bucket]), j - microbatches + 1):
-            if total[i] + step_cost[bucket] < total[j]:
-                total[j], cut[j] = total[i] + step_cost[bucket], i
+        for i in range(max(0, j - microbatches * cap[bucket]), j - microbatches + 1):
+            c = total[i] + step_cost(j - i, bucket)
+            if c < total[j]:
+                total[j], cut[j] = c, i
     if math.isinf(total[n]):
         raise InputError(
             f"{n} samples do not cut into steps of {microbatches} micro-batches (at least one sample and at most "
@@ -299,7 +313,8 @@ def bucketed_steps(
     steps = []
     for start, end in zip([0, *ends[:-1]], ends, strict=True):
         bucket, members = padded[end - 1], order[start:end]
-        steps.append([MicroBatch(tuple(members[k::microbatches]), rows[bucket], bucket) for k in range(microbatches)])
+        r = rows(end - start, bucket)
+        steps.append([MicroBatch(tuple(members[k::microbatches]), r, bucket) for k in range(microbatches)])
     return steps
 
 

@@ -136,8 +136,8 @@ def trained_losses(
     for head in heads if tp_head else ():  # split by rows over the tp mesh dimension (FSDP2 may add dp)
         tp_dim = head.weight.device_mesh.mesh_dim_names.index("tp")
         assert head.weight.placements[tp_dim].is_shard(0), head.weight.placements
-    if config.lengths:  # one schedule per padded length the batches took
-        assert sorted(pm.schedules) == sorted({pm.padded_length(n) for n in LENGTHS_SEEN}), pm.schedules
+    if config.lengths:  # one schedule per batch shape the padded batches took
+        assert sorted(pm.schedules) == sorted({(BATCH, pm.padded_length(n)) for n in LENGTHS_SEEN}), pm.schedules
     marks = {s: " (recomputed)" if s in config.recompute else "" for s in range(len(pm.plan.stages))}
     assert all(f"stage {s}{mark}:" in str(pm.plan) for s, mark in marks.items()), str(pm.plan)
     return losses, probe
@@ -233,14 +233,17 @@ def bad_inputs(layout: Layout) -> None:
     with raises(InputError, "does not divide into microbatches"):
         pm.step(ids, ids)
     pm.close()
-    # several padded lengths: longer than the longest, and a second batch size for one length
-    pm = parallelize(Decoder(MODEL), layout, ParallelConfig(microbatches=2, split_points=split, moe=MOE, lengths=(4, 8)))
+    # several padded lengths: longer than the longest is refused; a second batch size for one
+    # length gets stages of its own (a stage keeps the shapes of its first step)
+    pm = parallelize(
+        Decoder(MODEL), layout, ParallelConfig(microbatches=2, split_points=split, moe=MOE, lengths=(4, 8))
+    )
     with raises(InputError, "exceeds the longest of lengths"):
         pm.step(torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long))
-    ids = torch.ones(2, 3, dtype=torch.long)
-    pm.step(ids, ids)
-    with raises(InputError, "shaped by a batch of 2"):
-        pm.step(torch.ones(4, 4, dtype=torch.long), torch.ones(4, 4, dtype=torch.long))
+    for batch, length in ((2, 3), (4, 4), (2, 4)):
+        ids = torch.ones(batch, length, dtype=torch.long)
+        assert pm.step(ids, ids) > 0
+    assert sorted(pm.schedules) == [(2, 4), (4, 4)], pm.schedules
     pm.close()
     with raises(ConfigError, "both set"):
         ParallelConfig(seq_len=8, lengths=(4, 8))

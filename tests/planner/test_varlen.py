@@ -89,29 +89,34 @@ def test_every_way_keeps_each_sample_once_and_the_cap() -> None:
 
 
 @pytest.mark.parametrize("stages", [1, 2])
-def test_bucketed_steps_are_optimal_and_one_shape_per_bucket(stages: int) -> None:
+def test_bucketed_steps_are_optimal_with_few_shapes(stages: int) -> None:
     """Against brute force over every partition into steps (not only contiguous cuts of the
-    sorted samples): a step of bucket b holds microbatches..microbatches * rows(b) samples
-    and costs its micro-batches' pipeline time."""
-    buckets, max_tokens, m = (8, 16, 64), 64, 2
-    rows = {b: max_tokens // b for b in buckets}
+    sorted samples): a step of bucket b holds microbatches..microbatches * cap(b) samples in
+    micro-batches of the smallest power-of-two rows that hold them (at most cap(b)), and costs
+    their pipeline time."""
+    buckets, max_tokens, m = (8, 16, 64), 96, 2
+    cap = {b: max_tokens // b for b in buckets}  # 12, 6, 1: caps that are not powers of two too
+
+    def rows(size: int, b: int) -> int:
+        return min(next(r for r in (1, 2, 4, 8, 16) if r * m >= size), cap[b])
+
     rng = random.Random(stages)
     for _ in range(5):
         lengths = [rng.choice([3, 5, 8, 13, 40, 64]) for _ in range(7)]
         got = bucketed_steps(lengths, COST, buckets, max_tokens, m, stages)
         assert covers_once([mb for step in got for mb in step], len(lengths))
-        shapes: dict[int, int] = {}
         for step in got:
             assert len(step) == m and len({(mb.rows, mb.length) for mb in step}) == 1
             longest = max(lengths[i] for mb in step for i in mb.samples)
             assert step[0].length == min(b for b in buckets if b >= longest)
-            assert all(1 <= len(mb.samples) <= mb.rows == rows[mb.length] for mb in step)
-            assert shapes.setdefault(step[0].length, step[0].rows) == step[0].rows
+            size = sum(len(mb.samples) for mb in step)
+            assert all(1 <= len(mb.samples) <= mb.rows == rows(size, mb.length) for mb in step)
         best = float("inf")
         for part in partitions(list(range(len(lengths)))):
             bucket = [min(b for b in buckets if b >= max(lengths[i] for i in g)) for g in part]
-            if all(m <= len(g) <= m * rows[b] for g, b in zip(part, bucket, strict=True)):
-                best = min(best, sum(pipeline_seconds([MicroBatch((), rows[b], b)] * m, COST, stages) for b in bucket))
+            if all(m <= len(g) <= m * cap[b] for g, b in zip(part, bucket, strict=True)):
+                steps = [[MicroBatch((), rows(len(g), b), b)] * m for g, b in zip(part, bucket, strict=True)]
+                best = min(best, sum(pipeline_seconds(step, COST, stages) for step in steps))
         total = sum(pipeline_seconds(step, COST, stages) for step in got)
         assert total == pytest.approx(best), lengths
 
