@@ -67,6 +67,20 @@ class _ShareOfSum(torch.autograd.Function):
         return grad, None
 
 
+def check_ff_split(d_ff: int, size: int, element_size: int) -> None:
+    """ConfigError unless ``size`` ranks can split ``d_ff`` hidden units (`GroupedExperts.split_ff`):
+    ``size`` divides ``d_ff`` into slices whose rows grouped_mm takes (multiples of 16 bytes at
+    ``element_size`` bytes a value). Pure: callers check it before any collective."""
+    units = 0 if d_ff % size else d_ff // size
+    row = units * element_size
+    if d_ff % size or row % 16:
+        cut = f" into {units} units, rows of {row} bytes (grouped_mm needs multiples of 16)" if units else ""
+        raise ConfigError(
+            f"expert tensor parallelism splits the experts' d_ff={d_ff} over tp={size}{cut}: pick a tp "
+            "that divides it so, or replicate the experts over tp (MoESpec.expert_tp=False)"
+        )
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` independent MLPs ``act(x @ w1[e] + b1[e]) @ w2[e] + b2[e]`` (SwiGLU:
     ``(silu(x @ w1[e] + b1[e]) * (x @ w3[e] + b3[e])) @ w2[e] + b2[e]``); the biases only
@@ -230,17 +244,9 @@ class GroupedExperts(nn.Module):
         self.ff_split, self.ff_range = (rank, size), (start, start + width)
 
     def check_ff_split(self, size: int) -> None:
-        """ConfigError unless ``size`` ranks can split the hidden units (`split_ff`): ``size``
-        divides ``d_ff`` into slices whose rows grouped_mm takes (multiples of 16 bytes in
-        the experts' dtype). Pure: no collective, so callers check it before any."""
-        units = 0 if self.d_ff % size else self.d_ff // size
-        row = units * self.w1.element_size()
-        if self.d_ff % size or row % 16:
-            cut = f" into {units} units, rows of {row} bytes (grouped_mm needs multiples of 16)" if units else ""
-            raise ConfigError(
-                f"expert tensor parallelism splits the experts' d_ff={self.d_ff} over tp={size}{cut}: pick a tp "
-                "that divides it so, or replicate the experts over tp (MoESpec.expert_tp=False)"
-            )
+        """ConfigError unless ``size`` ranks can split the hidden units (`split_ff`), as
+        `check_ff_split` (the module's function) says for these experts. Pure: no collective."""
+        check_ff_split(self.d_ff, size, self.w1.element_size())
 
     def split_weights(self) -> list[tuple[str, nn.Parameter]]:
         """(name, tensor) of the weights ``split_ff`` cut (none before it)."""

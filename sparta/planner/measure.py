@@ -30,6 +30,7 @@ from torch.nn.utils import get_total_norm
 
 from sparta.comm.communicator import Communicator
 from sparta.errors import ConfigError
+from sparta.moe.experts import check_ff_split
 from sparta.parallel.decoder import Block, Decoder, DecoderConfig
 from sparta.parallel.experts import MoESpec, moe_layers
 from sparta.parallel.parallelize import TP_STYLES
@@ -216,10 +217,13 @@ def _ep_tp_pairs(
 
 
 def _experts_split(model: DecoderConfig, tp: int) -> bool:
-    """Whether the trainer can split the experts' hidden units over ``tp`` ranks (what
-    `GroupedExperts.check_ff_split` asks, in the parts' float32): ``tp`` divides ``d_ff``
-    into rows of a multiple of 16 bytes. A model that cannot is not timed so."""
-    return model.d_ff % tp == 0 and model.d_ff // tp * 4 % 16 == 0
+    """Whether the trainer can split the experts' hidden units over ``tp`` ranks, in the
+    parts' float32 (`sparta.moe.experts.check_ff_split`); a model that cannot is not timed so."""
+    try:
+        check_ff_split(model.d_ff, tp, FLOAT_BYTES)
+    except ConfigError:
+        return False
+    return True
 
 
 def group_shapes(world: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -346,7 +346,7 @@ def test_measured_group_shapes_are_those_a_layout_can_form() -> None:
 
 def test_experts_are_timed_split_only_where_the_trainer_can_split_them() -> None:
     """measure_costs times moe/tp{t} and moe/ep{e}tp{t} only where tp cuts d_ff into the
-    16-byte rows GroupedExperts.check_ff_split demands (else the measure would raise)."""
+    16-byte rows sparta.moe.experts.check_ff_split demands (else the measure would raise)."""
     from sparta.planner.measure import _ep_tp_pairs, _experts_split
 
     moe = MoESpec(num_experts=4, top_k=2)
