@@ -36,8 +36,8 @@ import torch
 
 import sparta
 from sparta.parallel import Decoder, DecoderConfig
-from sparta.parallel.model import IGNORE_INDEX
-from sparta.planner import (
+from sparta.scheduling import (
+    IGNORE_INDEX,
     LengthCost,
     MicroBatch,
     collate,

@@ -41,8 +41,15 @@ from torch import nn
 
 import sparta
 from sparta.parallel import Decoder, DecoderConfig, ParallelConfig, ParallelDims, build_layout, parallelize
-from sparta.parallel.model import IGNORE_INDEX
-from sparta.planner import LengthCost, MicroBatch, bucketed_steps, collate, pack_batches, pipeline_seconds
+from sparta.scheduling import (
+    IGNORE_INDEX,
+    LengthCost,
+    MicroBatch,
+    bucketed_steps,
+    collate,
+    pack_batches,
+    pipeline_seconds,
+)
 
 Step = tuple[torch.Tensor, torch.Tensor]
 

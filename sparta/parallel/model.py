@@ -20,11 +20,11 @@ from sparta.parallel.data_parallel import DataParallel
 from sparta.parallel.dims import Layout
 from sparta.parallel.forward_only import forward_only
 from sparta.parallel.pipeline import stage_owner
+from sparta.scheduling.varlen import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from sparta.parallel.parallelize import ParallelConfig, ParallelPlan
 
-IGNORE_INDEX = -100  # targets of padding positions: the loss skips them
 # the tp style of an output head whose vocabulary is split over tp (parallelize's tp plan)
 VOCAB_STYLE = "vocab"
 

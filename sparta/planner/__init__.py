@@ -10,9 +10,8 @@ Pieces: costs.py (what is measured, saved and checked against the model and hard
 measure.py (measuring it on the hardware at hand: parts, every group shape, the optimizer),
 hardware.py (costs of clusters we do not have, from published figures), simulate.py (a plan
 replayed on the costs: step time, peak memory, timeline), search.py (the plans the trainer
-can run, ranked under a memory budget; plan files), varlen.py (variable-length samples into
-micro-batches: DynaPipe's dynamic programme against padding and packing), command.py
-(`sparta plan`).
+can run, ranked under a memory budget; plan files), command.py (`sparta plan`). Variable
+lengths (DynaPipe) are sparta.scheduling.varlen's; `length_cost` gives them the measured cost.
 It sits above sparta.parallel: it plans for the trainer and imports it, never the reverse.
 """
 
@@ -21,25 +20,12 @@ from sparta.planner.costs import ModelCosts, PartCost, model_fingerprint
 from sparta.planner.hardware import HARDWARE, Hardware, analytic_costs, model_flops_per_step
 from sparta.planner.measure import measure_costs
 from sparta.planner.search import GIB, Ranked, SearchResult, Space, layouts, plan_overrides, search, write_plan
-from sparta.planner.simulate import Plan, Prediction, Workload, simulate, stage_layers
-from sparta.planner.varlen import (
-    LengthCost,
-    MicroBatch,
-    bucketed_steps,
-    collate,
-    dynamic_batches,
-    pack_batches,
-    pad_batches,
-    pipeline_seconds,
-    summed_loss,
-)
+from sparta.planner.simulate import Plan, Prediction, Workload, length_cost, simulate, stage_layers
 
 __all__ = [
     "GIB",
     "HARDWARE",
     "Hardware",
-    "LengthCost",
-    "MicroBatch",
     "ModelCosts",
     "PartCost",
     "Plan",
@@ -49,21 +35,15 @@ __all__ = [
     "Space",
     "Workload",
     "analytic_costs",
-    "bucketed_steps",
-    "collate",
-    "dynamic_batches",
     "layouts",
+    "length_cost",
     "measure_costs",
     "model_flops_per_step",
     "model_fingerprint",
-    "pack_batches",
-    "pad_batches",
-    "pipeline_seconds",
     "plan_overrides",
     "search",
     "simulate",
     "stage_layers",
-    "summed_loss",
     "workload",
     "write_plan",
 ]

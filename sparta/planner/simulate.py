@@ -72,6 +72,7 @@ from sparta.parallel.experts import MoESpec
 from sparta.parallel.parallelize import ParallelConfig
 from sparta.parallel.pipeline import ZERO_BUBBLE, schedule_actions, stage_ids
 from sparta.scheduling.trace import Span
+from sparta.scheduling.varlen import LengthCost
 
 from .costs import FLOAT_BYTES, ModelCosts
 
@@ -413,3 +414,15 @@ def _replay(
     if stuck:
         raise ConfigError(f"the schedule's actions wait on each other (next actions: {stuck})")
     return spans, free, peak
+
+
+def length_cost(costs: ModelCosts, work: Workload) -> LengthCost:
+    """The whole model's forward + backward from the measured parts (one rank, no
+    parallelism), for `sparta.scheduling.varlen`'s groupings: the sum of every part's fits,
+    linear in tokens (the parts are measured at ``seq_len``)."""
+    model = work.model
+    mlp = "moe" if work.moe is not None else "mlp"
+    names = ["embed", "head"] + ["attention", mlp] * model.n_layers
+    alpha = sum(costs.parts[n].fwd.alpha + costs.parts[n].bwd.alpha for n in names)
+    beta = sum(costs.parts[n].fwd.beta + costs.parts[n].bwd.beta for n in names)
+    return LengthCost(alpha, beta)

@@ -16,6 +16,9 @@
                   fastest (r=1 unless clearly beaten)
     grad_sync.py  GapRelease: when each of those pieces may leave in backward (no hooks of its own:
                   sparta.parallel.DataParallel(partition=...) owns them and sends the pieces)
+    varlen.py     LengthCost, MicroBatch, pad_batches, pack_batches, dynamic_batches,
+                  bucketed_steps, collate: variable-length samples into micro-batches and
+                  pipeline steps (DynaPipe's dynamic programme) against padding and packing
     trace.py      Tracer, TracedExchange, gather, write_chrome_trace, draw_timeline: per-rank
                   timelines for Perfetto and as a PNG; ObservedExchange, what the pipeline
                   tells of its transfers (tracing, the gradient partitioner)
@@ -35,8 +38,21 @@ from sparta.scheduling.profiler import LinearFit, Profile, ProfileConfig, Profil
 from sparta.scheduling.timeline import Timeline
 from sparta.scheduling.trace import ObservedExchange, TracedExchange, Tracer, draw_timeline, write_chrome_trace
 from sparta.scheduling.tuner import UNPIPELINED, Choice, OnlineTuner
+from sparta.scheduling.varlen import (
+    IGNORE_INDEX,
+    LengthCost,
+    MicroBatch,
+    bucketed_steps,
+    collate,
+    dynamic_batches,
+    pack_batches,
+    pad_batches,
+    pipeline_seconds,
+    summed_loss,
+)
 
 __all__ = [
+    "IGNORE_INDEX",
     "UNPIPELINED",
     "Calibration",
     "Choice",
@@ -44,7 +60,9 @@ __all__ = [
     "GapRelease",
     "GradientPartition",
     "LayerShape",
+    "LengthCost",
     "LinearFit",
+    "MicroBatch",
     "ObservedExchange",
     "OnlineTuner",
     "PipelineDegrees",
@@ -57,9 +75,16 @@ __all__ = [
     "Timeline",
     "TracedExchange",
     "Tracer",
+    "bucketed_steps",
+    "collate",
     "draw_timeline",
+    "dynamic_batches",
     "overlapped_block",
+    "pack_batches",
+    "pad_batches",
     "partition_gradients",
+    "pipeline_seconds",
     "pipelined_exchange",
+    "summed_loss",
     "write_chrome_trace",
 ]

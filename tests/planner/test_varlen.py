@@ -12,18 +12,16 @@ import torch
 
 from sparta.errors import InputError
 from sparta.parallel import Decoder, DecoderConfig, ParallelConfig, ParallelDims
-from sparta.planner import (
+from sparta.planner import Plan, Workload, length_cost, simulate
+from sparta.scheduling import (
     LengthCost,
     MicroBatch,
-    Plan,
-    Workload,
     bucketed_steps,
     collate,
     dynamic_batches,
     pack_batches,
     pad_batches,
     pipeline_seconds,
-    simulate,
     summed_loss,
 )
 
@@ -121,7 +119,7 @@ def test_bucketed_steps_are_optimal_with_few_shapes(stages: int) -> None:
         assert total == pytest.approx(best), lengths
 
 
-def test_length_cost_fit_and_from_costs() -> None:
+def test_length_cost_fit_flops_and_measured_parts() -> None:
     truth = LengthCost(0.002, 3e-6, 2e-8)
     shapes = [(r, n) for r in (1, 2, 4) for n in (16, 64, 256)]
     fitted = LengthCost.fit(shapes, [truth(r, n) for r, n in shapes])
@@ -131,7 +129,7 @@ def test_length_cost_fit_and_from_costs() -> None:
     flat = LengthCost.fit(shapes, [0.001 + 1e-5 * r * n - 1e-9 * r * n * n for r, n in shapes])
     assert flat.per_token_len == 0 and flat.per_token > 0
     # from the planner's parts: each block's attention + mlp 0.5 s fwd + 1 s bwd per 16 tokens
-    linear = LengthCost.from_costs(costs(), Workload(MODEL, None, 8))
+    linear = length_cost(costs(), Workload(MODEL, None, 8))
     assert linear(2, 8) == pytest.approx(MODEL.n_layers * 1.5)
 
 
@@ -139,7 +137,7 @@ def test_the_pipeline_formula_is_the_simulators_on_equal_micro_batches() -> None
     """pipeline_seconds' (sum + (stages - 1) max) / stages is what the simulator's replay of
     torch's 1F1B gives for micro-batches of one shape over balanced stages."""
     c = costs()
-    cost = LengthCost.from_costs(c, WORK)
+    cost = length_cost(c, WORK)
     for pp, m in ((1, 4), (2, 4), (4, 8)):
         split = tuple(f"layers.{i}" for i in range(MODEL.n_layers // pp, MODEL.n_layers, MODEL.n_layers // pp))
         plan = Plan(ParallelDims(pp=pp), ParallelConfig(schedule="1F1B", microbatches=m, split_points=split))

@@ -21,8 +21,9 @@ rectangle ``[rows, length]``. Three ways to cut it:
 Costs come from `LengthCost`: seconds of one micro-batch's forward and backward through the
 whole model by its shape, ``alpha + per_token * rows * length + per_token_len * rows *
 length**2`` (attention's scores grow with the square of the length), fitted to measured
-shapes (`LengthCost.fit`) or read off the planner's measured parts (`LengthCost.from_costs`,
-linear only: parts are measured at ``seq_len``).
+shapes (`LengthCost.fit`), counted from the model's FLOPs (`LengthCost.of_flops`), or read
+off the planner's measured parts (`sparta.planner.length_cost`, linear only: parts are
+measured at ``seq_len``).
 
 ``collate(samples, mb)`` makes a micro-batch's ids and targets: padding on the right with
 targets of -100, which the trainer's loss skips, so with causal attention every real token's
@@ -49,10 +50,8 @@ import torch
 from torch import Tensor
 
 from sparta.errors import InputError
-from sparta.parallel.model import IGNORE_INDEX
 
-from .costs import ModelCosts
-from .simulate import Workload
+IGNORE_INDEX = -100  # targets of padding positions: the losses skip them (torch's default)
 
 # bounds tried on the largest micro-batch's cost (quantiles of the feasible groups' costs)
 BOUND_CANDIDATES = 64
@@ -122,15 +121,14 @@ class LengthCost:
         return cls(*coef)
 
     @classmethod
-    def from_costs(cls, costs: ModelCosts, work: Workload) -> LengthCost:
-        """The whole model's forward + backward from the planner's measured parts (one rank,
-        no parallelism): the sum of every part's fits, linear in tokens."""
-        model = work.model
-        mlp = "moe" if work.moe is not None else "mlp"
-        names = ["embed", "head"] + ["attention", mlp] * model.n_layers
-        alpha = sum(costs.parts[n].fwd.alpha + costs.parts[n].bwd.alpha for n in names)
-        beta = sum(costs.parts[n].fwd.beta + costs.parts[n].bwd.beta for n in names)
-        return cls(alpha, beta)
+    def of_flops(cls, params_per_token: int, n_layers: int, d_model: int, flops_per_s: float = 1e12) -> LengthCost:
+        """Forward + backward counted in FLOPs at ``flops_per_s``: 6 per parameter a token
+        passes through, and attention's scores and weighted sum, ``12 * d_model * length``
+        per token and layer (forward 4, backward twice that). No constant: for comparing
+        shapes by their work where nothing was timed."""
+        if not flops_per_s > 0:
+            raise InputError(f"flops_per_s={flops_per_s} must be > 0")
+        return cls(0.0, 6 * params_per_token / flops_per_s, 12 * n_layers * d_model / flops_per_s)
 
 
 def pipeline_seconds(batches: Sequence[MicroBatch], cost: LengthCost, stages: int = 1) -> float:
