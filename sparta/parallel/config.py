@@ -34,6 +34,7 @@ from .parallelize import ParallelConfig
 from .pipeline import ModelParts, split_by_points
 
 DATA_SOURCES = ("stdlib", "random")
+DATA_SAMPLES = ("windows", "documents")
 DEVICES = ("cpu", "cuda")
 
 
@@ -107,9 +108,14 @@ class DataConfig:
     trained on its first corpus_mb MB, cached in cache_dir, default ~/.cache/sparta/demo) or
     "random" (random_tokens uniform random ids; throughput runs only, the loss stays near
     ln(vocab_size)).
+    samples: "windows" (windows of model.seq_len tokens at random starts in the stream, across
+    documents, never padded; data.py) or "documents" (each document, or a piece of at most
+    seq_len, padded to one of parallel.lengths, grouped into pipeline steps by DynaPipe's
+    dynamic programme; documents.py).
     """
 
     source: str = "stdlib"
+    samples: str = "windows"
     corpus_mb: float = 4.0
     cache_dir: str | None = None
     random_tokens: int = 1_000_000
@@ -117,6 +123,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.source not in DATA_SOURCES:
             raise ConfigError(f"data.source={self.source!r} is unknown: choose one of {', '.join(DATA_SOURCES)}")
+        if self.samples not in DATA_SAMPLES:
+            raise ConfigError(f"data.samples={self.samples!r} is unknown: choose one of {', '.join(DATA_SAMPLES)}")
         _check_float("data", "corpus_mb", self.corpus_mb, 0.0, open_low=True)
         _check_path("data", "cache_dir", self.cache_dir)
         _check_int("data", "random_tokens", self.random_tokens, 1)
@@ -202,6 +210,16 @@ class RunConfig:
                 f"train.global_batch={self.train.global_batch} must be divisible by parallel.dp x "
                 f"parallel.microbatches = {self.dims.dp} x {self.parallel.microbatches} = {per_dp} (each dp rank "
                 f"cuts its share into micro-batches): pick a multiple of {per_dp}"
+            )
+        lengths, seq_len = self.parallel.lengths, self.model.seq_len
+        if self.data.samples == "documents" and not lengths:
+            raise ConfigError(
+                "data.samples = 'documents' pads each step to one of parallel.lengths, which is empty: set it, e.g. "
+                f"parallel.lengths = [{max(1, seq_len // 4)}, {max(1, seq_len // 2)}, {seq_len}]"
+            )
+        if lengths and lengths[-1] < seq_len:
+            raise ConfigError(
+                f"parallel.lengths={list(lengths)}: the longest must hold model.seq_len={seq_len}; add {seq_len}"
             )
         if self.output.trace is not None and self.output.trace_start > self.train.steps:
             raise ConfigError(

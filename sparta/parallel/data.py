@@ -34,6 +34,7 @@ from sparta.errors import BackendUnavailableError, ConfigError
 
 DEFAULT_CACHE = Path.home() / ".cache" / "sparta" / "demo"
 END_OF_TEXT = "<|endoftext|>"
+END_OF_TEXT_ID = 0  # its id: the BPE's one special token comes first; it closes every file
 # Installed third-party packages live inside the stdlib folder and differ between machines.
 _NOT_STDLIB = ("site-packages", "dist-packages")
 
@@ -87,6 +88,8 @@ def _build(texts: list[str], vocab_size: int, folder: Path) -> None:
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     eot = tokenizer.token_to_id(END_OF_TEXT)
+    if eot != END_OF_TEXT_ID:  # documents (documents.py) end at this id
+        raise ConfigError(f"the tokenizer gave {END_OF_TEXT} id {eot}, not {END_OF_TEXT_ID}: tokenizers changed")
     ids: list[int] = []
     for encoding in tokenizer.encode_batch(texts):
         ids.extend(encoding.ids)

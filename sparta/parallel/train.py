@@ -59,12 +59,14 @@ import sparta
 from sparta.comm import detect
 from sparta.errors import BackendUnavailableError, ConfigError, SpartaError
 from sparta.moe import MoELayer
+from sparta.scheduling.varlen import LengthCost
 
 from .checkpoint import Checkpointer, CheckpointError
 from .config import RunConfig
 from .data import TokenBatches, random_tokens, stdlib_tokens
 from .decoder import Decoder, DecoderConfig
 from .dims import Layout, build_layout
+from .documents import DocumentBatches
 from .model import ParallelModel
 from .parallelize import ParallelConfig, parallelize
 
@@ -190,7 +192,24 @@ class _Metrics:
             self.file.close()
 
 
-def evaluate(pm: ParallelModel, batches: TokenBatches, config: RunConfig, layout: Layout) -> float:
+def _batches(config: RunConfig, tokens: torch.Tensor) -> TokenBatches | DocumentBatches:
+    t, model, dims, parallel = config.train, config.model, config.dims, config.parallel
+    if config.data.samples == "windows":
+        return TokenBatches(tokens, model.seq_len, t.seed)
+    cost = LengthCost.of_flops(active_parameters(model, parallel), model.n_layers, model.d_model)
+    return DocumentBatches(
+        tokens, model.seq_len, t.seed, parallel.lengths, t.global_batch, dims.dp, parallel.microbatches, dims.pp, cost
+    )
+
+
+def _step_tokens(batches: TokenBatches | DocumentBatches, config: RunConfig, step: int) -> int:
+    """Input tokens of optimizer step ``step`` over the global batch, padding excluded."""
+    if isinstance(batches, DocumentBatches):
+        return batches.tokens_of(step)
+    return config.train.global_batch * config.model.seq_len
+
+
+def evaluate(pm: ParallelModel, batches: TokenBatches | DocumentBatches, config: RunConfig, layout: Layout) -> float:
     """Mean validation loss over ``train.eval_batches`` fixed global batches (the same value
     on every rank)."""
     losses = []
@@ -213,23 +232,29 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
     say: Callable[[str], object] = _say if world.rank == 0 else (lambda _: None)
     layout = build_layout(config.dims, world, device=t.device)
     tokens = _tokens(config, world, say)
-    batches = TokenBatches(tokens, config.model.seq_len, t.seed)
+    batches = _batches(config, tokens)
+    windows = batches if isinstance(batches, TokenBatches) else TokenBatches(tokens, config.model.seq_len, t.seed)
     torch.manual_seed(t.seed)  # same seed on every rank: one full model, then cut
-    # one micro-batch, for balancing the stages by measured time when no split points are given
-    sample = batches.train_batch(0, t.global_batch, 0, config.dims.dp * config.parallel.microbatches)[0]
+    # one micro-batch of full windows, for balancing the stages by measured time when no split
+    # points are given
+    sample = windows.train_batch(0, t.global_batch, 0, config.dims.dp * config.parallel.microbatches)[0]
     pm = parallelize(Decoder(config.model), layout, config.parallel, sample=sample)
     if world.rank == 0:
         log.info("plan:\n%s", pm.plan)
     optimizer = _optimizer(pm, config)
     layers = pm.moe_layers()
     n_active = active_parameters(config.model, config.parallel)
-    tokens_per_step = t.global_batch * config.model.seq_len
     peak_flops = config.output.peak_tflops * 1e12 if config.output.peak_tflops else None
     d = config.dims
     say(
         f"{world.size} ranks ({world.backend}): pp{d.pp} x dp{d.dp} x tp{d.tp}, ep{d.ep}, {config.parallel.schedule} "
         f"x {config.parallel.microbatches} micro-batches; {n_active / 1e6:.2f}M parameters per token; "
-        f"{len(batches.train):,} training tokens, {tokens_per_step:,} per step"
+        + (
+            f"{len(batches.train):,} training tokens, {t.global_batch * config.model.seq_len:,} per step"
+            if isinstance(batches, TokenBatches)
+            else f"{len(batches.train[0]):,} training documents' pieces of {batches.mean_piece:.0f} tokens on "
+            f"average, up to {batches.max_tokens:,} tokens a micro-batch"
+        )
     )
 
     ckpt = config.checkpoint
@@ -240,7 +265,8 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
         if extra is not None:
             start_step = int(extra["step"])
             say(f"resumed from step {start_step} of {ckpt.dir}")
-            if extra.get("seed") != t.seed or extra.get("global_batch") != t.global_batch:
+            data = {"seed": t.seed, "global_batch": t.global_batch, "samples": config.data.samples}
+            if any(extra.get(key, "windows" if key == "samples" else None) != value for key, value in data.items()):
                 say(f"warning: the checkpoint was trained with {extra}; this run's batches differ from its")
     metrics = _Metrics(config.output.metrics, world.rank, start_step)
     tracer = _Tracer(config, world.rank, layout.device)
@@ -249,7 +275,7 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
     initial_val = val_loss = None if start_step else evaluate(pm, batches, config, layout)
     if initial_val is not None:
         say(f"step 0: val loss {initial_val:.3f}")
-    train_seconds = 0.0
+    train_seconds, trained_tokens = 0.0, 0
     try:
         for step in range(start_step, t.steps):
             tracer.before(step)
@@ -265,7 +291,9 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
                 optimizer.zero_grad(set_to_none=True)
             elapsed = time.perf_counter() - begin
             tracer.after(step, step + 1 == t.steps)
+            tokens_per_step = _step_tokens(batches, config, step)
             train_seconds += elapsed
+            trained_tokens += tokens_per_step
             losses.append(loss)
             record: dict[str, Any] = {
                 "step": step + 1,
@@ -288,7 +316,8 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
                 say(f"step {step + 1}: train loss {loss:.3f}, val loss {val_loss:.3f}")
             if checkpointer is not None and ((ckpt.every and (step + 1) % ckpt.every == 0) or last):
                 # the data position is the step: batches are a function of (seed, step)
-                checkpointer.save(step + 1, pm.parts, optimizer, {"seed": t.seed, "global_batch": t.global_batch})
+                position = {"seed": t.seed, "global_batch": t.global_batch, "samples": config.data.samples}
+                checkpointer.save(step + 1, pm.parts, optimizer, position)
             metrics.write(record)
             bar.set_postfix_str(_postfix(record, spark), refresh=False)
             bar.update(1)
@@ -309,7 +338,7 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
         "initial_val_loss": rounded(initial_val, 4),
         "final_loss": rounded(sum(tail) / len(tail) if tail else None, 4),  # the last 10 steps' mean
         "val_loss": rounded(val_loss, 4),
-        "tokens_per_s": rounded(tokens_per_step * len(losses) / train_seconds if train_seconds else None, 1),
+        "tokens_per_s": rounded(trained_tokens / train_seconds if train_seconds else None, 1),
         "wall_s": rounded(time.perf_counter() - started, 1),
     }
 

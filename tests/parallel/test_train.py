@@ -138,3 +138,28 @@ def test_a_run_under_horovodrun_equals_one_process(tmp_path: Path) -> None:
     for a, b in zip(one, hvd, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (a, b)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (a, b)
+
+
+def test_documents_through_a_pipeline_equal_one_process(tmp_path: Path) -> None:
+    """data.samples = "documents": steps of one shape padded to parallel.lengths, several shapes
+    through one pp2 pipeline (a schedule each), equal to one process on the same steps."""
+    from launch import command, require_launcher
+
+    require_launcher("torchrun")
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    sets = ["data.samples=documents", "parallel.lengths=[4, 8, 16]", "parallel.microbatches=2", "train.eval_every=3"]
+
+    def train(metrics: str, *more: str) -> list[str]:
+        every = [*sets, f"output.metrics={tmp_path / metrics}", *more]
+        return ["train", "--config", str(config), *[a for s in every for a in ("--set", s)]]
+
+    _run([str(SPARTA), *train("one.jsonl")], 180, "sparta train on documents (one process)")
+    _run(command("torchrun", 2, SPARTA, train("pp2.jsonl", "parallel.pp=2")), 300, "torchrun sparta train pp2")
+    one, pp2 = _records(tmp_path / "one.jsonl"), _records(tmp_path / "pp2.jsonl")
+    assert [r["step"] for r in pp2] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(one, pp2, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), (a, b)
+        assert b["tokens"] == a["tokens"] and b.get("val_loss") == pytest.approx(a.get("val_loss"), abs=1e-5)
+    # a batch by token budget: each step's real tokens, at most the windows' 4 x 16
+    assert all(0 < r["tokens"] <= 64 for r in one) and len({r["tokens"] for r in one}) > 1, one
