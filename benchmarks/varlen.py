@@ -74,8 +74,9 @@ def _packed(samples: list[torch.Tensor], mb: MicroBatch) -> tuple[torch.Tensor, 
     return ids, targets
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def workload_args(p: argparse.ArgumentParser, microbatches: int, microbatches_help: str) -> None:
+    """The model, the length distribution and the timing: what this benchmark and
+    varlen_pipeline.py share."""
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--d-model", type=int, default=128)
@@ -83,20 +84,50 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--alpha", type=float, default=1.1, help="Pareto shape of the lengths (smaller: longer tail)")
     p.add_argument("--scale", type=float, default=48.0, help="Pareto scale of the lengths, tokens")
-    p.add_argument("--microbatches", type=int, default=16, help="the padded way's micro-batch count")
+    p.add_argument("--microbatches", type=int, default=microbatches, help=microbatches_help)
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per micro-batch, padding included")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(a.seed)
+
+
+def workload(a: argparse.Namespace) -> tuple[DecoderConfig, list[int], list[torch.Tensor]]:
+    """The model's config, the samples' lengths (long-tailed) and their tokens (plus one)."""
     cfg = DecoderConfig(
         vocab_size=a.vocab, seq_len=a.seq_len, d_model=a.d_model, n_layers=a.layers, n_heads=4, d_ff=4 * a.d_model
     )
-    model = Decoder(cfg)
     rng = random.Random(a.seed)
     lengths = [max(1, min(a.seq_len, int(rng.paretovariate(a.alpha) * a.scale))) for _ in range(a.samples)]
-    samples = [torch.randint(0, a.vocab, (n + 1,)) for n in lengths]
+    g = torch.Generator().manual_seed(a.seed)
+    return cfg, lengths, [torch.randint(0, a.vocab, (n + 1,), generator=g) for n in lengths]
+
+
+def fit_cost(model: Decoder, a: argparse.Namespace) -> tuple[LengthCost, list[float]]:
+    """`LengthCost.fit` to this process's forward + backward of a few shapes (median of 3
+    each, after one); the fit's relative error at each."""
+    shapes = [(r, n) for r in (1, 2, 4) for n in (a.seq_len // 8, a.seq_len // 4, a.seq_len // 2, a.seq_len)]
+    shapes = [(r, n) for r, n in shapes if r * n <= a.max_tokens]
+    seconds = []
+    for r, n in shapes:
+        ids = torch.randint(0, a.vocab, (r, n))
+        times = []
+        for _ in range(4):
+            began = time.perf_counter()
+            model(ids).float().sum().backward()
+            times.append(time.perf_counter() - began)
+        seconds.append(statistics.median(times[1:]))
+    model.zero_grad(set_to_none=True)
+    cost = LengthCost.fit(shapes, seconds)
+    return cost, [cost(r, n) / t - 1 for (r, n), t in zip(shapes, seconds, strict=True)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    workload_args(p, 16, "the padded way's micro-batch count")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(a.seed)
+    cfg, lengths, samples = workload(a)
+    model = Decoder(cfg)
     real = sum(lengths)
     print(
         json.dumps(
@@ -119,20 +150,7 @@ def main() -> int:
         ),
         flush=True,
     )
-
-    shapes = [(r, n) for r in (1, 2, 4) for n in (a.seq_len // 8, a.seq_len // 4, a.seq_len // 2, a.seq_len)]
-    shapes = [(r, n) for r, n in shapes if r * n <= a.max_tokens]
-    seconds = []
-    for r, n in shapes:
-        ids = torch.randint(0, a.vocab, (r, n))
-        times = []
-        for _ in range(4):
-            began = time.perf_counter()
-            model(ids).float().sum().backward()
-            times.append(time.perf_counter() - began)
-        seconds.append(statistics.median(times[1:]))
-    cost = LengthCost.fit(shapes, seconds)
-    errors = [cost(r, n) / s - 1 for (r, n), s in zip(shapes, seconds, strict=True)]
+    cost, errors = fit_cost(model, a)
     print(
         json.dumps(
             {

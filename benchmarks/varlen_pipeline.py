@@ -31,16 +31,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import random
 import statistics
 import sys
 import time
 
 import torch
 from torch import nn
+from varlen import fit_cost, workload, workload_args  # benchmarks/varlen.py: the same workload
 
 import sparta
-from sparta.parallel import Decoder, DecoderConfig, ParallelConfig, ParallelDims, build_layout, parallelize
+from sparta.parallel import Decoder, ParallelConfig, ParallelDims, build_layout, parallelize
 from sparta.scheduling import (
     IGNORE_INDEX,
     LengthCost,
@@ -93,22 +93,6 @@ def _packed_steps(samples: list[torch.Tensor], lengths: list[int], seq_len: int,
     return out
 
 
-def _fit(model: Decoder, vocab: int, seq_len: int, max_tokens: int) -> LengthCost:
-    shapes = [(r, n) for r in (1, 2, 4) for n in (seq_len // 8, seq_len // 4, seq_len // 2, seq_len)]
-    shapes = [(r, n) for r, n in shapes if r * n <= max_tokens]
-    seconds = []
-    for r, n in shapes:
-        ids = torch.randint(0, vocab, (r, n))
-        times = []
-        for _ in range(4):
-            began = time.perf_counter()
-            model(ids).float().sum().backward()
-            times.append(time.perf_counter() - began)
-        seconds.append(statistics.median(times[1:]))
-    model.zero_grad(set_to_none=True)
-    return LengthCost.fit(shapes, seconds)
-
-
 @torch.no_grad()
 def _reference(model: Decoder, ids: torch.Tensor, targets: torch.Tensor, m: int) -> float:
     losses = [
@@ -120,34 +104,18 @@ def _reference(model: Decoder, ids: torch.Tensor, targets: torch.Tensor, m: int)
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--samples", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--alpha", type=float, default=1.1, help="Pareto shape of the lengths (smaller: longer tail)")
-    p.add_argument("--scale", type=float, default=48.0, help="Pareto scale of the lengths, tokens")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (the schedule's)")
-    p.add_argument("--max-tokens", type=int, default=2048, help="tokens per micro-batch, padding included")
+    workload_args(p, 4, "micro-batches per step (the schedule's)")
     p.add_argument("--buckets", default="64,128,256,512", help="the bucketed way's padded lengths")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     torch.set_num_threads(1)
     world = sparta.init()
     pp, m = world.size, a.microbatches
     layout = build_layout(ParallelDims(pp=pp), world)
-    cfg = DecoderConfig(
-        vocab_size=a.vocab, seq_len=a.seq_len, d_model=a.d_model, n_layers=a.layers, n_heads=4, d_ff=4 * a.d_model
-    )
-    rng = random.Random(a.seed)
-    lengths = [max(1, min(a.seq_len, int(rng.paretovariate(a.alpha) * a.scale))) for _ in range(a.samples)]
-    g = torch.Generator().manual_seed(a.seed)
-    samples = [torch.randint(0, a.vocab, (n + 1,), generator=g) for n in lengths]
+    cfg, lengths, samples = workload(a)
     buckets = tuple(int(b) for b in a.buckets.split(","))
     torch.manual_seed(a.seed)
     reference = Decoder(cfg)
-    local = _fit(reference, a.vocab, a.seq_len, a.max_tokens) if world.rank == 0 else LengthCost(0.0, 0.0)
+    local = fit_cost(reference, a)[0] if world.rank == 0 else LengthCost(0.0, 0.0)
     agreed = world.comm.broadcast(torch.tensor([local.alpha, local.per_token, local.per_token_len]), src=0)
     cost = LengthCost(*(float(v) for v in agreed))  # type: ignore[union-attr]
 
