@@ -53,6 +53,17 @@ def batches(dp: int, step: int, ragged: bool = False) -> tuple[torch.Tensor, tor
     return ids[:, :length], ids[:, 1 : length + 1]
 
 
+def rank_batches(dp: int, step: int, ragged: bool, uneven: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each dp rank's (ids, targets) of ``step``: its BATCH rows of `batches`; with ``uneven``
+    rank d's cut d tokens shorter, so that the dp ranks of one step take different lengths."""
+    ids, targets = batches(dp, step, ragged)
+    out = []
+    for d in range(dp):
+        rows, cut = slice(d * BATCH, (d + 1) * BATCH), ids.shape[1] - (d if uneven else 0)
+        out.append((ids[rows, :cut], targets[rows, :cut]))
+    return out
+
+
 def padded(
     ids: torch.Tensor, targets: torch.Tensor, lengths: tuple[int, ...] = ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +74,12 @@ def padded(
 
 
 def reference_losses(
-    dp: int, microbatches: int, moe: MoESpec | None, ragged: bool = False, lengths: tuple[int, ...] = ()
+    dp: int,
+    microbatches: int,
+    moe: MoESpec | None,
+    ragged: bool = False,
+    lengths: tuple[int, ...] = (),
+    uneven: bool = False,
 ) -> tuple[list[tuple[float, float]], float]:
     """One process, the global batch in dp x microbatches chunks, SGD on the chunks' mean,
     gradients clipped to NORM_CAP. Returns (loss, gradient norm before clipping) per step, and
@@ -75,8 +91,7 @@ def reference_losses(
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
-        ids, targets = padded(*batches(dp, step, ragged), lengths)
-        chunks = list(zip(ids.chunk(dp * microbatches), targets.chunk(dp * microbatches), strict=True))
+        chunks = _chunks(dp, step, microbatches, ragged, lengths, uneven)
         total = 0.0
         for x, y in chunks:
             loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -89,20 +104,30 @@ def reference_losses(
         opt.step()
         opt.zero_grad()
         losses.append((total / len(chunks), norm))
-    return losses, _probe(model, dp, microbatches, ragged, lengths)
+    return losses, _probe(model, dp, microbatches, ragged, lengths, uneven)
+
+
+def _chunks(
+    dp: int, step: int, microbatches: int, ragged: bool, lengths: tuple[int, ...], uneven: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The micro-batches the dp ranks run at ``step``, each rank's padded as the trainer pads."""
+    chunks = []
+    for ids, targets in rank_batches(dp, step, ragged, uneven):
+        ids, targets = padded(ids, targets, lengths)
+        chunks += list(zip(ids.chunk(microbatches), targets.chunk(microbatches), strict=True))
+    return chunks
 
 
 @torch.no_grad()
-def _probe(model: nn.Module, dp: int, microbatches: int, ragged: bool, lengths: tuple[int, ...]) -> float:
+def _probe(model: nn.Module, dp: int, microbatches: int, ragged: bool, lengths: tuple[int, ...], uneven: bool) -> float:
     """The trained model's forward loss on the batch after the last step, in the same chunks."""
-    ids, targets = padded(*batches(dp, STEPS, ragged), lengths)
-    chunks = zip(ids.chunk(dp * microbatches), targets.chunk(dp * microbatches), strict=True)
+    chunks = _chunks(dp, STEPS, microbatches, ragged, lengths, uneven)
     losses = [float(nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())) for x, y in chunks]
     return sum(losses) / len(losses)
 
 
 def trained_losses(
-    layout: Layout, config: ParallelConfig, ragged: bool = False, balance: bool = False
+    layout: Layout, config: ParallelConfig, ragged: bool = False, balance: bool = False, uneven: bool = False
 ) -> tuple[list[tuple[float, float]], float]:
     """The trainer's (loss, gradient norm) per step, and its `evaluate` on the next batch."""
     torch.manual_seed(0)
@@ -113,14 +138,12 @@ def trained_losses(
     losses = []
     try:
         for step in range(STEPS):
-            ids, targets = batches(layout.dims.dp, step, ragged)
-            rows = slice(layout.dp_rank * BATCH, (layout.dp_rank + 1) * BATCH)
-            loss = pm.step(ids[rows], targets[rows])
+            ids, targets = rank_batches(layout.dims.dp, step, ragged, uneven)[layout.dp_rank]
+            loss = pm.step(ids, targets)
             losses.append((loss, pm.clip_grad_norm_(NORM_CAP)))
             opt.step()
             opt.zero_grad()
-        ids, targets = batches(layout.dims.dp, STEPS, ragged)
-        probe = pm.evaluate(ids[rows], targets[rows])
+        probe = pm.evaluate(*rank_batches(layout.dims.dp, STEPS, ragged, uneven)[layout.dp_rank])
     finally:
         pm.close()
     assert pm.plan.actions == schedule_actions(config.schedule, layout.dims.pp, config.microbatches,
@@ -137,15 +160,19 @@ def trained_losses(
         tp_dim = head.weight.device_mesh.mesh_dim_names.index("tp")
         assert head.weight.placements[tp_dim].is_shard(0), head.weight.placements
     if config.lengths:  # one schedule per batch shape the padded batches took
-        assert sorted(pm.schedules) == sorted({(BATCH, pm.padded_length(n)) for n in LENGTHS_SEEN}), pm.schedules
+        shift = layout.dp_rank if uneven else 0
+        want = sorted({(BATCH, pm.padded_length(n - shift)) for n in LENGTHS_SEEN})
+        assert sorted(pm.schedules) == want, pm.schedules
     marks = {s: " (recomputed)" if s in config.recompute else "" for s in range(len(pm.plan.stages))}
     assert all(f"stage {s}{mark}:" in str(pm.plan) for s, mark in marks.items()), str(pm.plan)
     return losses, probe
 
 
-def compare(layout: Layout, config: ParallelConfig, ragged: bool = False, balance: bool = False) -> None:
-    got, probe = trained_losses(layout, config, ragged, balance)
-    want, want_probe = reference_losses(layout.dims.dp, config.microbatches, config.moe, ragged, config.lengths)
+def compare(
+    layout: Layout, config: ParallelConfig, ragged: bool = False, balance: bool = False, uneven: bool = False
+) -> None:
+    got, probe = trained_losses(layout, config, ragged, balance, uneven)
+    want, want_probe = reference_losses(layout.dims.dp, config.microbatches, config.moe, ragged, config.lengths, uneven)
     # evaluate: forward only, on every schedule (torch's own eval() fails under V-shaped ones)
     assert abs(probe - want_probe) < TOL, f"{config.schedule}: evaluate {probe} vs one process {want_probe}"
     gaps = [abs(a[0] - b[0]) for a, b in zip(got, want, strict=True)]
@@ -167,12 +194,14 @@ def parity(
     moe: MoESpec = MOE,
     recompute: tuple[int, ...] = (),
     lengths: tuple[int, ...] = (),
+    uneven: bool = False,
 ) -> Callable:
     """A check: the trainer's losses equal one process's. ragged: batch lengths change from step
     to step (the trainer pads them); balance: stages cut by measured time, not given points;
     recompute: the stages whose layers recompute their activations in backward (the one
     process recomputes nothing); lengths: the trainer pads each batch to the smallest of these
-    (a schedule each), not to seq_len."""
+    (a schedule each), not to seq_len; uneven: the dp ranks of one step take different lengths
+    (so different shapes meet in the expert exchanges and the gradient sync)."""
 
     def check(layout: Layout) -> None:
         stages = layout.dims.pp * stages_per_rank
@@ -189,11 +218,12 @@ def parity(
             lengths=lengths,
             recompute=recompute,
         )
-        compare(layout, config, ragged, balance)
+        compare(layout, config, ragged, balance, uneven)
 
     check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
     check.__name__ += "_coscheduled" * (moe is COSCHEDULED) + "_experts_replicated" * (moe is REPLICATED)
     check.__name__ += "".join(f"_recompute{i}" for i in recompute) + "".join(f"_len{n}" for n in lengths)
+    check.__name__ += "_uneven" * uneven
     return check
 
 
@@ -279,8 +309,9 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("ZBVZeroBubble", 2, "sparta"),
         parity("DualPipeV", 2, "fsdp", microbatches=4),  # DualPipeV: micro-batches >= stages
         parity("1F1B", 1, "sparta", ragged=True, balance=True),
-        # batches of 5..8 tokens padded to 5 or 8: two schedules over the same stages' modules
-        parity("ZBVZeroBubble", 2, "fsdp", ragged=True, lengths=(5, MODEL.seq_len)),
+        # batches of 4..8 tokens padded to 5 or 8, dp rank 1's a token shorter than rank 0's: two
+        # schedules over the same stages' modules, different shapes on the dp ranks of a step
+        parity("ZBVZeroBubble", 2, "fsdp", ragged=True, lengths=(5, MODEL.seq_len), uneven=True),
         # stage-aware recomputation under TP, MoE and the sparse embedding; under zero-bubble
         # (input and weight gradients by autograd.grad, each pass recomputing) with FSDP2,
         # rank 0 recomputing its stage 0 and rank 1 its stage 2
