@@ -13,9 +13,13 @@ benchmarks/varlen.py. Each way processes every sample once, as `ParallelModel.st
   padded to seq_len (``ParallelConfig.seq_len``, the trainer's way without ``lengths``);
 - ``packed``: rows of seq_len packed first-fit decreasing, dealt into steps of the same
   shape (timed only: under a plain causal mask a sample attends to the ones packed before it);
-- ``bucketed``: `sparta.planner.bucketed_steps` on a `LengthCost` fitted on rank 0 (forward +
-  backward of a few shapes, one process), over ``--buckets``, run with
-  ``ParallelConfig.lengths`` (a schedule per bucket).
+- ``bucketed``: `sparta.scheduling.bucketed_steps` over ``--buckets``, run with
+  ``ParallelConfig.lengths`` (a schedule per shape), on a `LengthCost` fitted (``--fit``) to
+  ``pipeline``: whole `ParallelModel.step` calls of the bucketed way's own pipeline, shapes of
+  1, 2 and 4 rows a micro-batch at each bucket, each step's time (the slowest rank's, median
+  of 3 after one) over ``(microbatches + pp - 1) / pp``, so that a step's own overhead (hops,
+  gradient sync) is in the fit; or ``process``: forward + backward of a few shapes on rank 0
+  alone (benchmarks/varlen.py's fit).
 
 A pass of a way is all its steps (forward and backward, gradients zeroed, no optimizer, so
 every pass sees the same weights) from a barrier; the slowest rank's time counts, the median
@@ -40,7 +44,7 @@ from torch import nn
 from varlen import fit_cost, workload, workload_args  # benchmarks/varlen.py: the same workload
 
 import sparta
-from sparta.parallel import Decoder, ParallelConfig, ParallelDims, build_layout, parallelize
+from sparta.parallel import Decoder, ParallelConfig, ParallelDims, ParallelModel, build_layout, parallelize
 from sparta.scheduling import (
     IGNORE_INDEX,
     LengthCost,
@@ -93,6 +97,29 @@ def _packed_steps(samples: list[torch.Tensor], lengths: list[int], seq_len: int,
     return out
 
 
+def _fit_on_pipeline(
+    pm: ParallelModel, world: sparta.World, a: argparse.Namespace, buckets: tuple[int, ...]
+) -> LengthCost:
+    """`LengthCost.fit` to whole steps of ``pm`` (see the module docstring), the same on every
+    rank (it fits the slowest rank's times, which every rank gathers)."""
+    m, pp = a.microbatches, world.size
+    shapes = [(r, n) for r in (1, 2, 4) for n in buckets if r * n <= a.max_tokens]
+    g = torch.Generator().manual_seed(a.seed + 1)
+    seconds = []
+    for r, n in shapes:
+        ids = torch.randint(0, a.vocab, (m * r, n), generator=g)
+        times = []
+        for _ in range(4):
+            world.comm.all_reduce(torch.zeros(1))  # a barrier on every engine
+            began = time.perf_counter()
+            pm.step(ids, ids)
+            times.append(float(max(world.comm.all_gather(torch.tensor([time.perf_counter() - began])))))
+            for q in pm.parameters():
+                q.grad = None
+        seconds.append(statistics.median(times[1:]) / ((m + pp - 1) / pp))
+    return LengthCost.fit(shapes, seconds)
+
+
 @torch.no_grad()
 def _reference(model: Decoder, ids: torch.Tensor, targets: torch.Tensor, m: int) -> float:
     losses = [
@@ -106,6 +133,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     workload_args(p, 4, "micro-batches per step (the schedule's)")
     p.add_argument("--buckets", default="64,128,256,512", help="the bucketed way's padded lengths")
+    p.add_argument("--fit", choices=("pipeline", "process"), default="pipeline", help="where the cost is timed")
     a = p.parse_args()
     torch.set_num_threads(1)
     world = sparta.init()
@@ -115,33 +143,44 @@ def main() -> int:
     buckets = tuple(int(b) for b in a.buckets.split(","))
     torch.manual_seed(a.seed)
     reference = Decoder(cfg)
-    local = fit_cost(reference, a)[0] if world.rank == 0 else LengthCost(0.0, 0.0)
-    agreed = world.comm.broadcast(torch.tensor([local.alpha, local.per_token, local.per_token_len]), src=0)
-    cost = LengthCost(*(float(v) for v in agreed))  # type: ignore[union-attr]
-
     rows = a.max_tokens // a.seq_len
+    configs = {
+        "padded": ParallelConfig(microbatches=m, seq_len=a.seq_len),
+        "packed": ParallelConfig(microbatches=m),
+        "bucketed": ParallelConfig(microbatches=m, lengths=buckets),
+    }
+    per = a.layers // pp
+    split = tuple(f"layers.{per * s}" for s in range(1, pp))
+    models = {}
+    for name, config in configs.items():
+        torch.manual_seed(a.seed)
+        models[name] = parallelize(Decoder(cfg), layout, dataclasses.replace(config, split_points=split))
+    if a.fit == "pipeline":
+        cost = _fit_on_pipeline(models["bucketed"], world, a, buckets)
+    else:
+        local = fit_cost(reference, a)[0] if world.rank == 0 else LengthCost(0.0, 0.0)
+        agreed = world.comm.broadcast(torch.tensor([local.alpha, local.per_token, local.per_token_len]), src=0)
+        cost = LengthCost(*(float(v) for v in agreed))  # type: ignore[union-attr]
+    if world.rank == 0:
+        fit = {"record": "varlen_pipeline_fit", "fit": a.fit, "alpha_s": cost.alpha, "per_token_s": cost.per_token}
+        print(json.dumps({**fit, "per_token_len_s": cost.per_token_len}), flush=True)
+
     plan = bucketed_steps(lengths, cost, buckets, a.max_tokens, m, stages=pp)
     bucketed = []
     for step in plan:
         parts = [collate(samples, mb) for mb in step]
         bucketed.append((torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])))
-    ways: dict[str, tuple[list[Step], ParallelConfig]] = {
-        "padded": (_padded_steps(samples, a.seq_len, rows, m), ParallelConfig(microbatches=m, seq_len=a.seq_len)),
-        "packed": (_packed_steps(samples, lengths, a.seq_len, rows, m), ParallelConfig(microbatches=m)),
-        "bucketed": (bucketed, ParallelConfig(microbatches=m, lengths=buckets)),
+    ways: dict[str, list[Step]] = {
+        "padded": _padded_steps(samples, a.seq_len, rows, m),
+        "packed": _packed_steps(samples, lengths, a.seq_len, rows, m),
+        "bucketed": bucketed,
     }
-    per = a.layers // pp
-    split = tuple(f"layers.{per * s}" for s in range(1, pp))
-    models = {}
-    for name, (_, config) in ways.items():
-        torch.manual_seed(a.seed)
-        models[name] = parallelize(Decoder(cfg), layout, dataclasses.replace(config, split_points=split))
 
     def run_pass(name: str) -> tuple[float, list[float]]:
         pm, losses = models[name], []
         world.comm.all_reduce(torch.zeros(1))  # a barrier on every engine
         began = time.perf_counter()
-        for ids, targets in ways[name][0]:
+        for ids, targets in ways[name]:
             losses.append(pm.step(ids, targets))
             for q in pm.parameters():
                 q.grad = None
@@ -149,7 +188,7 @@ def main() -> int:
         return float(took), losses
 
     wrong = 0
-    for name, (steps, _) in ways.items():  # the untimed pass, checked against one process
+    for name, steps in ways.items():  # the untimed pass, checked against one process
         _, losses = run_pass(name)
         if world.rank == 0:
             want = [_reference(reference, ids, targets, m) for ids, targets in steps]
@@ -165,7 +204,7 @@ def main() -> int:
         pm.close()
     if world.rank == 0:
         measured = {name: statistics.median(t) for name, t in times.items()}
-        for name, (steps, _) in ways.items():
+        for name, steps in ways.items():
             shapes = sorted({tuple(ids.shape) for ids, _ in steps})
             mbs = [MicroBatch((), ids.shape[0] // m, ids.shape[1]) for ids, _ in steps]
             predicted = sum(pipeline_seconds([mb] * m, cost, pp) for mb in mbs)
@@ -182,6 +221,7 @@ def main() -> int:
             "command": " ".join(sys.argv),
             "bucketed_vs_padded": round(measured["padded"] / measured["bucketed"], 3),
             "bucketed_vs_packed": round(measured["packed"] / measured["bucketed"], 3),
+            "fit": a.fit,
             "wrong": int(wrong),
         }
         print(json.dumps(summary), flush=True)
