@@ -263,7 +263,8 @@ def bucketed_steps(
     rows, R the smallest power of two that holds them, at most ``max_tokens // L`` (rows
     past the samples are padding). So a bucket has at most log2(max_tokens / L) + 2 shapes,
     whatever the batches. A dynamic programme over the cuts minimises the predicted time, each
-    step costing `pipeline_seconds` of its micro-batches over ``stages``. A step holds at
+    step costing `pipeline_seconds` of its micro-batches over ``stages``; of cuts predicted
+    alike (within 1e-9), the one with fewer steps. A step holds at
     least one sample per micro-batch (a micro-batch of padding alone has no loss). Steps come
     shortest first."""
     lengths = _check_lengths(lengths)
@@ -291,13 +292,16 @@ def bucketed_steps(
         return shape_cost(rows(size, bucket), bucket)
 
     n = len(order)
-    total, cut = [0.0] + [math.inf] * n, [0] * (n + 1)
+    total, cut, count = [0.0] + [math.inf] * n, [0] * (n + 1), [0] * (n + 1)
     for j in range(microbatches, n + 1):  # step (i, j]: padded to padded[j - 1]
         bucket = padded[j - 1]
         for i in range(max(0, j - microbatches * cap[bucket]), j - microbatches + 1):
             c = total[i] + step_cost(j - i, bucket)
-            if c < total[j]:
-                total[j], cut[j] = c, i
+            # equal times (a cost without a constant, as of_flops's, makes two half steps cost
+            # one full one): fewer, fuller steps win, so optimizer steps keep their size
+            tie = math.isclose(c, total[j], rel_tol=1e-9)
+            if (c < total[j] and not tie) or (tie and count[i] + 1 < count[j]):
+                total[j], cut[j], count[j] = c, i, count[i] + 1
     if math.isinf(total[n]):
         raise InputError(
             f"{n} samples do not cut into steps of {microbatches} micro-batches (at least one sample and at most "

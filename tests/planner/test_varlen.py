@@ -119,6 +119,17 @@ def test_bucketed_steps_are_optimal_with_few_shapes(stages: int) -> None:
         assert total == pytest.approx(best), lengths
 
 
+def test_bucketed_steps_of_equal_cost_prefer_fewer_fuller_steps() -> None:
+    """A cost without a constant (of_flops) prices two half steps as one full one: the full
+    one is taken, so optimizer steps keep their size."""
+    flops = LengthCost(0.0, 4.8102e-07, 6.144e-09)  # of_flops's shape: no constant
+    lengths = [2, 1, 3, 13, 1, 16, 11, 8, 11, 3, 7, 8, 8, 5, 15, 3, 3, 11, 16, 4, 10, 10, 4, 11, 7, 10, 15, 3, 13, 11]
+    lengths += [8, 10]
+    got = bucketed_steps(lengths, flops, (4, 8, 16), max_tokens=64, microbatches=2)
+    # float rounding alone once split these into 9 steps of the same predicted time
+    assert len(got) == 6, [(len(step[0].samples), step[0].length) for step in got]
+
+
 def test_length_cost_fit_flops_and_measured_parts() -> None:
     truth = LengthCost(0.002, 3e-6, 2e-8)
     shapes = [(r, n) for r in (1, 2, 4) for n in (16, 64, 256)]
