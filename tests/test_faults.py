@@ -87,8 +87,10 @@ def test_rank_killed_mid_step_mpi_engine_with_recovery() -> None:
     for text in _assert_survivors_raised(results, VICTIM, out):
         assert f"did not complete within {TIMEOUT_S:g} s" in text, text
     # their call threads are still stuck beside the dead peer: they abort at exit rather than
-    # finalize (MPI_Finalize there hung now and then), after the finally blocks checked above
-    assert "MPI_ABORT was invoked" in out, out[-3000:]
+    # finalize (MPI_Finalize there hung now and then), after the finally blocks checked above.
+    # Sparta's own line, from a survivor that aborts: mpirun's "MPI_ABORT was invoked" notice may be lost
+    # (once in CI its show_help failed: "Data unpack would read past end of buffer")
+    assert "aborting MPI at exit" in out, out[-3000:]
     _new_job_runs("mpirun")
 
 
