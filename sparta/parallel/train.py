@@ -260,13 +260,14 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
     ckpt = config.checkpoint
     checkpointer = Checkpointer(ckpt.dir, keep=ckpt.keep) if ckpt.dir is not None else None
     start_step = 0
+    # the data position beside the step (a step's batch is a function of these and the step)
+    position = {"seed": t.seed, "global_batch": t.global_batch, "samples": config.data.samples}
     if checkpointer is not None:
         extra = checkpointer.load(pm.parts, optimizer)
         if extra is not None:
             start_step = int(extra["step"])
             say(f"resumed from step {start_step} of {ckpt.dir}")
-            data = {"seed": t.seed, "global_batch": t.global_batch, "samples": config.data.samples}
-            if any(extra.get(key, "windows" if key == "samples" else None) != value for key, value in data.items()):
+            if any(extra.get(key, "windows" if key == "samples" else None) != value for key, value in position.items()):
                 say(f"warning: the checkpoint was trained with {extra}; this run's batches differ from its")
     metrics = _Metrics(config.output.metrics, world.rank, start_step)
     tracer = _Tracer(config, world.rank, layout.device)
@@ -316,7 +317,6 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
                 say(f"step {step + 1}: train loss {loss:.3f}, val loss {val_loss:.3f}")
             if checkpointer is not None and ((ckpt.every and (step + 1) % ckpt.every == 0) or last):
                 # the data position is the step: batches are a function of (seed, step)
-                position = {"seed": t.seed, "global_batch": t.global_batch, "samples": config.data.samples}
                 checkpointer.save(step + 1, pm.parts, optimizer, position)
             metrics.write(record)
             bar.set_postfix_str(_postfix(record, spark), refresh=False)
