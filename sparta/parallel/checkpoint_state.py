@@ -21,7 +21,8 @@ without a process group) all read and write the same checkpoint:
   chunk at their offset (a ``Piece``); the module's own local ``state_dict`` key
   (``weight.rows<a>-<b>.cols<c>-<d>``) depends on the layout and is not used. A
   VocabParallelHead's row shard is saved the same way, as its whole ``[vocab, d]`` weight, so
-  a plain ``nn.Embedding`` / ``nn.Linear`` of one process loads either. (The chunks go
+  a plain ``nn.Embedding`` / ``nn.Linear`` of one process loads either. So is a head stage's
+  `VocabShard` (``ParallelConfig.vocab_stages``). (The chunks go
   through DCP's public planner interface: `checkpoint_planners`.)
 - ``optim.<fqn>.<state>``: each optimizer state tensor shaped like its parameter under the
   parameter's key, cut the same way (AdamW's ``exp_avg`` per expert, per embedding chunk, per
@@ -65,6 +66,7 @@ from sparta.errors import SpartaError
 from sparta.moe.experts import GroupedExperts
 
 from .checkpoint_planners import Piece
+from .vocab_stages import VocabShard
 
 __all__ = [
     "PARAM_GROUPS",
@@ -147,6 +149,10 @@ def model_slots(parts: list[nn.Module]) -> list[Slot]:
                 layout = module.layout
                 size = (layout.num_embeddings, layout.embedding_dim)
                 offsets = (layout.row_range(layout.rank)[0], 0)
+                special[prefix + "weight"] = Slot(prefix + "weight", module.weight, offsets=offsets, size=size)
+            elif isinstance(module, VocabShard):  # a head stage's rows (vocab_stages)
+                _refuse_dtensor(module.weight, prefix + "weight")
+                size, offsets = (module.vocab_size, module.weight.shape[1]), (module.start, 0)
                 special[prefix + "weight"] = Slot(prefix + "weight", module.weight, offsets=offsets, size=size)
             elif isinstance(module, SparseEmbedding):
                 _refuse_dtensor(module.weight, prefix + "weight")

@@ -203,7 +203,7 @@ class RunConfig:
         if self.parallel.split_points is not None:  # the Decoder's layer names, checked as parallelize will
             layers = tuple(f"layers.{i}" for i in range(self.model.n_layers))
             parts = ModelParts(first=("tok_emb", "pos_emb"), layers=layers, last=("norm", "output"), shared=())
-            split_by_points(parts, self.dims.pp * self.parallel.stages_per_rank, self.parallel.split_points)
+            split_by_points(parts, self.parallel.body_stages(self.dims.pp), self.parallel.split_points)
         per_dp = self.dims.dp * self.parallel.microbatches
         if self.train.global_batch % per_dp:
             raise ConfigError(
@@ -220,6 +220,12 @@ class RunConfig:
         if lengths and lengths[-1] < seq_len:
             raise ConfigError(
                 f"parallel.lengths={list(lengths)}: the longest must hold model.seq_len={seq_len}; add {seq_len}"
+            )
+        if self.parallel.vocab_stages and self.parallel.data_parallel == "fsdp" and self.checkpoint.dir is not None:
+            raise ConfigError(
+                "parallel.vocab_stages with data_parallel = 'fsdp' and a checkpoint.dir: FSDP2 shards a head stage's "
+                "vocabulary rows over dp, and the checkpoint saves each stage's rows as one chunk of the head; use "
+                "data_parallel = 'sparta' (or 'horovod'), or no checkpoints"
             )
         if self.output.trace is not None and self.output.trace_start > self.train.steps:
             raise ConfigError(

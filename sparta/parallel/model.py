@@ -20,6 +20,7 @@ from sparta.parallel.data_parallel import DataParallel
 from sparta.parallel.dims import Layout
 from sparta.parallel.forward_only import forward_only
 from sparta.parallel.pipeline import stage_owner
+from sparta.parallel.vocab_stages import HeadStage, token_loss
 from sparta.scheduling.varlen import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -44,7 +45,8 @@ class ParallelModel:
 
     parts: this rank's stage modules (names as in the full model; possibly DDP/FSDP-wrapped).
     plan: the ParallelPlan (data). schedule: builds a torch pipelining schedule over fresh
-    stages of ``parts``; called once per batch shape (`schedules` holds them).
+    stages of ``parts``; called once per batch shape (`schedules` holds them). heads: this
+    rank's head stages under ``config.vocab_stages`` (unwrapped), fed each step's targets.
     """
 
     def __init__(
@@ -57,11 +59,14 @@ class ParallelModel:
         plan: ParallelPlan,
         has_first: bool,
         has_last: bool,
+        heads: list[HeadStage] | None = None,
     ) -> None:
         self.layout, self.config, self.parts, self._new_schedule = layout, config, parts, schedule
         # (batch, padded length) -> the schedule whose stages were shaped by such batches
         self.schedules: dict[tuple[int, int], object] = {}
-        self.data_parallel, self.plan = data_parallel, plan
+        self.data_parallel, self.plan, self.heads = data_parallel, plan, heads or []
+        self._loss_fn = token_loss if config.vocab_stages else loss_fn
+        self._stepped: set[tuple[int, int]] = set()  # shapes whose schedule inferred its shapes
         self.has_first, self.has_last = has_first, has_last
         self.seq_len = config.seq_len
         self._vocab_parallel = has_last and VOCAB_STYLE in plan.tp_plan.values()
@@ -95,12 +100,15 @@ class ParallelModel:
         returns that loss, from the last stage, on every rank. Does not step an optimizer."""
         ids, targets = self._padded(ids, targets)
         schedule = self._schedule(*ids.shape)
+        self._feed_heads(targets, inference=tuple(ids.shape) not in self._stepped)
+        self._stepped.add(tuple(ids.shape))  # type: ignore[arg-type]
         self.data_parallel.start()
         losses: list[Tensor] = []
         args = (ids.to(self.layout.device),) if self.has_first else ()
         kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
         with self._loss_context():
             schedule.step(*args, **kwargs)  # type: ignore[attr-defined]
+        self._check_heads()
         self.data_parallel.finish()
         return self._global_mean(losses)
 
@@ -110,6 +118,7 @@ class ParallelModel:
         global batch, from the last stage, on every rank. Touches no gradient."""
         ids, targets = self._padded(ids, targets)
         m, dims, config = self.config.microbatches, self.layout.dims, self.config
+        self._feed_heads(targets, inference=False)
         # not the schedule's eval(): torch 2.13's fails under V-shaped schedules (forward_only.py)
         with self._loss_context():
             losses = forward_only(
@@ -119,9 +128,26 @@ class ParallelModel:
                 self.layout.pp_group if dims.pp > 1 else None,
                 ids.to(self.layout.device).tensor_split(m),
                 targets.to(self.layout.device).tensor_split(m),
-                loss_fn,
+                self._loss_fn,
             )
+        self._check_heads()
         return self._global_mean(losses)
+
+    def _feed_heads(self, targets: Tensor, inference: bool) -> None:
+        """Every head stage of this rank takes the step's targets, one per micro-batch
+        (vocab_stages.py); ``inference``: the schedule's first step, whose shape inference
+        runs one forward more."""
+        chunks = targets.to(self.layout.device).tensor_split(self.config.microbatches)
+        for head in self.heads:
+            head.feed(chunks, inference)
+
+    def _check_heads(self) -> None:
+        left = {head.shard: head.pending for head in self.heads if head.pending}
+        if left:
+            raise InputError(
+                f"head stages {sorted(left)} ran fewer forwards than micro-batches ({left} targets left): the "
+                "schedule did not run each micro-batch once; vocab_stages needs every stage's forwards in order"
+            )
 
     def _global_mean(self, losses: list[Tensor]) -> float:
         """The mean over the global batch of the last stage's micro-batch losses (one all-reduce)."""

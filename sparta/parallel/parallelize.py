@@ -56,6 +56,7 @@ from sparta.parallel.pipeline import (
     stage_ids,
     stage_module,
 )
+from sparta.parallel.vocab_stages import HeadStage, check_head, head_stage, shard_rows, token_loss
 
 EMBEDDINGS = ("dense", "sparse")
 TP_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -87,6 +88,11 @@ class ParallelConfig:
         same modules, built at its first batch, each with its own receive buffers (memory):
         keep the shapes few (`sparta.planner.bucketed_steps` makes a few per length).
     bucket_mb: bucket size of the "sparta" data-parallel strategy, MiB.
+    vocab_stages: vocabulary parallelism over the pipeline ranks (vocab_stages.py): the
+        output head split by vocabulary rows into pp stages, one per pipeline rank (the last
+        round of a looped schedule, the second arm of a V), so the last stage stops carrying
+        the whole head; the layers fill the other ``pp * (stages_per_rank - 1)`` stages.
+        Needs stages_per_rank >= 2 and an untied bias-free head.
     recompute: global indices (0 .. pp * stages_per_rank - 1) of the stages whose ``layers.*``
         blocks keep only their inputs in forward and recompute the rest in backward
         (activation checkpointing, chosen per stage as Merak's stage-aware recomputation:
@@ -111,6 +117,7 @@ class ParallelConfig:
     seq_len: int | None = None
     lengths: tuple[int, ...] = ()
     bucket_mb: float = 25.0
+    vocab_stages: bool = False
     recompute: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -168,6 +175,18 @@ class ParallelConfig:
         if dims.ep > 1 and self.moe is None:
             raise ConfigError(f"ep={dims.ep} but ParallelConfig.moe is None: there are no experts to split; set ep=1")
         stages = dims.pp * self.stages_per_rank
+        body = self.body_stages(dims.pp)
+        if self.vocab_stages and self.stages_per_rank < 2:
+            raise ConfigError(
+                f"vocab_stages puts one head stage on each pipeline rank beside its layers' stages: it needs "
+                f"stages_per_rank >= 2 (got {self.stages_per_rank}) and a multi-stage schedule (Interleaved1F1B, "
+                "ZBVZeroBubble, ...)"
+            )
+        if self.vocab_stages and self.recompute and self.recompute[-1] >= body:
+            raise ConfigError(
+                f"recompute={list(self.recompute)} names stage {self.recompute[-1]}, one of the head stages "
+                f"{body}..{stages - 1} (vocab_stages), which have no layers to recompute: use indices 0..{body - 1}"
+            )
         if self.recompute and self.recompute[-1] >= stages:
             raise ConfigError(
                 f"recompute={list(self.recompute)} names stage {self.recompute[-1]}, but the pipeline has {stages} "
@@ -180,11 +199,17 @@ class ParallelConfig:
                 f"recompute={list(self.recompute)} with MoESpec.router='sigmoid' would route the recomputation "
                 "with a bias its forward already moved: set recompute=[] or pick another router"
             )
-        if n_layers is not None and stages > n_layers:
+        if n_layers is not None and body > n_layers:
+            heads = f", {dims.pp} of them the head's (vocab_stages)" if self.vocab_stages else ""
             raise ConfigError(
-                f"{stages} pipeline stages (pp={dims.pp} x stages_per_rank={self.stages_per_rank}) but the model has "
-                f"{n_layers} layers: every stage needs one; lower pp or stages_per_rank"
+                f"{stages} pipeline stages (pp={dims.pp} x stages_per_rank={self.stages_per_rank}{heads}) leave "
+                f"{body} for the model's {n_layers} layers: every stage needs one; lower pp or stages_per_rank"
             )
+
+    def body_stages(self, pp: int) -> int:
+        """The stages holding the model's layers: all ``pp * stages_per_rank`` of them, less
+        the ``pp`` head stages under ``vocab_stages``."""
+        return pp * (self.stages_per_rank - 1 if self.vocab_stages else self.stages_per_rank)
 
 
 @dataclass(frozen=True)
@@ -216,14 +241,21 @@ class ParallelPlan:
 
 
 def plan_stages(
-    model: nn.Module, num_stages: int, split_points: tuple[str, ...] | None, costs: dict[str, float] | None
+    model: nn.Module,
+    num_stages: int,
+    split_points: tuple[str, ...] | None,
+    costs: dict[str, float] | None,
+    head_apart: bool = False,
 ) -> list[list[str]]:
-    """The layers of each of ``num_stages`` stages, by split points or by ``costs``. Pure."""
+    """The layers of each of ``num_stages`` stages, by split points or by ``costs``;
+    ``head_apart``: the children after the layers (norm, head) run on stages of their own
+    (vocab_stages), so the last stage is not charged for them. Pure."""
     parts = ModelParts.of(model)
     if split_points is not None:
         return split_by_points(parts, num_stages, split_points)
-    if costs is None:
-        costs = {name: 1.0 for name in (*parts.first, *parts.layers, *parts.last)}
+    costs = dict(costs) if costs is not None else {n: 1.0 for n in (*parts.first, *parts.layers, *parts.last)}
+    if head_apart:
+        costs.update(dict.fromkeys(parts.last, 0.0))
     return split_by_cost(parts, num_stages, costs)
 
 
@@ -295,12 +327,17 @@ def parallelize(
     """
     dims = layout.dims
     num_stages = dims.pp * config.stages_per_rank
+    body = config.body_stages(dims.pp)  # the stages holding layers; the rest are head stages
+    heads = config.vocab_stages
     zero_bubble = config.schedule in ZERO_BUBBLE
     # --- every check first: no collective has run yet
     parts = ModelParts.of(model)
     config.check(dims, len(parts.layers), layout.world.backend)
-    stages = plan_stages(model, num_stages, config.split_points, None)  # validates split points / stage count
-    if config.split_points is None and num_stages > 1 and sample is None:
+    stages = plan_stages(model, body, config.split_points, None, heads)  # validates split points / stage count
+    if heads:
+        check_head(model, parts)
+        shard_rows(model.get_submodule(parts.last[-1]).out_features, dims.pp)  # type: ignore[arg-type]
+    if config.split_points is None and body > 1 and sample is None:
         raise ConfigError(
             "balancing stages by measured time needs sample= (one micro-batch of ids [b, T]); or pass split_points"
         )
@@ -316,13 +353,13 @@ def parallelize(
         tp_plan_of(probe, dims.tp)
     # --- collectives from here on
     costs: dict[str, float] = {}
-    if config.split_points is None and num_stages > 1:
+    if config.split_points is None and body > 1:
         assert sample is not None
         names = [*parts.first, *parts.layers, *parts.last]
         local = measure_costs(model, sample) if layout.world.rank == 0 else dict.fromkeys(names, 0.0)
         agreed = layout.world.comm.broadcast(torch.tensor([local[n] for n in names], dtype=torch.float64), src=0)
         costs = dict(zip(names, agreed.tolist(), strict=True))  # type: ignore[union-attr]
-        stages = plan_stages(model, num_stages, None, costs)
+        stages = plan_stages(model, body, None, costs, heads)
     mine = stage_ids(config.schedule, dims.pp, layout.pp_rank, config.stages_per_rank)
     # one dp rank: no queue, so DataParallel sends nothing (see its `_alone`)
     queue = config.data_parallel != "sparta" or dims.dp > 1
@@ -334,7 +371,12 @@ def parallelize(
     split_experts = layout.tp if config.tensor_parallel and config.moe is not None and config.moe.expert_tp else None
     modules: list[nn.Module] = []
     moe_exchange = hierarchical_ep(layout) if config.moe is not None and config.moe.hierarchical and layout.ep else None
+    head_stages: list[HeadStage] = []
     for index in mine:
+        if index >= body:  # a head stage: plain dense parameters, replicated over tp
+            head_stages.append(head_stage(model, parts, index - body, dims.pp).to(layout.device))
+            modules.append(data_parallel.wrap(head_stages[-1]))
+            continue
         module = stage_module(model, parts, stages[index], index == 0, index == num_stages - 1).to(layout.device)
         if config.moe is not None:
             replaced = moe_layers(module, config.moe, layout.ep, moe_exchange, split_experts)
@@ -349,9 +391,9 @@ def parallelize(
             recompute_layers(module)
         modules.append(data_parallel.wrap(module))
     plan = ParallelPlan(
-        stages=tuple(tuple(s) for s in stages),
+        stages=tuple(tuple(s) for s in stages) + tuple(_head_names(model, parts, dims.pp) if heads else ()),
         first=parts.first,
-        last=parts.last,
+        last=() if heads else parts.last,
         stage_ids=tuple(mine),
         tp_plan=tp_plan,
         actions=schedule_actions(config.schedule, dims.pp, config.microbatches, config.stages_per_rank),
@@ -361,7 +403,14 @@ def parallelize(
     )
     schedule = partial(_schedule, config, layout, dict(zip(mine, modules, strict=True)), num_stages)
     return ParallelModel(layout, config, modules, schedule, data_parallel, plan, has_first=0 in mine,
-                         has_last=num_stages - 1 in mine)  # fmt: skip
+                         has_last=num_stages - 1 in mine, heads=head_stages)  # fmt: skip
+
+
+def _head_names(model: nn.Module, parts: ModelParts, pp: int) -> list[tuple[str, ...]]:
+    """What each head stage holds, for the plan: ("norm", "output[0:2048]"), ("output[2048:4096]",), ..."""
+    rows = shard_rows(model.get_submodule(parts.last[-1]).out_features, pp)  # type: ignore[arg-type]
+    extras = parts.last[:-1]
+    return [(*(extras if k == 0 else ()), f"{parts.last[-1]}[{a}:{b}]") for k, (a, b) in enumerate(rows)]
 
 
 def _schedule(config: ParallelConfig, layout: Layout, modules: dict[int, nn.Module], num_stages: int) -> Any:
@@ -370,6 +419,7 @@ def _schedule(config: ParallelConfig, layout: Layout, modules: dict[int, nn.Modu
     step. Builds no communicator: the stages' first step does."""
     stages = [PipelineStage(m, i, num_stages, layout.device, group=layout.pp_group) for i, m in modules.items()]
     cls = get_schedule_class(config.schedule)
+    loss = token_loss if config.vocab_stages else loss_fn
     if issubclass(cls, PipelineScheduleSingle):
-        return cls(stages[0], config.microbatches, loss_fn=loss_fn, scale_grads=False)
-    return cls(stages, config.microbatches, loss_fn=loss_fn, scale_grads=False)
+        return cls(stages[0], config.microbatches, loss_fn=loss, scale_grads=False)
+    return cls(stages, config.microbatches, loss_fn=loss, scale_grads=False)

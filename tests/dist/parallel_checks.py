@@ -154,7 +154,7 @@ def trained_losses(
     assert (len(pm.plan.expert_tp) == len(moe)) if split else not pm.plan.expert_tp, pm.plan.expert_tp
     # the last stage's head: its vocabulary over tp, its loss on the shards (losses compared below)
     heads = [part.get_submodule("output") for part in pm.parts if hasattr(part, "output") and part.output is not None]
-    tp_head = layout.dims.tp > 1 and config.tensor_parallel
+    tp_head = layout.dims.tp > 1 and config.tensor_parallel and not config.vocab_stages
     assert (pm.plan.tp_plan.get("output") == "vocab") == (tp_head and pm.has_last), pm.plan.tp_plan
     for head in heads if tp_head else ():  # split by rows over the tp mesh dimension (FSDP2 may add dp)
         tp_dim = head.weight.device_mesh.mesh_dim_names.index("tp")
@@ -195,16 +195,18 @@ def parity(
     recompute: tuple[int, ...] = (),
     lengths: tuple[int, ...] = (),
     uneven: bool = False,
+    vocab_stages: bool = False,
 ) -> Callable:
     """A check: the trainer's losses equal one process's. ragged: batch lengths change from step
     to step (the trainer pads them); balance: stages cut by measured time, not given points;
     recompute: the stages whose layers recompute their activations in backward (the one
     process recomputes nothing); lengths: the trainer pads each batch to the smallest of these
     (a schedule each), not to seq_len; uneven: the dp ranks of one step take different lengths
-    (so different shapes meet in the expert exchanges and the gradient sync)."""
+    (so different shapes meet in the expert exchanges and the gradient sync); vocab_stages:
+    the head split by vocabulary over pp stages of its own, one per pipeline rank."""
 
     def check(layout: Layout) -> None:
-        stages = layout.dims.pp * stages_per_rank
+        stages = layout.dims.pp * (stages_per_rank - 1 if vocab_stages else stages_per_rank)
         split = None if stages == 1 or balance else _even_split(stages)
         config = ParallelConfig(
             schedule=schedule,
@@ -217,13 +219,14 @@ def parity(
             seq_len=None if lengths else MODEL.seq_len,
             lengths=lengths,
             recompute=recompute,
+            vocab_stages=vocab_stages,
         )
         compare(layout, config, ragged, balance, uneven)
 
     check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
     check.__name__ += "_coscheduled" * (moe is COSCHEDULED) + "_experts_replicated" * (moe is REPLICATED)
     check.__name__ += "".join(f"_recompute{i}" for i in recompute) + "".join(f"_len{n}" for n in lengths)
-    check.__name__ += "_uneven" * uneven
+    check.__name__ += "_uneven" * uneven + "_vocab_stages" * vocab_stages
     return check
 
 
@@ -302,6 +305,13 @@ def _bind(check: Callable[[Layout], None], layout: Layout) -> Callable[[sparta.W
     return bound
 
 
+# the head split over the pipeline ranks: under zero-bubble (its W gradients by autograd.grad)
+# with the shards replicated over tp; and looped, one schedule (and shape inference) per length
+VOCAB_STAGES = [
+    parity("ZBVZeroBubble", 2, "sparta", vocab_stages=True),
+    parity("Interleaved1F1B", 2, "sparta", ragged=True, lengths=(5, MODEL.seq_len), uneven=True, vocab_stages=True),
+]
+
 CHECKS: dict[str, list[Callable[[Layout], None]]] = {
     "all": [
         parity("1F1B", 1, "sparta"),
@@ -318,6 +328,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("1F1B", 1, "sparta", recompute=(0,)),
         parity("ZBVZeroBubble", 2, "fsdp", recompute=(0, 2)),
         parity("1F1B", 1, "sparta", moe=REPLICATED),
+        *VOCAB_STAGES,
         bad_inputs,
     ],
     "ddp": [
@@ -329,6 +340,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
     "horovod": [parity("1F1B", 1, "horovod")],
     "sparta": [parity("1F1B", 1, "sparta"), parity("1F1B", 1, "sparta", ragged=True, lengths=(6, MODEL.seq_len))],
     "coscheduled": [parity("1F1B", 1, "sparta", moe=COSCHEDULED)],
+    "vocab": VOCAB_STAGES,
     "quick": [parity("1F1B", 1, "sparta"), bad_inputs],
     "one": [parity("1F1B", 1, "sparta", embedding="dense"), parity("1F1B", 1, "ddp"), parity("GPipe", 1, "fsdp")],
 }

@@ -3,7 +3,8 @@
 Each launch trains the MoE decoder with a sharded embedding for 10 SGD steps under several
 schedules and data-parallel strategies, some with stages recomputing their activations, some
 with batches of several padded lengths (a pipeline schedule per shape; under pp2 x dp2 x tp2
-x ep2 the dp ranks of a step at different lengths), and compares every step's loss with one
+x ep2 the dp ranks of a step at different lengths), some with the output head split by
+vocabulary over the pipeline ranks (vocab_stages), and compares every step's loss with one
 process on the global batch, within 1e-5 (float32); the 8-rank launch also checks every bad
 input.
 """
