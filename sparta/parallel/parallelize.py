@@ -201,9 +201,10 @@ class ParallelConfig:
             )
         if n_layers is not None and body > n_layers:
             heads = f", {dims.pp} of them the head's (vocab_stages)" if self.vocab_stages else ""
+            rest = f" for the other {body}" if self.vocab_stages else ""
             raise ConfigError(
-                f"{stages} pipeline stages (pp={dims.pp} x stages_per_rank={self.stages_per_rank}{heads}) leave "
-                f"{body} for the model's {n_layers} layers: every stage needs one; lower pp or stages_per_rank"
+                f"{stages} pipeline stages (pp={dims.pp} x stages_per_rank={self.stages_per_rank}{heads}) but the model "
+                f"has {n_layers} layers{rest}: every stage needs one; lower pp or stages_per_rank"
             )
 
     def body_stages(self, pp: int) -> int:

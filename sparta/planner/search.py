@@ -20,6 +20,8 @@ A plan file is TOML: ``[plan]`` records the model it was made for and the predic
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -168,18 +170,15 @@ def search(
         for schedule, spr in _schedules(dims.pp, space.schedules):
             for mb in (m for m in _divisors(per_dp) if space.max_microbatches is None or m <= space.max_microbatches):
                 tokens = per_dp // mb * work.model.seq_len
-                stages = (
-                    split_by_cost(parts, dims.pp * spr, layer_costs(costs, work, tokens))
-                    if (dims.pp * spr <= work.model.n_layers)
-                    else None
-                )
-                for strategy in space.strategies:
+                for heads, strategy in itertools.product((False, True) if spr > 1 else (False,), space.strategies):
                     if strategy == "fsdp" and dims.dp == 1:
                         rejected[FSDP_ALONE] += 1
                         continue
+                    body = dims.pp * (spr - 1 if heads else spr)  # vocab_stages: the head's pp stages apart
                     try:
-                        if stages is None:
-                            raise ConfigError(f"{dims.pp * spr} stages but {work.model.n_layers} layers")
+                        if body > work.model.n_layers:
+                            raise ConfigError(f"{body} stages but {work.model.n_layers} layers")
+                        stages = _split(parts, body, layer_costs(costs, work, tokens), heads)
                         config = dataclasses.replace(
                             base,
                             schedule=schedule,
@@ -187,6 +186,7 @@ def search(
                             stages_per_rank=spr,
                             split_points=tuple(s[0] for s in stages[1:]),
                             data_parallel=strategy,
+                            vocab_stages=heads,
                         )
                         ranked = _fitted(costs, work, Plan(dims, config), memory_bytes)
                     except ConfigError as exc:
@@ -198,6 +198,19 @@ def search(
     return SearchResult(fits, over, dict(rejected.most_common()))
 
 
+@functools.lru_cache(maxsize=256)
+def _split_cached(parts: ModelParts, stages: int, costs: tuple[tuple[str, float], ...]) -> list[list[str]]:
+    return split_by_cost(parts, stages, dict(costs))
+
+
+def _split(parts: ModelParts, stages: int, costs: dict[str, float], head_apart: bool) -> list[list[str]]:
+    """The layers of ``stages`` stages balanced on ``costs``; ``head_apart``: the head runs on
+    stages of its own (vocab_stages), so the last is not charged for it."""
+    if head_apart:
+        costs = {**costs, **dict.fromkeys(parts.last, 0.0)}
+    return _split_cached(parts, stages, tuple(sorted(costs.items())))
+
+
 def _fitted(costs: ModelCosts, work: Workload, plan: Plan, memory_bytes: float) -> Ranked:
     """The plan as it is, or, when it exceeds the budget, with stage-aware recomputation
     (Merak): first only the stages of the pipeline ranks over budget, then every stage.
@@ -207,8 +220,10 @@ def _fitted(costs: ModelCosts, work: Workload, plan: Plan, memory_bytes: float) 
     if prediction.max_peak_bytes <= memory_bytes or plan.config.schedule in ZERO_BUBBLE:
         return Ranked(plan, prediction)
     dims, spr = plan.dims, plan.config.stages_per_rank
+    body = plan.config.body_stages(dims.pp)  # head stages (vocab_stages) have no layers to recompute
     over = [r for r, b in prediction.peak_bytes.items() if b > memory_bytes]
-    for stages in ({s for r in over for s in stage_ids(plan.config.schedule, dims.pp, r, spr)}, range(dims.pp * spr)):
+    for stages in ({s for r in over for s in stage_ids(plan.config.schedule, dims.pp, r, spr)}, range(body)):
+        stages = [s for s in stages if s < body]
         recomputed = Plan(dims, dataclasses.replace(plan.config, recompute=tuple(sorted(stages))))
         prediction = simulate(costs, work, recomputed)
         if prediction.max_peak_bytes <= memory_bytes:
@@ -236,7 +251,10 @@ def _toml_value(value: Any) -> str:
 
 PLAN_FIELDS = (
     "pp", "dp", "tp", "ep", "schedule", "microbatches", "stages_per_rank", "split_points", "data_parallel", "recompute",
+    "vocab_stages",
 )  # fmt: skip
+# written by later versions only: a plan file without them still reads (as their default)
+_LATER_FIELDS = frozenset({"vocab_stages"})
 
 
 def write_plan(path: str | Path, ranked: Ranked, work: Workload, world: int, costs: ModelCosts) -> None:
@@ -269,7 +287,10 @@ def plan_overrides(path: str | Path, work: Workload) -> list[str]:
 
     tree = read_file(path)
     meta, parallel = tree.get("plan"), tree.get("parallel")
-    if not isinstance(meta, dict) or not isinstance(parallel, dict) or set(parallel) != set(PLAN_FIELDS):
+    missing = set(PLAN_FIELDS) - set(parallel) if isinstance(parallel, dict) else set()
+    if not isinstance(meta, dict) or not isinstance(parallel, dict) or set(parallel) - set(PLAN_FIELDS) or (
+        missing - _LATER_FIELDS
+    ):
         raise ConfigError(f"{path} is not a plan file written by `sparta plan` (sections [plan] and [parallel])")
     want = model_fingerprint(work.model, work.moe)
     if meta.get("model") != want:

@@ -107,6 +107,7 @@ class Plan:
             f"pp{d.pp} dp{d.dp} tp{d.tp} ep{d.ep} {c.schedule} x{c.microbatches}"
             + (f" v{c.stages_per_rank}" if c.stages_per_rank > 1 else "")
             + f" {c.data_parallel}"
+            + (" vocab-stages" if c.vocab_stages else "")
             + (f" recompute{list(c.recompute)}" if c.recompute else "")
             + (f" split@{where}" if where else "")
         )
@@ -131,8 +132,10 @@ class Prediction:
 
 
 def stage_layers(plan: Plan, n_layers: int) -> list[list[int]]:
-    """Layer indices of each stage, from the plan's split points ("layers.K" where stage i+1 begins)."""
-    stages = plan.dims.pp * plan.config.stages_per_rank
+    """Layer indices of each stage, from the plan's split points ("layers.K" where stage i+1
+    begins); under ``vocab_stages`` the pp head stages come last, holding none."""
+    stages = plan.config.body_stages(plan.dims.pp)
+    heads = plan.dims.pp * plan.config.stages_per_rank - stages
     points = plan.config.split_points
     if points is None:
         raise ConfigError("a plan needs split_points to be simulated (the planner balances them; see search.py)")
@@ -143,7 +146,7 @@ def stage_layers(plan: Plan, n_layers: int) -> list[list[int]]:
     bounds = [0, *cuts, n_layers]
     if len(cuts) != stages - 1 or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
         raise ConfigError(f"split_points={points} do not cut {n_layers} layers into {stages} non-empty stages")
-    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)] + [[] for _ in range(heads)]
 
 
 @dataclass(frozen=True)
@@ -231,7 +234,12 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
             add_dense("mlp")
             dense += costs.parts["mlp"].params / dims.tp
         largest_block = max(largest_block, blocks[3] - before)
-    if index == n_stages - 1:
+    if index >= plan.config.body_stages(dims.pp):
+        # a head stage (vocab_stages): 1/pp of the head's rows and per-token work, the same on
+        # every tp rank (not split over tp); its fixed cost per call whole
+        add(extras, "head", dims.pp)
+        dense += costs.parts["head"].params / dims.pp
+    elif index == n_stages - 1:
         # its vocabulary split over tp where tp divides it, as parallelize does (the "vocab"
         # style, the loss on the shards): per-token time and parameters divided, plus the
         # input gradient's all-reduce

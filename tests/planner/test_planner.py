@@ -23,6 +23,7 @@ from sparta.planner import (
     model_fingerprint,
     search,
     simulate,
+    stage_layers,
 )
 from sparta.planner.search import FSDP_ALONE, plan_overrides, write_plan
 from sparta.scheduling.profiler import LinearFit
@@ -356,3 +357,41 @@ def test_experts_are_timed_split_only_where_the_trainer_can_split_them() -> None
     odd = dataclasses.replace(MODEL, d_ff=36)  # 18 units over 2: 72-byte rows
     assert not _experts_split(odd, 2) and _ep_tp_pairs(8, (2, 4, 8), odd, moe) == []
     assert _ep_tp_pairs(8, (2, 4, 8), aligned, dataclasses.replace(moe, expert_tp=False)) == []
+
+
+def test_head_stages_take_a_pth_of_the_head_each_and_the_search_weighs_them(tmp_path: Path) -> None:
+    # a head dearer than all four layers together: F 4 s, B 8 s per 16 tokens (layers 2 s, 4 s)
+    c = costs()
+    c.parts["head"] = part(4.0, 8.0, saved=4.0, params=64_000)
+    vocab = Plan(
+        ParallelDims(pp=2),
+        ParallelConfig(schedule="Interleaved1F1B", microbatches=2, stages_per_rank=2, split_points=("layers.2",),
+                       vocab_stages=True),
+    )  # fmt: skip
+    assert stage_layers(vocab, MODEL.n_layers) == [[0, 1], [2, 3], [], []]
+    assert "vocab-stages" in vocab.describe()
+    # one rank: the head stage runs after the layers' stage, so the step is the sum, as one stage's
+    one = Plan(ParallelDims(), dataclasses.replace(vocab.config, split_points=(), microbatches=4))
+    assert simulate(c, WORK, one).step_s == pytest.approx(simulate(c, WORK, plan(1, "1F1B", 4, ())).step_s)
+    # two ranks: each holds half the head's rows (params and AdamW state), not the last one all of it
+    naive = Plan(
+        vocab.dims,
+        dataclasses.replace(vocab.config, vocab_stages=False, split_points=("layers.1", "layers.2", "layers.3")),
+    )
+    got, base = simulate(c, WORK, vocab), simulate(c, WORK, naive)
+    assert got.step_s < base.step_s, (got, base)
+    spread = max(got.peak_bytes.values()) - min(got.peak_bytes.values())
+    assert spread < max(base.peak_bytes.values()) - min(base.peak_bytes.values())
+    # the search tries them beside the naive split, and ranks them first among the pipelines
+    # when the head dominates (dp2 wins outright here: these costs have no collectives)
+    result = search(c, WORK, 2, GIB, ParallelConfig(), Space(schedules=("Interleaved1F1B",), strategies=("sparta",)))
+    pipelines = [r for r in result.fits if r.plan.dims.pp == 2]
+    described = [r.plan.describe() for r in pipelines]
+    assert any("vocab-stages" in d for d in described) and any("vocab-stages" not in d for d in described)
+    assert pipelines[0].plan.config.vocab_stages, described
+    # its plan file carries the choice; a file from before vocab_stages still reads
+    path = tmp_path / "plan.toml"
+    write_plan(path, pipelines[0], WORK, 2, c)
+    assert "parallel.vocab_stages=true" in plan_overrides(path, WORK)
+    path.write_text("\n".join(line for line in path.read_text().splitlines() if "vocab_stages" not in line))
+    assert not any("vocab_stages" in o for o in plan_overrides(path, WORK))
