@@ -9,7 +9,9 @@
 
 Pieces: dims.py (ParallelDims, Layout), decoder.py (the reference model), pipeline.py (stage
 cuts, schedules and their action lists), data_parallel.py (one piece, four strategies),
-experts.py (MoESpec), parallelize.py (composes them), model.py (ParallelModel: the step),
+experts.py (MoESpec), parallel_config.py (ParallelConfig), vocab_stages.py (the head and
+the token embedding as pipeline stages of vocabulary rows), parallelize.py (composes them),
+model.py (ParallelModel: the step),
 checkpoint.py (DCP, any layout to any other), hf.py (Hugging Face Llama and GPT-2 in the
 Decoder's layout), config.py + config_file.py + train.py (`sparta train`).
 """
@@ -23,7 +25,8 @@ from sparta.parallel.dims import Layout, ParallelDims, build_layout
 from sparta.parallel.experts import MoESpec, moe_layers
 from sparta.parallel.hf import HFGPT2, HFDecoder, HFLlama, from_hf
 from sparta.parallel.model import ParallelModel
-from sparta.parallel.parallelize import ParallelConfig, ParallelPlan, parallelize
+from sparta.parallel.parallel_config import ParallelConfig
+from sparta.parallel.parallelize import ParallelPlan, parallelize
 from sparta.parallel.pipeline import SCHEDULES, ZERO_BUBBLE, format_actions, schedule_actions
 from sparta.parallel.train import train
 

@@ -30,7 +30,7 @@ from sparta.errors import ConfigError
 
 from .decoder import DecoderConfig
 from .dims import ParallelDims
-from .parallelize import ParallelConfig
+from .parallel_config import ParallelConfig
 from .pipeline import ModelParts, split_by_points
 
 DATA_SOURCES = ("stdlib", "random")

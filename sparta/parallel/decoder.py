@@ -124,7 +124,8 @@ class Decoder(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.tok_emb is not None:
-            if x.dtype not in (torch.int32, torch.int64):
+            # a tok_emb with takes_vectors (embedding stages' rows, vocab_stages.py) takes them instead
+            if x.dtype not in (torch.int32, torch.int64) and not getattr(self.tok_emb, "takes_vectors", False):
                 raise InputError(f"Decoder first stage takes token ids [B, T] (int64), got {x.dtype}")
             h = self.tok_emb(x)
             if self.pos_emb is not None:

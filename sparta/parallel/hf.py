@@ -125,7 +125,8 @@ class HFDecoder(nn.Module):
         raise NotImplementedError
 
     def _embed(self, x: Tensor) -> Tensor:
-        if x.dtype not in (torch.int32, torch.int64):
+        # a tok_emb with takes_vectors (embedding stages' rows, vocab_stages.py) takes them instead
+        if x.dtype not in (torch.int32, torch.int64) and not getattr(self.tok_emb, "takes_vectors", False):
             raise InputError(
                 f"{type(self).__name__}'s first stage takes token ids [B, T] (int64), got {x.dtype} {tuple(x.shape)}"
             )

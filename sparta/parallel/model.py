@@ -24,7 +24,8 @@ from sparta.parallel.vocab_stages import HeadStage, token_loss
 from sparta.scheduling.varlen import IGNORE_INDEX
 
 if TYPE_CHECKING:
-    from sparta.parallel.parallelize import ParallelConfig, ParallelPlan
+    from sparta.parallel.parallel_config import ParallelConfig
+    from sparta.parallel.parallelize import ParallelPlan
 
 # the tp style of an output head whose vocabulary is split over tp (parallelize's tp plan)
 VOCAB_STYLE = "vocab"

@@ -3,7 +3,10 @@
 The model is not rewritten; pieces are composed from outside it, in this order, on every
 pipeline stage this rank holds:
 
-    cut (deep copy, other stages deleted)           pipeline.py
+    cut (deep copy, other stages deleted)           pipeline.py; under vocab_stages /
+                                                    embedding_stages the head / token
+                                                    embedding as pp stages of rows of their
+                                                    own (vocab_stages.py)
     MLPs -> expert-parallel MoELayers (moeify)      over layout.ep, each layer seeded alike
     embeddings -> SparseEmbedding                   over layout.dp (rows by all-to-all)
     tensor parallel (model.tp_plan, as data)        DTensor over layout.tp_mesh; the head
@@ -18,8 +21,8 @@ configuration fails with the same ConfigError on every rank instead of hanging.
 Variable sequence lengths: torch's PipelineStage fixes the shapes it sends at the first
 step, so `ParallelModel.step` pads each batch on the right to ``seq_len`` (ids with 0,
 targets with -100, which the loss ignores), or to the smallest of ``lengths``; each batch
-shape gets its own stages and schedule over the same modules. Causal attention keeps the real tokens' outputs
-unchanged; MoE routing sees the padding tokens (they take expert capacity and enter the
+shape gets its own stages and schedule over the same modules. Causal attention keeps the
+real tokens' outputs unchanged; MoE routing sees the padding tokens (they take expert capacity and enter the
 aux loss), so prefer batches of the full length.
 """
 
@@ -40,14 +43,14 @@ from torch.utils.checkpoint import checkpoint
 from sparta.embedding import swap_embeddings
 from sparta.errors import ConfigError
 from sparta.moe import MoELayer
-from sparta.parallel.data_parallel import DataParallel, check_strategy
-from sparta.parallel.dims import Layout, ParallelDims
-from sparta.parallel.experts import MoESpec, check_expert_tp, hierarchical_ep, moe_layers
+from sparta.parallel.data_parallel import DataParallel
+from sparta.parallel.dims import Layout
+from sparta.parallel.experts import check_expert_tp, hierarchical_ep, moe_layers
 from sparta.parallel.model import VOCAB_STYLE, ParallelModel, loss_fn
+from sparta.parallel.parallel_config import ParallelConfig
 from sparta.parallel.pipeline import (
     ZERO_BUBBLE,
     ModelParts,
-    check_schedule,
     format_actions,
     measure_costs,
     schedule_actions,
@@ -56,161 +59,21 @@ from sparta.parallel.pipeline import (
     stage_ids,
     stage_module,
 )
-from sparta.parallel.vocab_stages import HeadStage, check_head, head_stage, shard_rows, token_loss
+from sparta.parallel.vocab_stages import (
+    HeadStage,
+    TakenRows,
+    check_embedding,
+    check_head,
+    embedding_stage,
+    head_stage,
+    shard_rows,
+    token_loss,
+)
 
-EMBEDDINGS = ("dense", "sparse")
 TP_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 # the output head's style: its vocabulary split over tp, the logits left sharded for the
 # loss (torch's loss_parallel, in ParallelModel) instead of gathered whole on every tp rank
 _ALL_STYLES = {**TP_STYLES, VOCAB_STYLE: partial(ColwiseParallel, output_layouts=Shard(-1), use_local_output=False)}
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How `parallelize` cuts and wraps the model (the degrees are the Layout's).
-
-    schedule: a torch.distributed.pipelining schedule (pipeline.SCHEDULES).
-    microbatches: micro-batches per step; each rank's batch must divide by it.
-    stages_per_rank: pipeline stages per rank (virtual stages; 2 for V schedules).
-    split_points: layer names where stages 1.. begin, or None to balance by measured time.
-    data_parallel: "ddp" | "fsdp" | "horovod" | "sparta" (see data_parallel.py).
-    embedding: "dense" keeps nn.Embedding (replicated, all-reduced); "sparse" makes each a
-        row-sharded SparseEmbedding over the data-parallel group.
-    moe: MoESpec to turn MLPs into expert-parallel MoE layers, or None.
-    tensor_parallel: apply the model's ``tp_plan`` when tp > 1.
-    vocab_parallel_head: with tensor_parallel and tp > 1, split the output head by vocabulary
-        over tp and compute the loss on the shards (see `tp_plan_of`); False keeps the head
-        whole on every tp rank.
-    seq_len: pad batches to this length (None: the first batch's length).
-    lengths: the padded lengths the pipeline takes, instead of one ``seq_len``: a batch is
-        padded to the smallest that holds it. torch's PipelineStage fixes its shapes at its
-        first step, so each batch shape [B, length] gets its own stages and schedule over the
-        same modules, built at its first batch, each with its own receive buffers (memory):
-        keep the shapes few (`sparta.planner.bucketed_steps` makes a few per length).
-    bucket_mb: bucket size of the "sparta" data-parallel strategy, MiB.
-    vocab_stages: vocabulary parallelism over the pipeline ranks (vocab_stages.py): the
-        output head split by vocabulary rows into pp stages, one per pipeline rank (the last
-        round of a looped schedule, the second arm of a V), so the last stage stops carrying
-        the whole head; the layers fill the other ``pp * (stages_per_rank - 1)`` stages.
-        Needs stages_per_rank >= 2 and an untied bias-free head.
-    recompute: global indices (0 .. pp * stages_per_rank - 1) of the stages whose ``layers.*``
-        blocks keep only their inputs in forward and recompute the rest in backward
-        (activation checkpointing, chosen per stage as Merak's stage-aware recomputation:
-        stages with spare memory recompute less). Losses and gradients are unchanged; each
-        recomputed block costs one more forward per micro-batch, but many more under the
-        zero-bubble schedules: torch's weight-gradient pass runs one autograd.grad per
-        parameter group, each recomputing the block (torch 2.13: 1 + 8 forwards per Decoder
-        block, 1 + 9 with an MoE MLP). MoE layers re-issue their all-to-alls in each
-        recomputation, in the same order on every rank; not with the "sigmoid" router,
-        whose forward moves its balancing bias.
-    """
-
-    schedule: str = "1F1B"
-    microbatches: int = 1
-    stages_per_rank: int = 1
-    split_points: tuple[str, ...] | None = None
-    data_parallel: str = "sparta"
-    embedding: str = "dense"
-    moe: MoESpec | None = None
-    tensor_parallel: bool = True
-    vocab_parallel_head: bool = True
-    seq_len: int | None = None
-    lengths: tuple[int, ...] = ()
-    bucket_mb: float = 25.0
-    vocab_stages: bool = False
-    recompute: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.split_points is not None:
-            object.__setattr__(self, "split_points", tuple(self.split_points))
-        if not isinstance(self.recompute, (tuple, list)):
-            raise ConfigError(f"recompute={self.recompute!r} must be a list of stage indices, e.g. [0] or []")
-        for index in self.recompute:
-            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-                raise ConfigError(f"recompute={list(self.recompute)} holds {index!r}: stage indices are integers >= 0")
-        if len(set(self.recompute)) != len(self.recompute):
-            raise ConfigError(f"recompute={list(self.recompute)} names a stage twice: list each stage once")
-        object.__setattr__(self, "recompute", tuple(sorted(self.recompute)))
-        if self.embedding not in EMBEDDINGS:
-            raise ConfigError(f"embedding={self.embedding!r} is unknown; choose one of {', '.join(EMBEDDINGS)}")
-        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
-            raise ConfigError(f"seq_len={self.seq_len!r} must be a positive integer or None")
-        self._check_lengths()
-        if not self.bucket_mb > 0:
-            raise ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
-        check_schedule(self.schedule, 1, self.microbatches, self.stages_per_rank)
-
-    def _check_lengths(self) -> None:
-        if not isinstance(self.lengths, (tuple, list)):
-            raise ConfigError(f"lengths={self.lengths!r} must be a list of sequence lengths, e.g. [128, 256, 512]")
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lengths):
-            raise ConfigError(f"lengths={list(self.lengths)}: every length must be a positive integer")
-        if len(set(self.lengths)) != len(self.lengths):
-            raise ConfigError(f"lengths={list(self.lengths)} names a length twice: list each once")
-        if self.lengths and self.seq_len is not None:
-            raise ConfigError(
-                f"seq_len={self.seq_len} and lengths={list(self.lengths)} both set: give seq_len for one padded "
-                "length, or lengths for several"
-            )
-        object.__setattr__(self, "lengths", tuple(sorted(self.lengths)))
-
-    def check(self, dims: ParallelDims, n_layers: int | None = None, backend: str | None = None) -> None:
-        """ConfigError unless this configuration can run ``dims`` (and a model of ``n_layers``
-        layers, on the world engine ``backend``, where given). Pure: call it on every rank
-        before any collective; `parallelize` calls it too."""
-        check_schedule(self.schedule, dims.pp, self.microbatches, self.stages_per_rank)
-        check_strategy(self.data_parallel, self.schedule in ZERO_BUBBLE, dims.tp, backend)
-        if self.data_parallel == "ddp" and self.schedule != "1F1B" and self.microbatches > 1:
-            # torch 2.13: under GPipe and the interleaved schedules DDP's first-step bucket rebuild
-            # counts every micro-batch's hooks (reducer.cpp: "rebuilt parameter indices size is not
-            # same as original"); 1F1B, checked here with 4 micro-batches over 2 stages, runs
-            raise ConfigError(
-                f"data_parallel='ddp' under {self.schedule} with {self.microbatches} micro-batches fails inside torch "
-                "DDP; use schedule='1F1B', or data_parallel='fsdp' or 'sparta'"
-            )
-        if self.moe is not None and self.moe.num_experts % dims.ep:
-            raise ConfigError(
-                f"MoESpec.num_experts={self.moe.num_experts} does not divide over ep={dims.ep} ranks: pick a multiple"
-            )
-        if dims.ep > 1 and self.moe is None:
-            raise ConfigError(f"ep={dims.ep} but ParallelConfig.moe is None: there are no experts to split; set ep=1")
-        stages = dims.pp * self.stages_per_rank
-        body = self.body_stages(dims.pp)
-        if self.vocab_stages and self.stages_per_rank < 2:
-            raise ConfigError(
-                f"vocab_stages puts one head stage on each pipeline rank beside its layers' stages: it needs "
-                f"stages_per_rank >= 2 (got {self.stages_per_rank}) and a multi-stage schedule (Interleaved1F1B, "
-                "ZBVZeroBubble, ...)"
-            )
-        if self.vocab_stages and self.recompute and self.recompute[-1] >= body:
-            raise ConfigError(
-                f"recompute={list(self.recompute)} names stage {self.recompute[-1]}, one of the head stages "
-                f"{body}..{stages - 1} (vocab_stages), which have no layers to recompute: use indices 0..{body - 1}"
-            )
-        if self.recompute and self.recompute[-1] >= stages:
-            raise ConfigError(
-                f"recompute={list(self.recompute)} names stage {self.recompute[-1]}, but the pipeline has {stages} "
-                f"stage(s) (pp={dims.pp} x stages_per_rank={self.stages_per_rank}): use indices 0..{stages - 1}"
-            )
-        if self.recompute and self.moe is not None and self.moe.router == "sigmoid":
-            # its forward moves the balancing bias in place: a recomputation would route with
-            # the moved bias (other experts than the forward chose) and move it a second time
-            raise ConfigError(
-                f"recompute={list(self.recompute)} with MoESpec.router='sigmoid' would route the recomputation "
-                "with a bias its forward already moved: set recompute=[] or pick another router"
-            )
-        if n_layers is not None and body > n_layers:
-            heads = f", {dims.pp} of them the head's (vocab_stages)" if self.vocab_stages else ""
-            rest = f" for the other {body}" if self.vocab_stages else ""
-            raise ConfigError(
-                f"{stages} pipeline stages (pp={dims.pp} x stages_per_rank={self.stages_per_rank}{heads}) but the model "
-                f"has {n_layers} layers{rest}: every stage needs one; lower pp or stages_per_rank"
-            )
-
-    def body_stages(self, pp: int) -> int:
-        """The stages holding the model's layers: all ``pp * stages_per_rank`` of them, less
-        the ``pp`` head stages under ``vocab_stages``."""
-        return pp * (self.stages_per_rank - 1 if self.vocab_stages else self.stages_per_rank)
 
 
 @dataclass(frozen=True)
@@ -246,17 +109,16 @@ def plan_stages(
     num_stages: int,
     split_points: tuple[str, ...] | None,
     costs: dict[str, float] | None,
-    head_apart: bool = False,
+    apart: tuple[str, ...] = (),
 ) -> list[list[str]]:
     """The layers of each of ``num_stages`` stages, by split points or by ``costs``;
-    ``head_apart``: the children after the layers (norm, head) run on stages of their own
-    (vocab_stages), so the last stage is not charged for them. Pure."""
+    ``apart``: the first/last stage's extras that run on stages of their own (the head under
+    vocab_stages, the token embedding under embedding_stages), charged to no layers' stage. Pure."""
     parts = ModelParts.of(model)
     if split_points is not None:
         return split_by_points(parts, num_stages, split_points)
     costs = dict(costs) if costs is not None else {n: 1.0 for n in (*parts.first, *parts.layers, *parts.last)}
-    if head_apart:
-        costs.update(dict.fromkeys(parts.last, 0.0))
+    costs.update(dict.fromkeys(apart, 0.0))
     return split_by_cost(parts, num_stages, costs)
 
 
@@ -328,16 +190,13 @@ def parallelize(
     """
     dims = layout.dims
     num_stages = dims.pp * config.stages_per_rank
-    body = config.body_stages(dims.pp)  # the stages holding layers; the rest are head stages
-    heads = config.vocab_stages
+    body, first = config.body_stages(dims.pp), config.first_body(dims.pp)  # the stages holding layers
     zero_bubble = config.schedule in ZERO_BUBBLE
     # --- every check first: no collective has run yet
     parts = ModelParts.of(model)
     config.check(dims, len(parts.layers), layout.world.backend)
-    stages = plan_stages(model, body, config.split_points, None, heads)  # validates split points / stage count
-    if heads:
-        check_head(model, parts)
-        shard_rows(model.get_submodule(parts.last[-1]).out_features, dims.pp)  # type: ignore[arg-type]
+    apart = _apart(model, parts, config, dims.pp)  # checks the head / table where they split
+    stages = plan_stages(model, body, config.split_points, None, apart)  # validates split points / stage count
     if config.split_points is None and body > 1 and sample is None:
         raise ConfigError(
             "balancing stages by measured time needs sample= (one micro-batch of ids [b, T]); or pass split_points"
@@ -360,7 +219,7 @@ def parallelize(
         local = measure_costs(model, sample) if layout.world.rank == 0 else dict.fromkeys(names, 0.0)
         agreed = layout.world.comm.broadcast(torch.tensor([local[n] for n in names], dtype=torch.float64), src=0)
         costs = dict(zip(names, agreed.tolist(), strict=True))  # type: ignore[union-attr]
-        stages = plan_stages(model, body, None, costs, heads)
+        stages = plan_stages(model, body, None, costs, apart)
     mine = stage_ids(config.schedule, dims.pp, layout.pp_rank, config.stages_per_rank)
     # one dp rank: no queue, so DataParallel sends nothing (see its `_alone`)
     queue = config.data_parallel != "sparta" or dims.dp > 1
@@ -374,15 +233,24 @@ def parallelize(
     moe_exchange = hierarchical_ep(layout) if config.moe is not None and config.moe.hierarchical and layout.ep else None
     head_stages: list[HeadStage] = []
     for index in mine:
-        if index >= body:  # a head stage: plain dense parameters, replicated over tp
-            head_stages.append(head_stage(model, parts, index - body, dims.pp).to(layout.device))
-            modules.append(data_parallel.wrap(head_stages[-1]))
+        if not first <= index < first + body:  # an embedding or head stage: dense rows, replicated over tp
+            vocab = (
+                embedding_stage(model, parts, index, dims.pp)
+                if index < first
+                else head_stage(model, parts, index - first - body, dims.pp)
+            ).to(layout.device)
+            head_stages += [vocab] if isinstance(vocab, HeadStage) else []
+            modules.append(data_parallel.wrap(vocab))
             continue
-        module = stage_module(model, parts, stages[index], index == 0, index == num_stages - 1).to(layout.device)
+        module = stage_module(model, parts, stages[index - first], index == first, index == num_stages - 1)
+        module = module.to(layout.device)
+        if config.embedding_stages and index == first:  # the embedding stages looked the ids up
+            table = model.get_submodule(parts.first[0])
+            module.set_submodule(parts.first[0], TakenRows(table.weight.dtype))  # type: ignore[union-attr, arg-type]
         if config.moe is not None:
             replaced = moe_layers(module, config.moe, layout.ep, moe_exchange, split_experts)
             expert_tp += replaced if split_experts is not None else []
-        if config.embedding == "sparse" and index == 0:
+        if config.embedding == "sparse" and index == first:
             swap_embeddings(module, layout.dp)
         if config.tensor_parallel and dims.tp > 1:
             plan = tp_plan_of(module, dims.tp, config.vocab_parallel_head)
@@ -392,9 +260,9 @@ def parallelize(
             recompute_layers(module)
         modules.append(data_parallel.wrap(module))
     plan = ParallelPlan(
-        stages=tuple(tuple(s) for s in stages) + tuple(_head_names(model, parts, dims.pp) if heads else ()),
-        first=parts.first,
-        last=() if heads else parts.last,
+        stages=_stage_names(model, parts, config, dims.pp, stages),
+        first=() if config.embedding_stages else parts.first,
+        last=() if config.vocab_stages else parts.last,
         stage_ids=tuple(mine),
         tp_plan=tp_plan,
         actions=schedule_actions(config.schedule, dims.pp, config.microbatches, config.stages_per_rank),
@@ -407,11 +275,36 @@ def parallelize(
                          has_last=num_stages - 1 in mine, heads=head_stages)  # fmt: skip
 
 
-def _head_names(model: nn.Module, parts: ModelParts, pp: int) -> list[tuple[str, ...]]:
-    """What each head stage holds, for the plan: ("norm", "output[0:2048]"), ("output[2048:4096]",), ..."""
-    rows = shard_rows(model.get_submodule(parts.last[-1]).out_features, pp)  # type: ignore[arg-type]
-    extras = parts.last[:-1]
-    return [(*(extras if k == 0 else ()), f"{parts.last[-1]}[{a}:{b}]") for k, (a, b) in enumerate(rows)]
+def _apart(model: nn.Module, parts: ModelParts, config: ParallelConfig, pp: int) -> tuple[str, ...]:
+    """The extras that run on stages of their own (vocab_stages.py), checked. Pure."""
+    apart: tuple[str, ...] = ()
+    if config.embedding_stages:
+        apart += (check_embedding(model, parts),)
+        shard_rows(model.get_submodule(apart[-1]).num_embeddings, pp)  # type: ignore[arg-type]
+    if config.vocab_stages:
+        check_head(model, parts)
+        shard_rows(model.get_submodule(parts.last[-1]).out_features, pp)  # type: ignore[arg-type]
+        apart += parts.last
+    return apart
+
+
+def _stage_names(
+    model: nn.Module, parts: ModelParts, config: ParallelConfig, pp: int, stages: list[list[str]]
+) -> tuple[tuple[str, ...], ...]:
+    """What every stage holds, for the plan: the embedding stages' rows ("tok_emb[0:2048]"),
+    the layers' stages, the head stages' ("norm", "output[0:2048]")."""
+    named = [tuple(s) for s in stages]
+    front: list[tuple[str, ...]] = []
+    if config.embedding_stages:
+        table = parts.first[0]
+        rows = shard_rows(model.get_submodule(table).num_embeddings, pp)  # type: ignore[arg-type]
+        front = [(f"{table}[{a}:{b}]",) for a, b in rows]
+        named[0] += parts.first[1:]  # the position embedding and the like stay with the layers
+    back: list[tuple[str, ...]] = []
+    if config.vocab_stages:
+        rows = shard_rows(model.get_submodule(parts.last[-1]).out_features, pp)  # type: ignore[arg-type]
+        back = [(*(parts.last[:-1] if k == 0 else ()), f"{parts.last[-1]}[{a}:{b}]") for k, (a, b) in enumerate(rows)]
+    return tuple(front + named + back)
 
 
 def _schedule(config: ParallelConfig, layout: Layout, modules: dict[int, nn.Module], num_stages: int) -> Any:

@@ -68,7 +68,8 @@ from .decoder import Decoder, DecoderConfig
 from .dims import Layout, build_layout
 from .documents import DocumentBatches
 from .model import ParallelModel
-from .parallelize import ParallelConfig, parallelize
+from .parallel_config import ParallelConfig
+from .parallelize import parallelize
 
 log = logging.getLogger("sparta.parallel.train")
 SPARK = "▁▂▃▄▅▆▇█"

@@ -1,4 +1,5 @@
-"""Vocabulary parallelism over the pipeline ranks: the output head as ``pp`` extra stages.
+"""Vocabulary parallelism over the pipeline ranks: the output head as ``pp`` extra stages
+at the end of the pipeline and, optionally, the input embedding as ``pp`` at its start.
 
 Why: the output head costs ``2 x tokens x d_model x vocab`` FLOPs forward (twice that
 backward) and holds ``vocab x d_model`` weights plus ``tokens x vocab`` logits, all on the
@@ -33,6 +34,14 @@ not match raises rather than pairing a micro-batch with another's targets.
 Cost: ``pp`` more stage hops of ``[b, T, d_model + 3]`` float32 per micro-batch (the paper
 broadcasts ``h`` to every rank instead), and the schedule's bubble grows by the shards'
 stages, which are each 1/pp of the head.
+
+The input embedding (``embedding_stages``) the same way, at the front: embedding stage ``k``
+(global stage ``k``, on pipeline rank ``k``) holds rows ``k`` of the token embedding, adds
+the rows of the ids in its range to the running sum and hands ``[sum, ids]`` ([b, T,
+d_model + 1] float32, the ids exact below 2^24) on. The first layers' stage keeps the
+model's own embedding code (position embeddings, scaling, dropout) with its token embedding
+replaced by `TakenRows`, which takes the sum instead of looking ids up. This balances the
+table's memory (rows, gradients, optimizer state); its compute is small either way.
 """
 
 from __future__ import annotations
@@ -136,6 +145,51 @@ class HeadStage(nn.Module):
         return torch.cat([h, torch.stack([m, s, z], dim=-1)], dim=-1)
 
 
+class EmbeddingStage(nn.Module):
+    """Pipeline stage ``shard`` of ``shards`` of the input embedding: its vocabulary rows
+    (under the embedding's own name, e.g. ``tok_emb``). Takes ids [b, T] (shard 0) or
+    ``[b, T, d_model + 1]``; returns ``[b, T, d_model + 1]`` float32 (running sum, ids)."""
+
+    def __init__(self, name: str, rows: VocabShard, shard: int, shards: int, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.add_module(name, rows)
+        self.name, self.shard, self.shards = name, shard, shards
+        # the table's padding row, where this shard holds it: its gradient stays zero
+        local = None if padding_idx is None else padding_idx - rows.start
+        self.padding_idx = local if local is not None and 0 <= local < rows.weight.shape[0] else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = self.get_submodule(self.name)
+        assert isinstance(rows, VocabShard)
+        if self.shard == 0:
+            ids, total = x, None
+        else:
+            ids, total = x[..., -1].long(), x[..., :-1]
+        local = ids - rows.start
+        mine = (local >= 0) & (local < rows.weight.shape[0])
+        found = nn.functional.embedding(local.clamp(0, rows.weight.shape[0] - 1), rows.weight, self.padding_idx)
+        found = found.float()
+        found = found * mine.unsqueeze(-1)
+        total = found if total is None else total + found
+        return torch.cat([total, ids.unsqueeze(-1).float()], dim=-1)
+
+
+class TakenRows(nn.Module):
+    """The token embedding of the first layers' stage under ``embedding_stages``: takes the
+    embedding stages' ``[b, T, d_model + 1]`` and returns the summed rows [b, T, d_model] in
+    ``dtype`` (the table's), as the table's lookup would. ``takes_vectors`` tells the model's
+    forward that its input is this, not ids."""
+
+    takes_vectors = True
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x[..., :-1].to(self.dtype)
+
+
 def token_loss(losses: Tensor, targets: Tensor) -> Tensor:
     """The mean of the last head stage's per-token ``losses`` [b, T] over the tokens whose
     target is not padding: what ``cross_entropy(..., ignore_index=IGNORE_INDEX)`` returns."""
@@ -167,6 +221,28 @@ def check_head(model: nn.Module, parts: ModelParts) -> str:
     return name
 
 
+def check_embedding(model: nn.Module, parts: ModelParts) -> str:
+    """The name of ``model``'s token embedding (the first child before ``layers``), checked to
+    be a plain ``nn.Embedding`` (no max_norm, scale_grad_by_freq or sparse gradients, which
+    depend on the whole batch's ids); ConfigError otherwise. Pure."""
+    name = parts.first[0] if parts.first else None
+    table = model.get_submodule(name) if name else None
+    if not isinstance(table, nn.Embedding):
+        raise ConfigError(
+            f"embedding_stages splits the token embedding by vocabulary rows; {type(model).__name__}'s first child "
+            f"before `layers` must be an nn.Embedding, not {type(table).__name__}"
+        )
+    extras = {"max_norm": table.max_norm is not None, "scale_grad_by_freq": table.scale_grad_by_freq,
+              "sparse": table.sparse}  # fmt: skip
+    if any(extras.values()):
+        raise ConfigError(
+            f"embedding_stages splits {name!r} by vocabulary rows, which its {[k for k, v in extras.items() if v]} "
+            "cannot follow (each depends on the whole batch's ids): build the table without them"
+        )
+    assert name is not None
+    return name
+
+
 def shard_rows(vocab_size: int, shards: int) -> list[tuple[int, int]]:
     """The vocabulary rows ``(start, stop)`` of each shard, as even as integers allow."""
     if vocab_size < shards:
@@ -176,6 +252,16 @@ def shard_rows(vocab_size: int, shards: int) -> list[tuple[int, int]]:
     for k in range(shards):
         bounds.append(bounds[-1] + base + (1 if k < extra else 0))
     return list(zip(bounds, bounds[1:], strict=False))
+
+
+def embedding_stage(model: nn.Module, parts: ModelParts, shard: int, shards: int) -> EmbeddingStage:
+    """Embedding stage ``shard`` of ``shards`` cut from ``model`` (copies: the model is untouched)."""
+    name = check_embedding(model, parts)
+    table = model.get_submodule(name)
+    assert isinstance(table, nn.Embedding)
+    start, stop = shard_rows(table.num_embeddings, shards)[shard]
+    rows = VocabShard(table.weight[start:stop], start, table.num_embeddings)
+    return EmbeddingStage(name, rows, shard, shards, table.padding_idx)
 
 
 def head_stage(model: nn.Module, parts: ModelParts, shard: int, shards: int) -> HeadStage:

@@ -31,7 +31,7 @@ from typing import Any
 
 from sparta.errors import ConfigError
 from sparta.parallel.dims import ParallelDims
-from sparta.parallel.parallelize import ParallelConfig
+from sparta.parallel.parallel_config import ParallelConfig
 from sparta.parallel.pipeline import SCHEDULES, ZERO_BUBBLE, ModelParts, split_by_cost, stage_ids
 
 from .costs import ModelCosts, model_fingerprint

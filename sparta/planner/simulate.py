@@ -69,7 +69,7 @@ from sparta.errors import ConfigError
 from sparta.parallel.decoder import DecoderConfig
 from sparta.parallel.dims import ParallelDims
 from sparta.parallel.experts import MoESpec
-from sparta.parallel.parallelize import ParallelConfig
+from sparta.parallel.parallel_config import ParallelConfig
 from sparta.parallel.pipeline import ZERO_BUBBLE, schedule_actions, stage_ids
 from sparta.scheduling.trace import Span
 from sparta.scheduling.varlen import LengthCost
@@ -107,6 +107,7 @@ class Plan:
             f"pp{d.pp} dp{d.dp} tp{d.tp} ep{d.ep} {c.schedule} x{c.microbatches}"
             + (f" v{c.stages_per_rank}" if c.stages_per_rank > 1 else "")
             + f" {c.data_parallel}"
+            + (" embedding-stages" if c.embedding_stages else "")
             + (" vocab-stages" if c.vocab_stages else "")
             + (f" recompute{list(c.recompute)}" if c.recompute else "")
             + (f" split@{where}" if where else "")
@@ -133,9 +134,11 @@ class Prediction:
 
 def stage_layers(plan: Plan, n_layers: int) -> list[list[int]]:
     """Layer indices of each stage, from the plan's split points ("layers.K" where stage i+1
-    begins); under ``vocab_stages`` the pp head stages come last, holding none."""
+    begins); the embedding stages (``embedding_stages``, first) and the head stages
+    (``vocab_stages``, last) hold none."""
     stages = plan.config.body_stages(plan.dims.pp)
-    heads = plan.dims.pp * plan.config.stages_per_rank - stages
+    front = plan.config.first_body(plan.dims.pp)
+    heads = plan.dims.pp * plan.config.stages_per_rank - stages - front
     points = plan.config.split_points
     if points is None:
         raise ConfigError("a plan needs split_points to be simulated (the planner balances them; see search.py)")
@@ -146,7 +149,8 @@ def stage_layers(plan: Plan, n_layers: int) -> list[list[int]]:
     bounds = [0, *cuts, n_layers]
     if len(cuts) != stages - 1 or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
         raise ConfigError(f"split_points={points} do not cut {n_layers} layers into {stages} non-empty stages")
-    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)] + [[] for _ in range(heads)]
+    body = [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [[] for _ in range(front)] + body + [[] for _ in range(heads)]
 
 
 @dataclass(frozen=True)
@@ -191,7 +195,12 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
             comms[i] += comm + waited * seconds
         into[3] += p.saved_bytes_per_token * tokens / (saved_split or split)
 
-    if index == 0:
+    first, body = plan.config.first_body(dims.pp), plan.config.body_stages(dims.pp)
+    if index < first:
+        # an embedding stage (embedding_stages): 1/pp of the table's rows and lookups
+        add(extras, "embed", dims.pp)
+        dense += costs.parts["embed"].params / dims.pp
+    elif index == 0:
         add(extras, "embed", 1)
         dense += costs.parts["embed"].params / (dims.dp if plan.config.embedding == "sparse" else 1)
 
@@ -234,7 +243,7 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
             add_dense("mlp")
             dense += costs.parts["mlp"].params / dims.tp
         largest_block = max(largest_block, blocks[3] - before)
-    if index >= plan.config.body_stages(dims.pp):
+    if index >= first + body:
         # a head stage (vocab_stages): 1/pp of the head's rows and per-token work, the same on
         # every tp rank (not split over tp); its fixed cost per call whole
         add(extras, "head", dims.pp)

@@ -196,6 +196,7 @@ def parity(
     lengths: tuple[int, ...] = (),
     uneven: bool = False,
     vocab_stages: bool = False,
+    embedding_stages: bool = False,
 ) -> Callable:
     """A check: the trainer's losses equal one process's. ragged: batch lengths change from step
     to step (the trainer pads them); balance: stages cut by measured time, not given points;
@@ -203,10 +204,11 @@ def parity(
     process recomputes nothing); lengths: the trainer pads each batch to the smallest of these
     (a schedule each), not to seq_len; uneven: the dp ranks of one step take different lengths
     (so different shapes meet in the expert exchanges and the gradient sync); vocab_stages:
-    the head split by vocabulary over pp stages of its own, one per pipeline rank."""
+    the head split by vocabulary over pp stages of its own, one per pipeline rank;
+    embedding_stages: the token embedding the same way, at the front."""
 
     def check(layout: Layout) -> None:
-        stages = layout.dims.pp * (stages_per_rank - 1 if vocab_stages else stages_per_rank)
+        stages = layout.dims.pp * (stages_per_rank - vocab_stages - embedding_stages)
         split = None if stages == 1 or balance else _even_split(stages)
         config = ParallelConfig(
             schedule=schedule,
@@ -220,13 +222,14 @@ def parity(
             lengths=lengths,
             recompute=recompute,
             vocab_stages=vocab_stages,
+            embedding_stages=embedding_stages,
         )
         compare(layout, config, ragged, balance, uneven)
 
     check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
     check.__name__ += "_coscheduled" * (moe is COSCHEDULED) + "_experts_replicated" * (moe is REPLICATED)
     check.__name__ += "".join(f"_recompute{i}" for i in recompute) + "".join(f"_len{n}" for n in lengths)
-    check.__name__ += "_uneven" * uneven + "_vocab_stages" * vocab_stages
+    check.__name__ += "_uneven" * uneven + "_vocab_stages" * vocab_stages + "_embedding_stages" * embedding_stages
     return check
 
 
@@ -306,10 +309,12 @@ def _bind(check: Callable[[Layout], None], layout: Layout) -> Callable[[sparta.W
 
 
 # the head split over the pipeline ranks: under zero-bubble (its W gradients by autograd.grad)
-# with the shards replicated over tp; and looped, one schedule (and shape inference) per length
+# with the shards replicated over tp; looped, one schedule (and shape inference) per length;
+# and with the token embedding's stages in front (3 stages per rank), its layers recomputed
 VOCAB_STAGES = [
     parity("ZBVZeroBubble", 2, "sparta", vocab_stages=True),
     parity("Interleaved1F1B", 2, "sparta", ragged=True, lengths=(5, MODEL.seq_len), uneven=True, vocab_stages=True),
+    parity("Interleaved1F1B", 3, "sparta", vocab_stages=True, embedding_stages=True, recompute=(2,)),
 ]
 
 CHECKS: dict[str, list[Callable[[Layout], None]]] = {

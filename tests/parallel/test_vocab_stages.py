@@ -8,6 +8,7 @@ tests/dist/parallel_checks.py."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from sparta.parallel import Decoder, DecoderConfig, ParallelConfig, ParallelDims
 from sparta.parallel.checkpoint_state import model_slots
 from sparta.parallel.config_file import load_config
 from sparta.parallel.pipeline import ModelParts
-from sparta.parallel.vocab_stages import HeadStage, head_stage, shard_rows, token_loss
+from sparta.parallel.vocab_stages import HeadStage, TakenRows, embedding_stage, head_stage, shard_rows, token_loss
 from sparta.scheduling.varlen import IGNORE_INDEX
 
 CFG = DecoderConfig(vocab_size=67, seq_len=8, d_model=16, n_layers=4, n_heads=4, d_ff=32)
@@ -101,18 +102,65 @@ def test_the_head_must_be_an_untied_bias_free_linear() -> None:
 
 
 def test_bad_configurations_are_refused_by_name() -> None:
-    with pytest.raises(ConfigError, match="vocab_stages .* needs stages_per_rank >= 2"):
+    with pytest.raises(ConfigError, match=r"vocab_stages put\(s\) 1 stage\(s\) .* needs stages_per_rank >= 2"):
         ParallelConfig(vocab_stages=True).check(ParallelDims())
     config = ParallelConfig(schedule="Interleaved1F1B", microbatches=2, stages_per_rank=2, vocab_stages=True)
-    with pytest.raises(ConfigError, match=r"names stage 2, one of the head stages 2\.\.3"):
-        ParallelConfig(**{**config.__dict__, "recompute": (2,)}).check(ParallelDims(pp=2))
-    with pytest.raises(ConfigError, match=r"2 of them the head's \(vocab_stages\)\) but the model has 1 layers for the other 2"):
+    with pytest.raises(ConfigError, match=r"names stage 2, an embedding or head stage .*: use indices 0\.\.1"):
+        dataclasses.replace(config, recompute=(2,)).check(ParallelDims(pp=2))
+    with pytest.raises(ConfigError, match=r"2 of them vocab_stages\) but the model has 1 layers for the other 2"):
         config.check(ParallelDims(pp=2), n_layers=1)
     config.check(ParallelDims(pp=2), n_layers=2)
     assert config.body_stages(2) == 2 and ParallelConfig().body_stages(2) == 2
+    both = dataclasses.replace(config, embedding_stages=True)
+    with pytest.raises(ConfigError, match=r"embedding_stages and vocab_stages .* needs stages_per_rank >= 3"):
+        both.check(ParallelDims(pp=2))
+    both = dataclasses.replace(both, stages_per_rank=3, recompute=(1,))
+    with pytest.raises(ConfigError, match=r"names stage 1, an embedding or head stage .*: use indices 2\.\.3"):
+        both.check(ParallelDims(pp=2))
+    both = dataclasses.replace(both, recompute=(2, 3))
+    both.check(ParallelDims(pp=2), n_layers=2)
+    assert (both.body_stages(2), both.first_body(2)) == (2, 2)
+    with pytest.raises(ConfigError, match="places two stages on each rank"):
+        dataclasses.replace(both, schedule="ZBVZeroBubble").check(ParallelDims(pp=2))
 
 
-def test_a_one_rank_pipeline_with_a_head_stage_trains_as_the_plain_model() -> None:
+@pytest.mark.parametrize("shards", [1, 3])
+def test_the_embedding_stages_chained_equal_the_lookup_and_its_gradients(shards: int) -> None:
+    torch.manual_seed(0)
+    model = Decoder(CFG)
+    model.tok_emb = nn.Embedding(CFG.vocab_size, CFG.d_model, padding_idx=30)  # in shard 1 of 3
+    parts = ModelParts.of(model)
+    stages = [embedding_stage(model, parts, k, shards) for k in range(shards)]
+    ids = _targets((2, CFG.seq_len), 3).clamp(min=0)
+    ids[1, :3] = 30
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    assert x.shape == (2, CFG.seq_len, CFG.d_model + 1) and torch.equal(x[..., -1].long(), ids)
+    rows = TakenRows(torch.float32)(x)
+    want = model.tok_emb(ids)
+    torch.testing.assert_close(rows, want, rtol=0, atol=0)
+    grad = torch.randn_like(want)
+    rows.backward(grad)
+    want.backward(grad)
+    got = torch.cat([s.tok_emb.weight.grad for s in stages])  # type: ignore[union-attr]
+    torch.testing.assert_close(got, model.tok_emb.weight.grad, rtol=0, atol=1e-6)
+    assert not got[30].any()  # the padding row learns nothing, as in the table
+    assert set(stages[-1].state_dict()) == {"tok_emb.weight"}
+
+
+def test_the_token_embedding_must_be_a_plain_table() -> None:
+    model = Decoder(CFG)
+    model.tok_emb = nn.Embedding(CFG.vocab_size, CFG.d_model, scale_grad_by_freq=True)
+    with pytest.raises(ConfigError, match=r"\['scale_grad_by_freq'\] cannot follow"):
+        embedding_stage(model, ModelParts.of(model), 0, 2)
+    model.tok_emb = nn.Linear(2, 2)  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match="must be an nn.Embedding, not Linear"):
+        embedding_stage(model, ModelParts.of(model), 0, 2)
+
+
+@pytest.mark.parametrize("embedding_stages", [False, True])
+def test_a_one_rank_pipeline_with_a_head_stage_trains_as_the_plain_model(embedding_stages: bool) -> None:
     world = sparta.init(backend="torch")
     layout = build_layout(ParallelDims(), world)
     torch.manual_seed(0)
@@ -121,7 +169,8 @@ def test_a_one_rank_pipeline_with_a_head_stage_trains_as_the_plain_model() -> No
     ids = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len + 1), generator=torch.Generator().manual_seed(2))
     ids, targets = ids[:, :-1], ids[:, 1:].clone()
     targets[1, -3:] = IGNORE_INDEX
-    config = ParallelConfig(schedule="Interleaved1F1B", microbatches=2, stages_per_rank=2, vocab_stages=True)
+    config = ParallelConfig(schedule="Interleaved1F1B", microbatches=2, stages_per_rank=2 + embedding_stages,
+                            vocab_stages=True, embedding_stages=embedding_stages)  # fmt: skip
     pm = parallelize(model, layout, config)
     runs = []
     try:
@@ -133,8 +182,10 @@ def test_a_one_rank_pipeline_with_a_head_stage_trains_as_the_plain_model() -> No
         probe = pm.evaluate(ids, targets)
     finally:
         pm.close()
-    assert "stage 1: norm, output[0:67]" in str(pm.plan), str(pm.plan)
-    assert isinstance(pm.parts[1], HeadStage) and pm.parts[1].pending == 0
+    head = 1 + embedding_stages
+    assert f"stage {head}: norm, output[0:67]" in str(pm.plan), str(pm.plan)
+    assert ("stage 0: tok_emb[0:67]" in str(pm.plan)) == embedding_stages, str(pm.plan)
+    assert isinstance(pm.parts[head], HeadStage) and pm.parts[head].pending == 0
     # the plain model on the same two micro-batches: the mean of their mean losses and gradients
     want = [
         nn.functional.cross_entropy(plain(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
@@ -148,8 +199,10 @@ def test_a_one_rank_pipeline_with_a_head_stage_trains_as_the_plain_model() -> No
         assert loss == pytest.approx(mean.item(), abs=1e-6) and set(got) == set(grads)
         for name, grad in got.items():
             torch.testing.assert_close(grad, grads[name], rtol=0, atol=1e-6, msg=name)
-    slot = next(s for s in model_slots(pm.parts) if s.key == "output.weight")
-    assert (slot.offsets, slot.size) == ((0, 0), (CFG.vocab_size, CFG.d_model))
+    slots = {s.key: s for s in model_slots(pm.parts)}
+    assert set(slots) == set(plain.state_dict())  # the full model's keys, each once
+    for key in ("output.weight", "tok_emb.weight") if embedding_stages else ("output.weight",):
+        assert (slots[key].offsets, slots[key].size) == ((0, 0), (CFG.vocab_size, CFG.d_model)), key
 
 
 def test_the_run_file_takes_vocab_stages() -> None:

@@ -389,6 +389,15 @@ def test_head_stages_take_a_pth_of_the_head_each_and_the_search_weighs_them(tmp_
     described = [r.plan.describe() for r in pipelines]
     assert any("vocab-stages" in d for d in described) and any("vocab-stages" not in d for d in described)
     assert pipelines[0].plan.config.vocab_stages, described
+    # the token embedding's stages too, at the front: a table of 64,000 parameters split over pp
+    c.parts["embed"] = part(0.0, 0.0, saved=0.0, params=64_000)
+    both = Plan(vocab.dims, dataclasses.replace(vocab.config, stages_per_rank=3, embedding_stages=True))
+    assert stage_layers(both, MODEL.n_layers) == [[], [], [0, 1], [2, 3], [], []]
+    assert "embedding-stages vocab-stages" in both.describe()
+    peaks, head_only = simulate(c, WORK, both).peak_bytes, simulate(c, WORK, vocab).peak_bytes
+    # the whole table on rank 0 (16 bytes a parameter with AdamW) against half of it on each
+    assert max(head_only.values()) - min(head_only.values()) > 64_000 * 16 * 0.99
+    assert max(peaks.values()) - min(peaks.values()) < 64_000 * 16 * 0.01
     # its plan file carries the choice; a file from before vocab_stages still reads
     path = tmp_path / "plan.toml"
     write_plan(path, pipelines[0], WORK, 2, c)
