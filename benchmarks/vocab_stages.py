@@ -5,17 +5,19 @@ one launch, the variants alternating.
     torchrun --nproc-per-node 2 benchmarks/vocab_stages.py --vocabs 2048 --repeats 2   # smoke
 
 The reference Decoder (``--d-model``, ``--layers``, ``--seq-len``) over ``pp`` = world size
-pipeline ranks, Interleaved1F1B with two stages per rank and ``--microbatches`` micro-batches,
-at each of ``--vocabs``, three ways:
+pipeline ranks, ``--microbatches`` micro-batches, at each of ``--vocabs``, five ways:
 
-- ``naive``: the layers cut evenly over the ``2 pp`` stages, the norm and the whole head on
-  the last one (what a pipeline does by default);
+- ``naive_1f1b``: 1F1B, one stage per rank, the layers cut evenly, the token embedding on
+  the first stage and the norm and the whole head on the last (the plain pipeline);
+- ``naive``: the same under Interleaved1F1B with two stages per rank (as the next three);
 - ``balanced``: the layers cut by measured time counting the head (`split_by_cost`, the
   trainer's default without split points): the last stage gets fewer layers, but never less
   than the head;
 - ``vocab``: ``ParallelConfig.vocab_stages``: the layers cut evenly over ``pp`` stages, the
   head split by vocabulary into ``pp`` stages of its own, one per rank (Vocabulary
-  Parallelism, arXiv 2411.05288).
+  Parallelism, arXiv 2411.05288);
+- ``vocab_both``: that and ``embedding_stages`` (the token embedding as ``pp`` stages in
+  front), three stages per rank.
 
 Each step is `ParallelModel.step`, global-norm clipping and AdamW, from a barrier; the
 slowest rank's time counts; the median (min, max) of ``--repeats`` steps after one untimed
@@ -30,7 +32,8 @@ memory allocated before them on CUDA). ``peak_mib`` is their sum, ``spread_mib``
 rank's less the smallest's.
 
 Prints JSON lines ``vocab_stages`` (per vocabulary and way) and ``vocab_stages_summary`` (per
-vocabulary: vocab's speed-up over naive and over balanced, and the memory spreads).
+vocabulary: each vocab way's speed-up over each naive one and balanced, and the memory
+spreads).
 """
 
 from __future__ import annotations
@@ -58,18 +61,21 @@ from sparta.parallel import (
     parallelize,
 )
 
-WAYS = ("naive", "balanced", "vocab")
+WAYS = ("naive_1f1b", "naive", "balanced", "vocab", "vocab_both")
+BASELINES, OURS = ("naive_1f1b", "naive", "balanced"), ("vocab", "vocab_both")
 
 
 def _config(way: str, pp: int, layers: int, microbatches: int) -> ParallelConfig:
-    stages = pp if way == "vocab" else 2 * pp
+    per_rank = {"naive_1f1b": 1, "vocab_both": 3}.get(way, 2)
+    stages = pp if way in OURS or way == "naive_1f1b" else 2 * pp  # the layers' stages
     even = tuple(f"layers.{layers * s // stages}" for s in range(1, stages))
     return ParallelConfig(
-        schedule="Interleaved1F1B",
+        schedule="1F1B" if way == "naive_1f1b" else "Interleaved1F1B",
         microbatches=microbatches,
-        stages_per_rank=2,
+        stages_per_rank=per_rank,
         split_points=None if way == "balanced" else even,
-        vocab_stages=way == "vocab",
+        vocab_stages=way in OURS,
+        embedding_stages=way == "vocab_both",
         tensor_parallel=False,
     )
 
@@ -190,7 +196,8 @@ def main() -> None:
                 start = time.perf_counter()
                 _train_step(*built[way], step)
                 times[way].append(_slowest(world, time.perf_counter() - start))
-        stages = {way: str(built[way][0].plan).splitlines()[: 2 * args.pp] for way in WAYS}
+        stages = {way: [line for line in str(built[way][0].plan).splitlines() if line.startswith("stage ")]
+                  for way in WAYS}  # fmt: skip
         for pm, _ in built.values():
             pm.close()
         del built
@@ -217,9 +224,10 @@ def main() -> None:
             print(json.dumps(record), flush=True)
             summary[f"{way}_spread_mib"] = record["spread_mib"]
             summary[f"{way}_max_peak_mib"] = round(max(peaks), 1)
-        vocab_s = statistics.median(times["vocab"])
-        summary["speedup_over_naive"] = round(statistics.median(times["naive"]) / vocab_s, 3)
-        summary["speedup_over_balanced"] = round(statistics.median(times["balanced"]) / vocab_s, 3)
+        for ours in OURS:
+            for base in BASELINES:
+                ratio = statistics.median(times[base]) / statistics.median(times[ours])
+                summary[f"{ours}_over_{base}"] = round(ratio, 3)
         print(json.dumps(summary), flush=True)
     sys.exit(1 if failed else 0)
 

@@ -7,7 +7,9 @@ that every layout's loss is one process's. Phases (``--phase``), one launch each
 - ``eight`` (8 ranks, pp2 x dp2 x tp2 ep2, FSDP2): trains 3 steps, saves step 3, records the
   probe loss and the losses of steps 3 and 4 (the reference). Bad input on the same ranks: a
   checkpoint of another model, an unwritable directory, a full disk on one rank each raise
-  CheckpointError on every rank, and the good checkpoint still loads.
+  CheckpointError on every rank, and the good checkpoint still loads. It also loads into the
+  vocabulary stages (the token embedding and the head as pp stages of rows each,
+  Interleaved1F1B x3), which train steps 3 and 4 alike and save checkpoint V.
 - ``crash`` (4 ranks, dp4 ep4): trains with a checkpoint every 2 steps; rank 0 is SIGKILLed
   while it writes the checkpoint of step 6 (pickling ``extra`` kills it).
 - ``four`` (4 ranks, dp4 ep4, DDP): loads the 8-rank checkpoint (experts 4 ways instead of 2,
@@ -17,7 +19,7 @@ that every layout's loss is one process's. Phases (``--phase``), one launch each
   from step 4 on equal an uninterrupted run's exactly.
 - ``one`` (one process, no process group): the plain decoder loads the 8-rank and the 4-rank
   checkpoints to the same parameters and optimizer state, gives the same probe loss and the
-  same next steps.
+  same next steps; and checkpoint V, its rows chunks of the whole tables, to V's probe loss.
 """
 
 from __future__ import annotations
@@ -77,17 +79,22 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 PROBE = 10_000  # the probe batch's step number: never trained on
 
 
-def build(layout: Layout, strategy: str, seed: int = 0) -> tuple[ParallelModel, torch.optim.Optimizer]:
+def build(
+    layout: Layout, strategy: str, seed: int = 0, vocab_stages: bool = False
+) -> tuple[ParallelModel, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     dims = layout.dims
     config = ParallelConfig(
-        schedule="1F1B",
+        schedule="Interleaved1F1B" if vocab_stages else "1F1B",
         microbatches=CHUNKS // dims.dp,
+        stages_per_rank=3 if vocab_stages else 1,
         split_points=("layers.2",) if dims.pp == 2 else None,
         data_parallel=strategy,
         embedding="sparse",
         moe=MOE,
         seq_len=MODEL.seq_len,
+        vocab_stages=vocab_stages,
+        embedding_stages=vocab_stages,
     )
     pm = parallelize(Decoder(MODEL), layout, config)
     return pm, torch.optim.AdamW(pm.parameters(), lr=LR)
@@ -187,12 +194,26 @@ def eight(layout: Layout, base: Path) -> list[Callable[[], None]]:
         close(train(fresh, fresh_opt, range(3, 5)), want["steps"], 0.0, "the same layout continues exactly")
         fresh.close()
 
+    def loads_into_vocab_stages_and_saves_them() -> None:
+        stages, stages_opt = build(layout, "sparta", seed=2, vocab_stages=True)
+        assert "stage 0: tok_emb[0:32]" in str(stages.plan) and "stage 5: output[32:64]" in str(stages.plan)
+        assert ckpt.load(stages.parts, stages_opt) == {"seed": 0, "step": 3}
+        want = json.loads((base / "reference.json").read_text())
+        close([stages.evaluate(*mine(layout, PROBE))], [want["probe"]], SAME, "probe loss, 8 ranks -> vocab stages")
+        close(train(stages, stages_opt, range(3, 5)), want["steps"], STEPS_TOL, "steps 3 and 4 in vocab stages")
+        Checkpointer(base / "V").save(5, stages.parts, stages_opt, {"seed": 0})
+        probe = stages.evaluate(*mine(layout, PROBE))
+        if rank == 0:
+            (base / "vocab.json").write_text(json.dumps({"probe": probe}))
+        stages.close()
+
     return [
         trains_saves_and_records_the_reference,
         another_model_names_its_keys,
         unwritable_directory_fails_everywhere,
         full_disk_on_one_rank_fails_everywhere,
         the_good_checkpoint_still_loads,
+        loads_into_vocab_stages_and_saves_them,
     ]
 
 
@@ -341,6 +362,13 @@ def one_process(base: Path) -> list[Callable[[], None]]:
             assert float(opt_a.state[p]["step"]) == 3
         close([chunked(a, opt_a, s) for s in (3, 4)], want["steps"], STEPS_TOL, "steps 3 and 4, 8 ranks -> 1")
 
+    def loads_the_vocab_stages_rows_as_whole_tables() -> None:
+        decoder, opt = model()
+        assert Checkpointer(base / "V").load(decoder, opt) == {"seed": 0, "step": 5}
+        want = json.loads((base / "vocab.json").read_text())
+        close([chunked(decoder, None, PROBE)], [want["probe"]], SAME, "probe loss, vocab stages -> 1")
+        assert all(float(opt.state[p]["step"]) == 5 for p in decoder.parameters())
+
     def loads_the_sharded_tables_as_plain_modules() -> None:
         tied = nn.Embedding(10, 8)
         head = nn.Linear(8, 10, bias=False)
@@ -353,7 +381,11 @@ def one_process(base: Path) -> list[Callable[[], None]]:
         assert torch.equal(head.weight, full["head"])
         assert torch.equal(tied.weight, full["tied"])
 
-    return [loads_both_without_a_process_group, loads_the_sharded_tables_as_plain_modules]
+    return [
+        loads_both_without_a_process_group,
+        loads_the_vocab_stages_rows_as_whole_tables,
+        loads_the_sharded_tables_as_plain_modules,
+    ]
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """sparta.parallel.checkpoint: one process here, real launches in test_checkpoints_across_layouts.
 
 The launches (tests/dist/checkpoint_checks.py) save on 8 ranks (pp2 x dp2 x tp2 ep2, FSDP2),
-load on 4 (dp4 ep4) and in one process without a process group, SIGKILL a run while it
+load on 4 (dp4 ep4), into the vocabulary stages of the same 8 ranks (and back into one
+process) and in one process without a process group, SIGKILL a run while it
 saves and resume it, and feed bad input to every rank. The one-process tests below cover the
 directory's life: partial checkpoints ignored and removed, old ones pruned, a step saved
 twice, and the errors of a wrong call.
