@@ -94,6 +94,7 @@ from sparta.errors import ConfigError, InputError
 from sparta.moe import GroupedExperts, MoELayer
 from sparta.parallel.dims import Layout
 from sparta.parallel.grad_buckets import GradBuckets, local_grad, local_tensor, scale_grads, unflatten_into
+from sparta.parallel.vocab_stages import VocabShard
 from sparta.scheduling.grad_sync import GapRelease
 from sparta.scheduling.partition import GradientPartition
 from sparta.scheduling.trace import ObservedExchange
@@ -263,6 +264,8 @@ class DataParallel:
         dense = [p for p in module.parameters() if p.requires_grad and p not in special]
         split = [m for m in module.modules() if isinstance(m, GroupedExperts)]
         self._tp_split.update(p for m in split for _, p in m.split_weights())
+        # vocabulary stages' rows cut over tp (vocab_stages.py): each tp rank holds others
+        self._tp_split.update(m.weight for m in module.modules() if isinstance(m, VocabShard) and m.split_over_tp)
         self.dense += dense
         if self.strategy in ("sparta", "horovod"):
             self._broadcast(dense)

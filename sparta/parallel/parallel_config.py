@@ -45,7 +45,8 @@ class ParallelConfig:
         output head split by vocabulary rows into pp stages, one per pipeline rank (the last
         round of a looped schedule, the second arm of a V), so the last stage stops carrying
         the whole head; the layers fill the other stages. Needs stages_per_rank >= 2 and an
-        untied bias-free head.
+        untied bias-free head. Under tp > 1 with ``vocab_parallel_head`` each stage's rows
+        are cut over tp too; without, they are whole on every tp rank.
     embedding_stages: the same for the input embedding, at the front: the token embedding
         split by vocabulary rows into pp stages (global stages 0 .. pp - 1), so the first
         stage stops holding the whole table. Needs a looped schedule and stages_per_rank >= 3

@@ -195,7 +195,7 @@ def parallelize(
     # --- every check first: no collective has run yet
     parts = ModelParts.of(model)
     config.check(dims, len(parts.layers), layout.world.backend)
-    apart = _apart(model, parts, config, dims.pp)  # checks the head / table where they split
+    apart = _apart(model, parts, config, dims.pp, dims.tp)  # checks the head / table where they split
     stages = plan_stages(model, body, config.split_points, None, apart)  # validates split points / stage count
     if config.split_points is None and body > 1 and sample is None:
         raise ConfigError(
@@ -232,12 +232,14 @@ def parallelize(
     modules: list[nn.Module] = []
     moe_exchange = hierarchical_ep(layout) if config.moe is not None and config.moe.hierarchical and layout.ep else None
     head_stages: list[HeadStage] = []
+    # the vocabulary stages' rows split over tp as the tp head's are (vocab_parallel_head)
+    rows_tp = layout.tp if config.tensor_parallel and config.vocab_parallel_head and dims.tp > 1 else None
     for index in mine:
         if not first <= index < first + body:  # an embedding or head stage: dense rows, replicated over tp
             vocab = (
-                embedding_stage(model, parts, index, dims.pp)
+                embedding_stage(model, parts, index, dims.pp, rows_tp)
                 if index < first
-                else head_stage(model, parts, index - first - body, dims.pp)
+                else head_stage(model, parts, index - first - body, dims.pp, rows_tp)
             ).to(layout.device)
             head_stages += [vocab] if isinstance(vocab, HeadStage) else []
             modules.append(data_parallel.wrap(vocab))
@@ -275,15 +277,16 @@ def parallelize(
                          has_last=num_stages - 1 in mine, heads=head_stages)  # fmt: skip
 
 
-def _apart(model: nn.Module, parts: ModelParts, config: ParallelConfig, pp: int) -> tuple[str, ...]:
+def _apart(model: nn.Module, parts: ModelParts, config: ParallelConfig, pp: int, tp: int) -> tuple[str, ...]:
     """The extras that run on stages of their own (vocab_stages.py), checked. Pure."""
     apart: tuple[str, ...] = ()
+    split = pp * (tp if config.tensor_parallel and config.vocab_parallel_head else 1)
     if config.embedding_stages:
         apart += (check_embedding(model, parts),)
-        shard_rows(model.get_submodule(apart[-1]).num_embeddings, pp)  # type: ignore[arg-type]
+        shard_rows(model.get_submodule(apart[-1]).num_embeddings, split)  # type: ignore[arg-type]
     if config.vocab_stages:
         check_head(model, parts)
-        shard_rows(model.get_submodule(parts.last[-1]).out_features, pp)  # type: ignore[arg-type]
+        shard_rows(model.get_submodule(parts.last[-1]).out_features, split)  # type: ignore[arg-type]
         apart += parts.last
     return apart
 

@@ -31,6 +31,10 @@ a stage's forwards in micro-batch order, plus one shape-inference forward at a s
 first step (`feed(..., inference=True)` puts micro-batch 0 first for it). A count that does
 not match raises rather than pairing a micro-batch with another's targets.
 
+Tensor parallelism: where the tp head would be split (``vocab_parallel_head``), each stage's
+rows are cut over the tp ranks too; the ranks hold ``h`` alike, so the statistics are summed
+over tp forward (its maximum gathered) and ``h``'s gradient backward (Megatron's g and f).
+
 Cost: ``pp`` more stage hops of ``[b, T, d_model + 3]`` float32 per micro-batch (the paper
 broadcasts ``h`` to every rank instead), and the schedule's bubble grows by the shards'
 stages, which are each 1/pp of the head.
@@ -41,7 +45,8 @@ the rows of the ids in its range to the running sum and hands ``[sum, ids]`` ([b
 d_model + 1] float32, the ids exact below 2^24) on. The first layers' stage keeps the
 model's own embedding code (position embeddings, scaling, dropout) with its token embedding
 replaced by `TakenRows`, which takes the sum instead of looking ids up. This balances the
-table's memory (rows, gradients, optimizer state); its compute is small either way.
+table's memory (rows, gradients, optimizer state); its compute is small either way. Under
+tp the rows split over tp as well, their lookups summed over tp.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from sparta.comm import Communicator, all_reduce_backward, all_reduce_forward
 from sparta.errors import ConfigError, InputError
 from sparta.scheduling.varlen import IGNORE_INDEX
 
@@ -62,15 +68,16 @@ STATS = 3  # m, s, z per token
 
 
 class VocabShard(nn.Module):
-    """Rows ``start .. start + rows`` of an output head ``[vocab_size, d_model]`` (no bias).
-    ``forward(h [..., d_model]) -> logits [..., rows]`` in the weight's dtype. Its
-    checkpoint key is the whole head's (``<name>.weight``, this shard a chunk at row
-    ``start``), so a plain ``nn.Linear`` of one process loads it."""
+    """Rows ``start .. start + rows`` of an output head or a token embedding ``[vocab_size,
+    d_model]`` (no bias). ``forward(h [..., d_model]) -> logits [..., rows]`` in the weight's
+    dtype. Its checkpoint key is the whole table's (``<name>.weight``, this shard a chunk at
+    row ``start``), so a plain ``nn.Linear`` / ``nn.Embedding`` of one process loads it.
+    ``split_over_tp``: the stage's rows are cut further over the tp ranks (each holds others)."""
 
-    def __init__(self, weight: Tensor, start: int, vocab_size: int) -> None:
+    def __init__(self, weight: Tensor, start: int, vocab_size: int, split_over_tp: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach().clone())
-        self.start, self.vocab_size = start, vocab_size
+        self.start, self.vocab_size, self.split_over_tp = start, vocab_size, split_over_tp
 
     def forward(self, h: Tensor) -> Tensor:
         return nn.functional.linear(h.to(self.weight.dtype), self.weight)
@@ -82,13 +89,21 @@ class HeadStage(nn.Module):
     own names). Takes ``h [b, T, d_model]`` (shard 0) or ``[b, T, d_model + 3]``; returns
     ``[b, T, d_model + 3]`` float32, or per-token losses ``[b, T]`` on the last shard."""
 
-    def __init__(self, pre: dict[str, nn.Module], head_name: str, head: VocabShard, shard: int, shards: int) -> None:
+    def __init__(
+        self,
+        pre: dict[str, nn.Module],
+        head_name: str,
+        head: VocabShard,
+        shard: int,
+        shards: int,
+        tp: Communicator | None = None,
+    ) -> None:
         super().__init__()
         for name, module in pre.items():
             self.add_module(name, module)
         self.add_module(head_name, head)
         self.pre, self.head_name = tuple(pre), head_name
-        self.shard, self.shards = shard, shards
+        self.shard, self.shards, self.tp = shard, shards, tp
         self._targets: deque[Tensor] = deque()
 
     @property
@@ -128,18 +143,26 @@ class HeadStage(nn.Module):
             h = h.float()
         else:
             h, (m, s, z) = x[..., :-STATS], x[..., -STATS:].unbind(-1)
-        logits = self.head(h).float()
+        # split over tp: every tp rank holds h alike and its own rows, so h's gradient is the
+        # sum of the ranks' (Megatron's f), and the statistics the sum of theirs (its g)
+        logits = self.head(h if self.tp is None else all_reduce_backward(h, self.tp)).float()
         local = targets.to(logits.device) - self.head.start
         mine = (local >= 0) & (local < logits.shape[-1])
         picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
         picked = torch.where(mine, picked, 0.0)
         top = logits.detach().amax(-1)
-        if self.shard == 0:
-            m, s, z = top, (logits - top.unsqueeze(-1)).exp().sum(-1), picked
-        else:
+        if self.tp is not None:
+            top = torch.stack(self.tp.all_gather(top.contiguous())).amax(0)  # type: ignore[arg-type]
+        if self.shard > 0:
             top = torch.maximum(m.detach(), top)
-            s = s * (m.detach() - top).exp() + (logits - top.unsqueeze(-1)).exp().sum(-1)
-            m, z = top, z + picked
+        partial = torch.stack([(logits - top.unsqueeze(-1)).exp().sum(-1), picked], dim=-1)
+        if self.tp is not None:
+            partial = all_reduce_forward(partial, self.tp)
+        if self.shard == 0:
+            m, s, z = top, partial[..., 0], partial[..., 1]
+        else:
+            s = s * (m.detach() - top).exp() + partial[..., 0]
+            m, z = top, z + partial[..., 1]
         if self.shard == self.shards - 1:
             return m + s.log() - z
         return torch.cat([h, torch.stack([m, s, z], dim=-1)], dim=-1)
@@ -150,10 +173,18 @@ class EmbeddingStage(nn.Module):
     (under the embedding's own name, e.g. ``tok_emb``). Takes ids [b, T] (shard 0) or
     ``[b, T, d_model + 1]``; returns ``[b, T, d_model + 1]`` float32 (running sum, ids)."""
 
-    def __init__(self, name: str, rows: VocabShard, shard: int, shards: int, padding_idx: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        rows: VocabShard,
+        shard: int,
+        shards: int,
+        padding_idx: int | None = None,
+        tp: Communicator | None = None,
+    ) -> None:
         super().__init__()
         self.add_module(name, rows)
-        self.name, self.shard, self.shards = name, shard, shards
+        self.name, self.shard, self.shards, self.tp = name, shard, shards, tp
         # the table's padding row, where this shard holds it: its gradient stays zero
         local = None if padding_idx is None else padding_idx - rows.start
         self.padding_idx = local if local is not None and 0 <= local < rows.weight.shape[0] else None
@@ -168,8 +199,9 @@ class EmbeddingStage(nn.Module):
         local = ids - rows.start
         mine = (local >= 0) & (local < rows.weight.shape[0])
         found = nn.functional.embedding(local.clamp(0, rows.weight.shape[0] - 1), rows.weight, self.padding_idx)
-        found = found.float()
-        found = found * mine.unsqueeze(-1)
+        found = found.float() * mine.unsqueeze(-1)
+        if self.tp is not None:  # each tp rank looked up its own rows: their sum, used alike
+            found = all_reduce_forward(found, self.tp)
         total = found if total is None else total + found
         return torch.cat([total, ids.unsqueeze(-1).float()], dim=-1)
 
@@ -246,7 +278,10 @@ def check_embedding(model: nn.Module, parts: ModelParts) -> str:
 def shard_rows(vocab_size: int, shards: int) -> list[tuple[int, int]]:
     """The vocabulary rows ``(start, stop)`` of each shard, as even as integers allow."""
     if vocab_size < shards:
-        raise ConfigError(f"a vocabulary of {vocab_size} cannot be split into {shards} head stages (pp): lower pp")
+        raise ConfigError(
+            f"{vocab_size} vocabulary rows cannot be split into {shards} parts (one per pipeline rank, and per tp "
+            "rank where the stages split over tp): lower pp or tp"
+        )
     base, extra = divmod(vocab_size, shards)
     bounds = [0]
     for k in range(shards):
@@ -254,21 +289,33 @@ def shard_rows(vocab_size: int, shards: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:], strict=False))
 
 
-def embedding_stage(model: nn.Module, parts: ModelParts, shard: int, shards: int) -> EmbeddingStage:
-    """Embedding stage ``shard`` of ``shards`` cut from ``model`` (copies: the model is untouched)."""
+def _rows(weight: Tensor, shard: int, shards: int, tp: Communicator | None) -> VocabShard:
+    """Stage ``shard``'s rows of ``weight`` [vocab, d], cut further over ``tp`` (this rank's)."""
+    start, stop = shard_rows(weight.shape[0], shards)[shard]
+    if tp is not None:
+        a, b = shard_rows(stop - start, tp.size)[tp.rank]
+        start, stop = start + a, start + b
+    return VocabShard(weight[start:stop], start, weight.shape[0], split_over_tp=tp is not None)
+
+
+def embedding_stage(
+    model: nn.Module, parts: ModelParts, shard: int, shards: int, tp: Communicator | None = None
+) -> EmbeddingStage:
+    """Embedding stage ``shard`` of ``shards`` cut from ``model`` (copies: the model is
+    untouched); its rows cut further over ``tp`` where given."""
     name = check_embedding(model, parts)
     table = model.get_submodule(name)
     assert isinstance(table, nn.Embedding)
-    start, stop = shard_rows(table.num_embeddings, shards)[shard]
-    rows = VocabShard(table.weight[start:stop], start, table.num_embeddings)
-    return EmbeddingStage(name, rows, shard, shards, table.padding_idx)
+    return EmbeddingStage(name, _rows(table.weight, shard, shards, tp), shard, shards, table.padding_idx, tp)
 
 
-def head_stage(model: nn.Module, parts: ModelParts, shard: int, shards: int) -> HeadStage:
-    """Head stage ``shard`` of ``shards`` cut from ``model`` (copies: the model is untouched)."""
+def head_stage(
+    model: nn.Module, parts: ModelParts, shard: int, shards: int, tp: Communicator | None = None
+) -> HeadStage:
+    """Head stage ``shard`` of ``shards`` cut from ``model`` (copies: the model is untouched);
+    its rows cut further over ``tp`` where given."""
     name = check_head(model, parts)
     head = model.get_submodule(name)
     assert isinstance(head, nn.Linear)
-    start, stop = shard_rows(head.out_features, shards)[shard]
     pre = {n: copy.deepcopy(model.get_submodule(n)) for n in parts.last[:-1]} if shard == 0 else {}
-    return HeadStage(pre, name, VocabShard(head.weight[start:stop], start, head.out_features), shard, shards)
+    return HeadStage(pre, name, _rows(head.weight, shard, shards, tp), shard, shards, tp)

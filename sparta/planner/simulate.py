@@ -196,10 +196,15 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
         into[3] += p.saved_bytes_per_token * tokens / (saved_split or split)
 
     first, body = plan.config.first_body(dims.pp), plan.config.body_stages(dims.pp)
+    # vocabulary stages' rows: 1/pp of the table each, cut over tp too as the tp head is
+    config = plan.config
+    rows_tp = dims.tp if config.tensor_parallel and config.vocab_parallel_head and dims.tp > 1 else 1
     if index < first:
-        # an embedding stage (embedding_stages): 1/pp of the table's rows and lookups
-        add(extras, "embed", dims.pp)
-        dense += costs.parts["embed"].params / dims.pp
+        # an embedding stage (embedding_stages): its rows' lookups, summed over tp forward
+        add(extras, "embed", dims.pp * rows_tp)
+        if rows_tp > 1:
+            comms[0] += costs.collective("all_reduce", rows_tp, act)
+        dense += costs.parts["embed"].params / (dims.pp * rows_tp)
     elif index == 0:
         add(extras, "embed", 1)
         dense += costs.parts["embed"].params / (dims.dp if plan.config.embedding == "sparse" else 1)
@@ -244,15 +249,17 @@ def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: li
             dense += costs.parts["mlp"].params / dims.tp
         largest_block = max(largest_block, blocks[3] - before)
     if index >= first + body:
-        # a head stage (vocab_stages): 1/pp of the head's rows and per-token work, the same on
-        # every tp rank (not split over tp); its fixed cost per call whole
-        add(extras, "head", dims.pp)
-        dense += costs.parts["head"].params / dims.pp
+        # a head stage (vocab_stages): its rows' per-token work (its fixed cost per call
+        # whole); over tp, its input gradient summed backward (the statistics are small)
+        add(extras, "head", dims.pp * rows_tp)
+        if rows_tp > 1:
+            comms[1] += costs.collective("all_reduce", rows_tp, act)
+            comms[2] += costs.collective("all_reduce", rows_tp, act)
+        dense += costs.parts["head"].params / (dims.pp * rows_tp)
     elif index == n_stages - 1:
         # its vocabulary split over tp where tp divides it, as parallelize does (the "vocab"
         # style, the loss on the shards): per-token time and parameters divided, plus the
         # input gradient's all-reduce
-        config = plan.config
         split_head = config.tensor_parallel and config.vocab_parallel_head and cfg.vocab_size % dims.tp == 0
         head = dims.tp if dims.tp > 1 and split_head else 1
         add(extras, "head", head)

@@ -31,6 +31,7 @@ from sparta.parallel import (
     parallelize,
     schedule_actions,
 )
+from sparta.parallel.vocab_stages import VocabShard
 
 MODEL = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=4, d_ff=32)
 MOE = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2)
@@ -159,6 +160,12 @@ def trained_losses(
     for head in heads if tp_head else ():  # split by rows over the tp mesh dimension (FSDP2 may add dp)
         tp_dim = head.weight.device_mesh.mesh_dim_names.index("tp")
         assert head.weight.placements[tp_dim].is_shard(0), head.weight.placements
+    # vocabulary stages: their rows cut over pp, and over tp as the tp head is
+    rows = [m for part in pm.parts for m in part.modules() if isinstance(m, VocabShard)]
+    tp_rows = layout.dims.tp > 1 and config.tensor_parallel and config.vocab_parallel_head
+    per = MODEL.vocab_size // (layout.dims.pp * (layout.dims.tp if tp_rows else 1))
+    count = config.vocab_stages + config.embedding_stages
+    assert len(rows) == count and all(m.weight.shape[0] == per and m.split_over_tp == tp_rows for m in rows), rows
     if config.lengths:  # one schedule per batch shape the padded batches took
         shift = layout.dp_rank if uneven else 0
         want = sorted({(BATCH, pm.padded_length(n - shift)) for n in LENGTHS_SEEN})

@@ -67,7 +67,7 @@ def test_the_head_stages_chained_equal_cross_entropy_and_its_gradients(shards: i
 def test_shard_rows_split_the_vocabulary_evenly() -> None:
     assert shard_rows(67, 3) == [(0, 23), (23, 45), (45, 67)]
     assert shard_rows(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    with pytest.raises(ConfigError, match="vocabulary of 3 cannot be split into 4 head stages"):
+    with pytest.raises(ConfigError, match=r"3 vocabulary rows cannot be split into 4 parts \(one per pipeline rank"):
         shard_rows(3, 4)
 
 

@@ -382,6 +382,12 @@ def test_head_stages_take_a_pth_of_the_head_each_and_the_search_weighs_them(tmp_
     assert got.step_s < base.step_s, (got, base)
     spread = max(got.peak_bytes.values()) - min(got.peak_bytes.values())
     assert spread < max(base.peak_bytes.values()) - min(base.peak_bytes.values())
+    # under tp the stages' rows split over it too (as the tp head's do): a quarter of the head each
+    split = simulate(c, WORK, Plan(ParallelDims(pp=2, tp=2), vocab.config)).peak_bytes
+    whole_config = dataclasses.replace(vocab.config, vocab_parallel_head=False)
+    whole = simulate(c, WORK, Plan(ParallelDims(pp=2, tp=2), whole_config)).peak_bytes
+    # (and half the saved activations: 4 bytes a token)
+    assert all(whole[r] - split[r] == pytest.approx(64_000 / 4 * 16, rel=1e-3) for r in (0, 1)), (whole, split)
     # the search tries them beside the naive split, and ranks them first among the pipelines
     # when the head dominates (dp2 wins outright here: these costs have no collectives)
     result = search(c, WORK, 2, GIB, ParallelConfig(), Space(schedules=("Interleaved1F1B",), strategies=("sparta",)))
