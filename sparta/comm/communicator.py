@@ -98,9 +98,10 @@ class Communicator(Exchange, abc.ABC):
         """`buf` from group rank `src`, into a buffer of the same size on every rank."""
 
     @abc.abstractmethod
-    def _all_reduce(self, x: torch.Tensor, op: str) -> Handle[torch.Tensor]:
+    def _all_reduce(self, x: torch.Tensor, op: str, donate: bool = False) -> Handle[torch.Tensor]:
         """Element-wise sum of a contiguous tensor of a native reduce dtype, into a new
-        tensor: `x` may be the caller's own and must not change."""
+        tensor: `x` may be the caller's own and must not change, unless `donate`, where the
+        engine may sum into `x` itself and return it (saving a copy)."""
 
     @abc.abstractmethod
     def _split(self, groups: list[list[int]], mine: int | None, config: CommConfig) -> Communicator | None:
@@ -288,19 +289,27 @@ class Communicator(Exchange, abc.ABC):
         return out if async_op else out.wait()
 
     def all_reduce(
-        self, x: torch.Tensor, op: str = "sum", async_op: bool = False, check: bool | None = None
+        self,
+        x: torch.Tensor,
+        op: str = "sum",
+        async_op: bool = False,
+        check: bool | None = None,
+        donate: bool = False,
     ) -> torch.Tensor | Handle[torch.Tensor]:
         """Element-wise sum ("sum") or mean ("avg") over ranks; returns a new tensor.
-        `check`: as for `all_to_all` (None follows `CommConfig.check_inputs`)."""
+        `check`: as for `all_to_all` (None follows `CommConfig.check_inputs`). `donate`: `x`
+        is the caller's scratch, which the engine may sum into and return instead of a new
+        tensor (the torch engine does, saving a copy of `x`; its contents are undefined
+        after the call either way)."""
         name = self._op(f"all_reduce({op})")
         x, problem = checks.as_tensor(x)
         wide, problem = widened_for_reduction(x, op, problem, self.native_reduce_dtypes, self.backend)
         self._settle(x, problem, name, check)
         if self.size == 1:  # the reduction over one rank is its own tensor: no engine round trip
             self._ready(name)
-            out = Handle.completed(reduction_result(wide.clone(), x, op, self.size))
+            out = Handle.completed(reduction_result(wide if donate and wide is x else wide.clone(), x, op, self.size))
         else:
-            out = self._issue(name, lambda: self._all_reduce(wide, name))
+            out = self._issue(name, lambda: self._all_reduce(wide, name, donate and wide is x))
             out = out.then(lambda y: reduction_result(y, x, op, self.size))
         return out if async_op else out.wait()
 

@@ -81,6 +81,8 @@ class _Task:
     chunks: list[torch.Tensor]
     pending: list[Handle[torch.Tensor]] = field(default_factory=list)
     result: torch.Tensor | None = None
+    check: bool | None = None
+    donate: bool = False
 
 
 class PriorityQueue:
@@ -144,12 +146,19 @@ class PriorityQueue:
         reduce: str = "sum",
         send_splits: Sequence[int] | None = None,
         recv_splits: Sequence[int] | None = None,
+        check: bool | None = None,
+        donate: bool = False,
     ) -> Handle[torch.Tensor]:
         """Queue `op` on `tensor`; returns a handle whose `wait()` gives the result.
 
         all_reduce: `reduce` is "sum" or "avg", the tensor keeps its shape. all_to_all: rows
         split by `send_splits`, and `recv_splits` must be given (nothing is exchanged
         first, so the queue never issues a collective the keys did not order).
+        check: compare the all-reduce's tensor across ranks before its first chunk (None:
+        `CommConfig.check_inputs`); a caller whose shapes were agreed once passes False, since
+        the check is a rendezvous that stalls whatever issues it (a backward hook). donate:
+        `tensor` is the caller's scratch, summed in place where the engine can
+        (`Communicator.all_reduce`); the result is then `tensor` itself, with no copy.
         """
         if key not in self._order or key in self._tasks:
             why = "was already submitted" if key in self._tasks else f"is not in this round {self._order}"
@@ -165,7 +174,7 @@ class PriorityQueue:
             chunks = [tensor.detach()]
         send = [int(s) for s in send_splits] if send_splits is not None else None
         recv = [int(s) for s in recv_splits] if recv_splits is not None else None
-        task = _Task(key, tensor, op, reduce, send, recv, chunks)
+        task = _Task(key, tensor, op, reduce, send, recv, chunks, check=check, donate=donate)
         self._tasks[key] = task
         self._pump()
         return Handle(lambda: self._finish(task))
@@ -208,9 +217,10 @@ class PriorityQueue:
         comm, chunk = self.comm, task.chunks[index]
         if task.op == "all_to_all":
             return comm.start_all_to_all(chunk, task.send, task.recv, check=False).handle
-        if index == 0 and comm.config.check_inputs:  # once per task: a check per chunk would block each
+        check = comm.config.check_inputs if task.check is None else task.check
+        if index == 0 and check:  # once per task: a check per chunk would block each
             comm.agree_tensor(task.tensor, f"queued all_reduce({task.reduce}) of {task.key} on {comm.where}")
-        return comm.all_reduce(chunk, task.reduce, async_op=True, check=False)  # type: ignore[return-value]
+        return comm.all_reduce(chunk, task.reduce, async_op=True, check=False, donate=task.donate)  # type: ignore[return-value]
 
     def _finish(self, task: _Task) -> torch.Tensor:
         if task.result is None:
@@ -221,5 +231,10 @@ class PriorityQueue:
                     "submit those before waiting (every rank issues in the same agreed order)"
                 )
             parts = [h.wait() for h in task.pending]
-            task.result = torch.cat(parts).view(task.tensor.shape) if task.op == "all_reduce" else parts[0]
+            if task.op != "all_reduce":
+                task.result = parts[0]
+            elif all(p is c for p, c in zip(parts, task.chunks, strict=True)):  # summed in place: donated
+                task.result = task.tensor
+            else:
+                task.result = torch.cat(parts).view(task.tensor.shape)
         return task.result

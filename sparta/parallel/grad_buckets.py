@@ -50,10 +50,11 @@ def unflatten_into(flat: torch.Tensor, spans: list[tuple[torch.Tensor, int, int]
     """Copy consecutive pieces of ``flat`` into elements [first, end) of each tensor, times ``factor``."""
     offset = 0
     for t, lo, hi in spans:
-        piece = t.view(-1)[lo:hi]
-        piece.copy_(flat[offset : offset + hi - lo])
+        piece, src = t.view(-1)[lo:hi], flat[offset : offset + hi - lo]
         if factor != 1.0:
-            piece.mul_(factor)
+            torch.mul(src, factor, out=piece)  # scaled on the way: one pass over the gradient
+        else:
+            piece.copy_(src)
         offset += hi - lo
 
 
@@ -93,6 +94,7 @@ class GradBuckets:
         self._task_of: dict[nn.Parameter, list[int]] = {}
         self._ready_index: dict[nn.Parameter, int] = {}
         self._stale = True
+        self._agreed = False  # the plan's piece sizes compared across ranks (once per plan)
         self._started = False
         self._arrivals: dict[nn.Parameter, int] = {}
         self._missing: list[int] = []  # per task: parameters not complete yet
@@ -102,7 +104,7 @@ class GradBuckets:
         """Reduce ``params`` too (each already in ``order`` and ``names``); returns their
         gradient hooks, for the caller to remove."""
         self.params += params
-        self._stale = True
+        self._stale, self._agreed = True, False
         return [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
 
     @property
@@ -147,9 +149,15 @@ class GradBuckets:
         self._stale = False
 
     def start(self) -> None:
-        """Begin a step: no piece sent yet, every parameter awaiting its micro-batches."""
+        """Begin a step: no piece sent yet, every parameter awaiting its micro-batches. At
+        the first step of a plan, collective over ``dp``: the pieces' sizes are compared
+        across ranks (InputError on every rank where they differ), so that the steps' own
+        reductions skip the per-call check, a rendezvous that would stall the backward hook
+        issuing it until every rank reached the same point."""
         if self._stale:
             self._plan()
+        if not self._agreed:
+            self._agree()
         self._started = True
         self._arrivals = {}
         self._missing = [len({p for p, _, _ in t.spans}) for t in self._tasks]
@@ -158,6 +166,16 @@ class GradBuckets:
             task.handle = None
         if self.release is not None:
             self.release.start(self._send)
+
+    def _agree(self) -> None:
+        sizes = torch.tensor([sum(hi - lo for _, lo, hi in t.spans) for t in self._tasks], dtype=torch.int64)
+        every = self.dp.all_gather(sizes)
+        if any(not torch.equal(other, sizes) for other in every):  # type: ignore[union-attr]
+            raise InputError(
+                f"data-parallel gradient pieces differ across the dp ranks (elements per piece, by rank: "
+                f"{[t.tolist() for t in every]}): every rank must wrap the same model with the same parameters"  # type: ignore[union-attr]
+            )
+        self._agreed = True
 
     def _arrived(self, p: torch.Tensor) -> None:
         if not self._started:
@@ -192,10 +210,12 @@ class GradBuckets:
     def _send(self, index: int) -> None:
         task = self._tasks[index]
         flat = torch.cat([local_grad(p).reshape(-1)[lo:hi] for p, lo, hi in task.spans])
+        # no per-call check: the sizes were agreed at the plan's first start; flat is ours to
+        # donate, so the engine may sum into it instead of a copy
         if self.queue is not None:
-            task.handle = self.queue.submit(task.key, flat, reduce="sum")
+            task.handle = self.queue.submit(task.key, flat, reduce="sum", check=False, donate=True)
         else:
-            task.handle = self.dp.all_reduce(flat, op="sum", async_op=True)  # type: ignore[assignment]
+            task.handle = self.dp.all_reduce(flat, op="sum", async_op=True, check=False, donate=True)  # type: ignore[assignment]
         self._sent += 1
 
     def complete_rest(self) -> None:

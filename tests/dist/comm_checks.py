@@ -101,6 +101,13 @@ def check_all_reduce(world: World) -> None:
     assert handle.wait().item() == total
     scalar = world.comm.all_reduce(torch.tensor(2.0))
     assert scalar.shape == () and scalar.item() == 2.0 * n
+    # donated scratch: the torch engine sums into it (no copy), the others into their own buffer
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        x = block(r, 0, 3, dtype)
+        got = world.comm.all_reduce(x, async_op=True, check=False, donate=True).wait()
+        assert torch.equal(got, sum(block(s, 0, 3, torch.float64) for s in range(n)).to(dtype)), (dtype, got)
+        if dtype != torch.bfloat16:  # (bfloat16 may be widened first: then a copy is summed)
+            assert (got is x) == (world.backend == "torch"), (dtype, world.backend)
 
 
 def check_all_gather_uneven(world: World) -> None:

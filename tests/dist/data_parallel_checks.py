@@ -24,7 +24,7 @@ from torch import nn
 
 from sparta.comm import World
 from sparta.embedding import SparseEmbedding, sharded_parameter_names, swap_embeddings
-from sparta.errors import ConfigError
+from sparta.errors import ConfigError, InputError
 from sparta.moe import MoELayer, moeify
 from sparta.parallel import DataParallel, Layout, ParallelDims, build_layout
 from sparta.parallel.hf import HFDecoder, from_hf
@@ -166,9 +166,25 @@ def check_expert_weights_treated_as_dense_are_wrong_and_refused(world: World) ->
             DataParallel(layout(world, ep), "sparta", 1, False).wrap(model)
 
 
+def check_gradient_pieces_that_differ_across_ranks_are_refused(world: World) -> None:
+    """The "sparta" strategy compares its pieces' sizes across the dp ranks once, at the first
+    step of a plan, so that every step's reductions skip the per-call check: models that differ
+    (here 30 parameters each, cut 4 x 6 + 6 on even ranks and 5 x 5 + 5 on odd ones, so even
+    the broadcast at wrap, one flat tensor, passes) are refused on every rank before any piece
+    moves, by name."""
+    shape = (6, 4) if world.rank % 2 == 0 else (5, 5)
+    dp = DataParallel(layout(world, 1), "sparta", 1, False, bucket_mb=1e-5, queue=False)  # a piece per parameter
+    model = dp.wrap(nn.Linear(shape[1], shape[0]))
+    with raises(InputError, r"data-parallel gradient pieces differ across the dp ranks .*\[6, 24\].*\[5, 25\]"):
+        dp.start()
+    dp.close()
+    del model
+
+
 CHECKS = [
     check_gpt2_experts_and_sparse_embeddings_equal_one_process,
     check_expert_weights_treated_as_dense_are_wrong_and_refused,
+    check_gradient_pieces_that_differ_across_ranks_are_refused,
 ]
 
 if __name__ == "__main__":

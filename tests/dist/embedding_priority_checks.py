@@ -50,6 +50,12 @@ def check_priority_queue_order_and_reassembly(world: World) -> None:
             torch.testing.assert_close(handle.wait(), want, rtol=0, atol=1e-9)
         want_log = want_log or [(k, c) for k in KEYS for c in range(20 if k.name == "big" else 1)]
         assert queue.issue_log == want_log, (round_, queue.issue_log[:12])
+    # a donated task: summed in place, chunk by chunk, where the engine can (torch): no copy back
+    queue.expect([TaskKey(0, "donated")])
+    scratch = payload(BIG, comm.rank).clone()  # 20 chunks
+    got = queue.submit(TaskKey(0, "donated"), scratch, check=False, donate=True).wait()
+    torch.testing.assert_close(got, sum(payload(BIG, r) for r in range(comm.size)), rtol=0, atol=1e-9)
+    assert (got is scratch) == (comm.backend == "torch"), comm.backend
     # an all-to-all task: rank r sends s + 1 rows to rank s
     queue.expect([TaskKey(0, "rows")])
     rows = torch.cat([torch.full((s + 1, 2), float(comm.rank)) for s in range(comm.size)])

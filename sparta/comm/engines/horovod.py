@@ -131,7 +131,8 @@ class HorovodCommunicator(Communicator):
             lambda: self._hvd.broadcast_async(buf, root_rank=root, name=name, process_set=self.process_set), op
         )
 
-    def _all_reduce(self, x: torch.Tensor, op: str) -> Handle[torch.Tensor]:
+    def _all_reduce(self, x: torch.Tensor, op: str, donate: bool = False) -> Handle[torch.Tensor]:
+        # donate is not taken: Horovod's out-of-place allreduce_async returns its own tensor
         name = self._name("allreduce")
         return self._handle(
             lambda: self._hvd.allreduce_async(x, op=self._hvd.Sum, name=name, process_set=self.process_set), op

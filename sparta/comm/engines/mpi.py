@@ -259,7 +259,8 @@ class MPICommunicator(Communicator):
         host = buf.cpu()
         return self._run(lambda: self.mpi.Bcast([host.numpy(), self._MPI.BYTE], root=src), host, buf.device, op)
 
-    def _all_reduce(self, x: torch.Tensor, op: str) -> Handle[torch.Tensor]:
+    def _all_reduce(self, x: torch.Tensor, op: str, donate: bool = False) -> Handle[torch.Tensor]:
+        # donate is not taken: the sum lands in a host buffer of its own (x may be on a GPU)
         src = self._host(x)
         out = torch.empty(x.shape, dtype=x.dtype)
         return self._run(lambda: self.mpi.Allreduce(src, out.numpy(), op=self._MPI.SUM), out, x.device, op)

@@ -116,8 +116,8 @@ class TorchCommunicator(Communicator):
     def _broadcast_bytes(self, buf: torch.Tensor, src: int, op: str) -> Handle[torch.Tensor]:
         return self._run(lambda: dist.broadcast(buf, group_src=src, group=self.pg, async_op=True), buf, op)
 
-    def _all_reduce(self, x: torch.Tensor, op: str) -> Handle[torch.Tensor]:
-        y = x.clone()
+    def _all_reduce(self, x: torch.Tensor, op: str, donate: bool = False) -> Handle[torch.Tensor]:
+        y = x if donate else x.clone()
         return self._run(lambda: dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.pg, async_op=True), y, op)
 
     def _split(self, groups: list[list[int]], mine: int | None, config: CommConfig) -> Communicator | None:
