@@ -45,7 +45,10 @@ Strategies (for the dense parameters; experts and shards are always handled as a
   (`SparseEmbedding.defer_gradients`): backward hands them over and goes on, and the rows,
   first in the next forward, overtake every dense chunk not yet issued. ``queue=False``
   sends the buckets straight to the engine in backward order and exchanges the rows inside
-  backward. ``partition`` (a `sparta.scheduling.GradientPartition`) replaces the buckets by
+  backward (`parallelize` takes the queue only where such rows share it: alone, its flow
+  control only stalled the hooks). Either way the bucket sizes are agreed across the dp
+  ranks once, at the first step, and each bucket is summed in place (donated), with no
+  per-step check or copy. ``partition`` (a `sparta.scheduling.GradientPartition`) replaces the buckets by
   the cost model's pieces, released into the network gaps of an MoE layer's pipelined
   backward (`sparta.scheduling.GapRelease`; give the layer ``dp.watch(exchange)``). The
   buckets and their hooks are `grad_buckets.GradBuckets`.
