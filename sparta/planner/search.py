@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -50,13 +49,16 @@ class Space:
     """Where the search looks. schedules: names (None: every schedule); max_microbatches:
     the largest count tried (None: every divisor of a dp rank's batch); max_tp: the largest
     tp (e.g. the devices of one node: tp across nodes never pays); strategies: the
-    data-parallel strategies tried. A narrower space is what makes 1,024-device searches
-    quick: torch builds an interleaved table of 64 ranks x 512 micro-batches in ~15 s."""
+    data-parallel strategies tried; vocab_stages: also the head as pipeline stages of its own
+    (and, on looped schedules, the token embedding too, at 3 stages per rank). A narrower
+    space is what makes 1,024-device searches quick: torch builds an interleaved table of 64
+    ranks x 512 micro-batches in ~15 s."""
 
     schedules: tuple[str, ...] | None = None
     max_microbatches: int | None = None
     max_tp: int | None = None
     strategies: tuple[str, ...] = STRATEGIES
+    vocab_stages: bool = True
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.schedules or () if s not in SCHEDULES]
@@ -124,13 +126,24 @@ def layouts(world: int, work: Workload, max_tp: int | None = None) -> Iterator[P
                 yield ParallelDims(pp=pp, dp=dp, tp=tp, ep=ep)
 
 
-def _schedules(pp: int, names: tuple[str, ...] | None) -> Iterator[tuple[str, int]]:
+def _schedules(pp: int, names: tuple[str, ...] | None, vocab: bool) -> Iterator[tuple[str, int, bool, bool]]:
+    """(schedule, stages per rank, vocab_stages, embedding_stages) to try: the vocabulary
+    stages where ``vocab`` and the schedule holds them (head stages beside one layers' stage
+    per rank; looped schedules also the embedding's, at 3 stages per rank)."""
     if pp == 1:
-        yield "1F1B", 1  # one stage: every schedule runs the same forward then backward
+        yield "1F1B", 1, False, False  # one stage: every schedule runs the same forward then backward
         return
     for name, style in SCHEDULES.items():
-        if names is None or name in names:
-            yield name, 1 if style == "single" else 2
+        if names is not None and name not in names:
+            continue
+        if style == "single":
+            yield name, 1, False, False
+            continue
+        yield name, 2, False, False
+        if vocab:
+            yield name, 2, True, False
+            if style == "loop":
+                yield name, 3, True, True
 
 
 def layer_costs(costs: ModelCosts, work: Workload, tokens: float) -> dict[str, float]:
@@ -167,18 +180,19 @@ def search(
         if not per_dp:
             rejected[f"global_batch={work.global_batch} does not divide over dp"] += 1
             continue
-        for schedule, spr in _schedules(dims.pp, space.schedules):
+        for schedule, spr, heads, tables in _schedules(dims.pp, space.schedules, space.vocab_stages):
             for mb in (m for m in _divisors(per_dp) if space.max_microbatches is None or m <= space.max_microbatches):
                 tokens = per_dp // mb * work.model.seq_len
-                for heads, strategy in itertools.product((False, True) if spr > 1 else (False,), space.strategies):
+                for strategy in space.strategies:
                     if strategy == "fsdp" and dims.dp == 1:
                         rejected[FSDP_ALONE] += 1
                         continue
-                    body = dims.pp * (spr - 1 if heads else spr)  # vocab_stages: the head's pp stages apart
+                    body = dims.pp * (spr - heads - tables)  # the vocabulary stages' pp each apart
+                    apart = (parts.first if tables else ()) + (parts.last if heads else ())
                     try:
                         if body > work.model.n_layers:
                             raise ConfigError(f"{body} stages but {work.model.n_layers} layers")
-                        stages = _split(parts, body, layer_costs(costs, work, tokens), heads)
+                        stages = _split(parts, body, layer_costs(costs, work, tokens), apart)
                         config = dataclasses.replace(
                             base,
                             schedule=schedule,
@@ -187,6 +201,7 @@ def search(
                             split_points=tuple(s[0] for s in stages[1:]),
                             data_parallel=strategy,
                             vocab_stages=heads,
+                            embedding_stages=tables,
                         )
                         ranked = _fitted(costs, work, Plan(dims, config), memory_bytes)
                     except ConfigError as exc:
@@ -203,11 +218,11 @@ def _split_cached(parts: ModelParts, stages: int, costs: tuple[tuple[str, float]
     return split_by_cost(parts, stages, dict(costs))
 
 
-def _split(parts: ModelParts, stages: int, costs: dict[str, float], head_apart: bool) -> list[list[str]]:
-    """The layers of ``stages`` stages balanced on ``costs``; ``head_apart``: the head runs on
-    stages of its own (vocab_stages), so the last is not charged for it."""
-    if head_apart:
-        costs = {**costs, **dict.fromkeys(parts.last, 0.0)}
+def _split(parts: ModelParts, stages: int, costs: dict[str, float], apart: tuple[str, ...]) -> list[list[str]]:
+    """The layers of ``stages`` stages balanced on ``costs``; ``apart``: the extras that run on
+    stages of their own (the head under vocab_stages, the embedding under embedding_stages),
+    charged to no layers' stage."""
+    costs = {**costs, **dict.fromkeys(apart, 0.0)}
     return _split_cached(parts, stages, tuple(sorted(costs.items())))
 
 
@@ -220,10 +235,11 @@ def _fitted(costs: ModelCosts, work: Workload, plan: Plan, memory_bytes: float) 
     if prediction.max_peak_bytes <= memory_bytes or plan.config.schedule in ZERO_BUBBLE:
         return Ranked(plan, prediction)
     dims, spr = plan.dims, plan.config.stages_per_rank
-    body = plan.config.body_stages(dims.pp)  # head stages (vocab_stages) have no layers to recompute
+    # the vocabulary stages have no layers to recompute
+    first, body = plan.config.first_body(dims.pp), plan.config.body_stages(dims.pp)
     over = [r for r, b in prediction.peak_bytes.items() if b > memory_bytes]
-    for stages in ({s for r in over for s in stage_ids(plan.config.schedule, dims.pp, r, spr)}, range(body)):
-        stages = [s for s in stages if s < body]
+    for stages in ({s for r in over for s in stage_ids(plan.config.schedule, dims.pp, r, spr)}, range(first + body)):
+        stages = [s for s in stages if first <= s < first + body]
         recomputed = Plan(dims, dataclasses.replace(plan.config, recompute=tuple(sorted(stages))))
         prediction = simulate(costs, work, recomputed)
         if prediction.max_peak_bytes <= memory_bytes:
@@ -251,10 +267,10 @@ def _toml_value(value: Any) -> str:
 
 PLAN_FIELDS = (
     "pp", "dp", "tp", "ep", "schedule", "microbatches", "stages_per_rank", "split_points", "data_parallel", "recompute",
-    "vocab_stages",
+    "vocab_stages", "embedding_stages",
 )  # fmt: skip
 # written by later versions only: a plan file without them still reads (as their default)
-_LATER_FIELDS = frozenset({"vocab_stages"})
+_LATER_FIELDS = frozenset({"vocab_stages", "embedding_stages"})
 
 
 def write_plan(path: str | Path, ranked: Ranked, work: Workload, world: int, costs: ModelCosts) -> None:

@@ -394,7 +394,10 @@ def test_head_stages_take_a_pth_of_the_head_each_and_the_search_weighs_them(tmp_
     pipelines = [r for r in result.fits if r.plan.dims.pp == 2]
     described = [r.plan.describe() for r in pipelines]
     assert any("vocab-stages" in d for d in described) and any("vocab-stages" not in d for d in described)
+    assert any("v3 sparta embedding-stages vocab-stages" in d for d in described), described
     assert pipelines[0].plan.config.vocab_stages, described
+    narrow = Space(schedules=("Interleaved1F1B",), strategies=("sparta",), vocab_stages=False)
+    assert not any("stages" in r.plan.describe() for r in search(c, WORK, 2, GIB, ParallelConfig(), narrow).fits)
     # the token embedding's stages too, at the front: a table of 64,000 parameters split over pp
     c.parts["embed"] = part(0.0, 0.0, saved=0.0, params=64_000)
     both = Plan(vocab.dims, dataclasses.replace(vocab.config, stages_per_rank=3, embedding_stages=True))
