@@ -8,8 +8,9 @@
 
 Pieces: costs.py (what is measured, saved and checked against the model and hardware),
 measure.py (measuring it on the hardware at hand: parts, every group shape, the optimizer),
-hardware.py (costs of clusters we do not have, from published figures), simulate.py (a plan
-replayed on the costs: step time, peak memory, timeline), search.py (the plans the trainer
+hardware.py (costs of clusters we do not have, from published figures), stage_cost.py (what
+one stage costs per micro-batch), simulate.py (a plan replayed on the costs: step time, peak
+memory, timeline), search.py (the plans the trainer
 can run, ranked under a memory budget; plan files), command.py (`sparta plan`). Variable
 lengths (DynaPipe) are sparta.scheduling.varlen's; `length_cost` gives them the measured cost.
 It sits above sparta.parallel: it plans for the trainer and imports it, never the reverse.

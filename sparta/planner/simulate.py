@@ -75,6 +75,7 @@ from sparta.scheduling.trace import Span
 from sparta.scheduling.varlen import LengthCost
 
 from .costs import FLOAT_BYTES, ModelCosts
+from .stage_cost import StageCost, stage_cost
 
 ADAMW_BYTES = 4 * FLOAT_BYTES  # parameter, gradient, two moments
 _ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
@@ -153,132 +154,6 @@ def stage_layers(plan: Plan, n_layers: int) -> list[list[int]]:
     return [[] for _ in range(front)] + body + [[] for _ in range(heads)]
 
 
-@dataclass(frozen=True)
-class _Stage:
-    fwd: float  # compute seconds at full speed
-    bwd: float
-    bwd_input: float
-    fwd_comm: float  # collective seconds inside the action (tp all-reduces, ep all-to-alls)
-    bwd_comm: float
-    bwd_input_comm: float
-    saved: float  # activation bytes per micro-batch, held from F to B (or W)
-    transient: float  # bytes briefly live during backward (a recomputed block's activations)
-    params: float  # float32 parameters this rank holds for the stage
-    dense_params: float  # of which reduced over dp
-    expert_params: float  # of which reduced over the expert's replicas
-
-
-def _stage(costs: ModelCosts, work: Workload, plan: Plan, index: int, layers: list[int], tokens: float) -> _Stage:
-    dims, cfg, moe = plan.dims, work.model, work.moe
-    n_stages = dims.pp * plan.config.stages_per_rank
-    act = tokens * cfg.d_model * costs.element_bytes
-    # [fwd, bwd, bwd_input, saved] of the stage's blocks and of its extras (embedding, head),
-    # and the collectives' seconds inside fwd, bwd and bwd_input
-    blocks, extras, comms = [0.0] * 4, [0.0] * 4, [0.0] * 3
-    largest_block = dense = expert = 0.0
-
-    def add(
-        into: list[float], part: str, split: int, comm: float = 0.0, group: int = dims.tp, saved_split: int = 0
-    ) -> None:
-        # a part's fixed cost per call (launches, Python) is every tp rank's, whole; its
-        # per-token cost is split, and so are its saved activations unless saved_split says
-        # otherwise
-        p = costs.parts[part]
-        # a part that waits inside (a tp half's all-reduces, an ep MoE layer's exchanges):
-        # its busy share is compute, the rest waiting, which was measured on its group's
-        # share of the host (group / slots) and is not slowed by the host's other ranks: it
-        # joins the unshared collectives
-        waited = (1.0 - p.busy) * max(1.0, group / costs.slots)
-        for i, f in enumerate((p.fwd, p.bwd, p.bwd_input)):
-            seconds = f.alpha + f.beta * tokens / split
-            into[i] += p.busy * seconds
-            comms[i] += comm + waited * seconds
-        into[3] += p.saved_bytes_per_token * tokens / (saved_split or split)
-
-    first, body = plan.config.first_body(dims.pp), plan.config.body_stages(dims.pp)
-    # vocabulary stages' rows: 1/pp of the table each, cut over tp too as the tp head is
-    config = plan.config
-    rows_tp = dims.tp if config.tensor_parallel and config.vocab_parallel_head and dims.tp > 1 else 1
-    if index < first:
-        # an embedding stage (embedding_stages): its rows' lookups, summed over tp forward
-        add(extras, "embed", dims.pp * rows_tp)
-        if rows_tp > 1:
-            comms[0] += costs.collective("all_reduce", rows_tp, act)
-        dense += costs.parts["embed"].params / (dims.pp * rows_tp)
-    elif index == 0:
-        add(extras, "embed", 1)
-        dense += costs.parts["embed"].params / (dims.dp if plan.config.embedding == "sparse" else 1)
-
-    def add_dense(part: str) -> None:
-        measured = f"{part}/tp{dims.tp}"  # timed under tp, its all-reduces inside (costs.py)
-        if dims.tp > 1 and measured in costs.parts:
-            add(blocks, measured, 1)
-        else:
-            add(blocks, part, dims.tp, costs.collective("all_reduce", dims.tp, act))
-
-    for layer in layers:
-        before = blocks[3]
-        add_dense("attention")
-        dense += costs.parts["attention"].params / dims.tp
-        if moe is not None and layer % moe.every == 0:
-            # tokens x top_k rows out and back; under tp the experts' hidden units split over
-            # it (MoESpec.expert_tp: the layer's per-token time divided, its rows all-reduced
-            # once each way) or replicated
-            split = dims.tp if moe.expert_tp else 1
-            measured = f"moe/ep{dims.ep}"  # timed over ep groups of adjacent ranks, flat exchange
-            split_measured = f"moe/tp{dims.tp}"  # timed with its experts split over adjacent ranks
-            both_measured = f"moe/ep{dims.ep}tp{dims.tp}"  # both, ep groups tp apart as in the mesh
-            if dims.ep > 1 and dims.tp == 1 and not moe.hierarchical and measured in costs.parts:
-                add(blocks, measured, 1, group=dims.ep)
-            elif dims.ep == 1 and split > 1 and split_measured in costs.parts:
-                add(blocks, split_measured, 1)
-            elif dims.ep > 1 and split > 1 and not moe.hierarchical and both_measured in costs.parts:
-                add(blocks, both_measured, 1, group=dims.ep * dims.tp)
-            else:
-                comm = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k, stride=dims.tp)
-                if split > 1:
-                    comm += costs.collective("all_reduce", split, act * moe.top_k)
-                # the rows it saves are whole on every tp rank, only the hidden units split:
-                # counted whole (the budget errs safe)
-                add(blocks, "moe", split, comm, saved_split=1)
-            router = cfg.d_model * moe.num_experts
-            expert += (costs.parts["moe"].params - router) / (dims.ep * split)
-            dense += router
-        else:
-            add_dense("mlp")
-            dense += costs.parts["mlp"].params / dims.tp
-        largest_block = max(largest_block, blocks[3] - before)
-    if index >= first + body:
-        # a head stage (vocab_stages): its rows' per-token work (its fixed cost per call
-        # whole); over tp, its input gradient summed backward (the statistics are small)
-        add(extras, "head", dims.pp * rows_tp)
-        if rows_tp > 1:
-            comms[1] += costs.collective("all_reduce", rows_tp, act)
-            comms[2] += costs.collective("all_reduce", rows_tp, act)
-        dense += costs.parts["head"].params / (dims.pp * rows_tp)
-    elif index == n_stages - 1:
-        # its vocabulary split over tp where tp divides it, as parallelize does (the "vocab"
-        # style, the loss on the shards): per-token time and parameters divided, plus the
-        # input gradient's all-reduce
-        split_head = config.tensor_parallel and config.vocab_parallel_head and cfg.vocab_size % dims.tp == 0
-        head = dims.tp if dims.tp > 1 and split_head else 1
-        add(extras, "head", head)
-        if head > 1:
-            comms[1] += costs.collective("all_reduce", head, act)
-            comms[2] += costs.collective("all_reduce", head, act)
-        dense += costs.parts["head"].params / head
-    transient = 0.0
-    if index in plan.config.recompute:
-        # only each block's input is kept; backward runs its forward again first
-        blocks[1] += blocks[0]
-        blocks[2] += blocks[0]
-        blocks[3], transient = len(layers) * act, largest_block
-        comms[1] += comms[0]  # the forward's collectives run again too
-        comms[2] += comms[0]
-    fwd, bwd, bwd_input, saved = (b + e for b, e in zip(blocks, extras, strict=True))
-    return _Stage(fwd, bwd, bwd_input, *comms, saved, transient, dense + expert, dense, expert)
-
-
 def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False) -> Prediction:
     """Predict ``plan``'s step on ``costs`` (see the module doc). Pure: no process group."""
     dims, config = plan.dims, plan.config
@@ -289,7 +164,7 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
         )
     tokens = work.global_batch // (dims.dp * config.microbatches) * work.model.seq_len
     layers = stage_layers(plan, work.model.n_layers)
-    stages = [_stage(costs, work, plan, i, ls, tokens) for i, ls in enumerate(layers)]
+    stages = [stage_cost(costs, work, plan, i, ls, tokens) for i, ls in enumerate(layers)]
     owner = {s: r for r in range(dims.pp) for s in stage_ids(config.schedule, dims.pp, r, config.stages_per_rank)}
     hop = costs.collective("p2p", dims.pp, tokens * work.model.d_model * costs.element_bytes, dims.tp * dims.dp)
     actions = _actions(config.schedule, dims.pp, config.microbatches, config.stages_per_rank)
@@ -337,7 +212,7 @@ def _actions(schedule: str, pp: int, microbatches: int, stages_per_rank: int) ->
 
 def _replay(
     actions: Mapping[int, list[str]],
-    stages: list[_Stage],
+    stages: list[StageCost],
     owner: Mapping[int, int],
     hop: float,
     zero_bubble: bool,
