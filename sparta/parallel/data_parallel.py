@@ -28,8 +28,10 @@ Strategies (for the dense parameters; experts and shards are always handled as a
 - "ddp": torch DistributedDataParallel around each module, the experts and shards excluded
   from its buckets. Its reduction runs in AccumulateGrad hooks, which zero-bubble schedules
   bypass, and it takes no DTensor: so it refuses those schedules and tp > 1.
-- "fsdp": FSDP2 (``fully_shard``) on each layer and the module, over the dp mesh, experts and
-  shards ignored; torch's pipelining drives its reduce-scatter. Under zero-bubble schedules
+- "fsdp": FSDP2 (``fully_shard``) over the dp mesh on the units of `fsdp_units` (each
+  layer; the token embedding; the final norm and head together, not resharded after
+  forward) and the module, experts and shards ignored; torch's pipelining drives its
+  reduce-scatter. Under zero-bubble schedules
   ``reshard_after_forward=False`` (with the default, their W gradients come out wrong:
   pytorch/pytorch#164756).
 - "horovod": Horovod's grouped all-reduce over the dp process set at `finish` (the
@@ -109,6 +111,30 @@ def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
     """Parameters of the experts of ``module``'s expert-parallel MoE layers (``comm`` set)."""
     layers = [m for m in module.modules() if isinstance(m, MoELayer) and m.comm is not None]
     return [p for m in layers for p in m.experts.parameters()]
+
+
+def fsdp_units(module: nn.Module, ignored: set[nn.Parameter]) -> list[tuple[list[nn.Module], bool]]:
+    """The modules FSDP2 shards as units of their own under "fsdp", in forward order, each with
+    whether it may reshard after forward (the module itself is the last unit, holding the
+    rest). A decoder's layers are one unit each; its untied token embedding another; its
+    final norm and output head one together, kept gathered from forward to backward (backward
+    needs them first: resharding would only gather them again at once, unoverlapped). A tied
+    head stays in the module's own unit. Children whose every parameter is ``ignored``
+    (shards, experts) are no unit."""
+
+    def owned(*children: nn.Module | None) -> list[nn.Module]:
+        kept = [c for c in children if isinstance(c, nn.Module)]
+        mine = [p for c in kept for p in c.parameters() if p not in ignored]
+        return kept if mine else []
+
+    emb, norm, head = (getattr(module, name, None) for name in ("tok_emb", "norm", "output"))
+    tied = isinstance(emb, nn.Module) and isinstance(head, nn.Module)
+    tied = tied and any(p is q for p in emb.parameters() for q in head.parameters())  # type: ignore[union-attr]
+    units = [] if tied else [(owned(emb), True)]
+    units += [([layer], True) for layer in getattr(module, "layers", {}).values() if owned(layer)]
+    if not tied:
+        units.append((owned(norm, head) if owned(head) else [], False))
+    return [(u, after) for u, after in units if u]
 
 
 def shard_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -260,8 +286,8 @@ class DataParallel:
             from torch.distributed.fsdp import fully_shard
 
             mesh, reshard = self.layout.dp_mesh, not self.zero_bubble
-            for layer in getattr(module, "layers", {}).values():
-                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, ignored_params=special)
+            for units, after in fsdp_units(module, special):
+                fully_shard(units, mesh=mesh, reshard_after_forward=reshard and after, ignored_params=special)
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard, ignored_params=special)
         # after wrapping: FSDP2 replaces the parameters by sharded ones
         dense = [p for p in module.parameters() if p.requires_grad and p not in special]

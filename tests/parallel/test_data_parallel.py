@@ -51,3 +51,23 @@ def test_queued_table_rows_and_a_step_that_never_looks_it_up() -> None:
     torch.testing.assert_close(model[1].weight.grad, reference[1].weight.grad)
     dp.close()
     assert model[0]._queue is None
+
+
+def test_fsdp_units_follow_the_decoder() -> None:
+    """FSDP2's units under "fsdp": the token embedding, each layer, then the final norm and
+    head together (kept gathered from forward to backward); a tied head stays with the root,
+    and a sharded table (its weight ignored by FSDP) is no unit."""
+    from sparta.parallel import Decoder, DecoderConfig
+    from sparta.parallel.data_parallel import fsdp_units
+
+    model = Decoder(DecoderConfig(vocab_size=32, seq_len=8, d_model=8, n_layers=2, n_heads=2, d_ff=16))
+    units = fsdp_units(model, set())
+    assert units == [
+        ([model.tok_emb], True),
+        ([model.layers["0"]], True),
+        ([model.layers["1"]], True),
+        ([model.norm, model.output], False),
+    ]
+    assert fsdp_units(model, {model.tok_emb.weight})[0] == ([model.layers["0"]], True)
+    model.output.weight = model.tok_emb.weight
+    assert fsdp_units(model, set()) == [([model.layers["0"]], True), ([model.layers["1"]], True)]
