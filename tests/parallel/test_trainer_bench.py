@@ -147,3 +147,24 @@ def test_whole_experts_and_whole_heads_run_only_under_tp() -> None:
     assert plan_candidates(dense, LAYOUTS["tp2"], wanted)[0] == wanted
     assert plan_candidates(moe, LAYOUTS["tp2"], wanted)[0] == wanted
     assert plan_candidates(dense, LAYOUTS["fsdp4"], wanted)[0] == ["sparta"]
+
+
+def test_torchtitan_target_takes_the_alternating_pair_where_it_ran(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two launches' medians drift more than the gap judged: the pair's ratio wins."""
+    import importlib.util
+
+    from sparta_tools.bench.trainer import LAYOUTS, SIZES
+
+    spec = importlib.util.spec_from_file_location("trainer_bench_script", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    apart = [
+        {"bench": "trainer", "candidate": "sparta", "median_s": 2.8},
+        {"bench": "trainer", "candidate": "torchtitan", "median_s": 2.5},
+    ]
+    pair = {"bench": "trainer_pair", "torchtitan_over_sparta": 1.02}
+    for records, ratio, how in ((apart, 0.8929, "medians of two launches"), ([*apart, pair], 1.02, "alternating")):
+        bench.targets("debug", SIZES["debug"]["dense"], LAYOUTS["fsdp4"], records)
+        (target,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert target["ratio"] == ratio and how in target["target"] and target["met"] == (ratio >= 1), target
