@@ -43,9 +43,10 @@ Candidates (each layout runs those that apply):
               of `patch_torchtitan_for_cpu` (listed there, one line of why each); its step is
               Trainer.train_step's (zero_grad, forward, loss, backward, clip 1.0, AdamW)
               without the data loader, logging, checkpoints and LR schedule
-Every candidate steps AdamW (lr 3e-4) after clipping the gradient norm to 1.0, on the same
-synthetic batches (uniform random ids; step s's global batch is seeded by s, each dp rank
-takes its slice), float32, one thread per rank (gloo, torchrun).
+Every candidate steps AdamW (lr 3e-4, fused: torchtitan's default implementation) after
+clipping the gradient norm to 1.0, on the same synthetic batches (uniform random ids; step
+s's global batch is seeded by s, each dp rank takes its slice), float32, one thread per
+rank (gloo, torchrun).
 
 Timing: all candidates of a (model, layout) live in one launch; each is built, then runs
 ``--warmup`` untimed steps; then each repeat runs every candidate once, in an order rotated
@@ -733,7 +734,7 @@ def main() -> int:
             "warmup": args.warmup,
             "threads_per_rank": 1,
             "engine": "torch (gloo)",
-            "optimizer": f"AdamW lr {LR}, grad norm clipped to {MAX_NORM}",
+            "optimizer": f"AdamW (fused) lr {LR}, grad norm clipped to {MAX_NORM}",
             "dtype": "float32",
             "oracle": f"one-process forward on step 0's global batch; wrong if first_loss differs by more than {TOL}",
             "torch": torch.__version__,

@@ -4,7 +4,7 @@
     layout = build_layout(ParallelDims(pp=2, dp=2, tp=2, ep=2), world)
     torch.manual_seed(0); model = Decoder(DecoderConfig())          # same model on every rank
     pm = parallelize(model, layout, ParallelConfig(schedule="1F1B", microbatches=4, moe=MoESpec(8, 2)))
-    opt = torch.optim.AdamW(pm.parameters(), lr=3e-4)
+    opt = torch.optim.AdamW(pm.param_groups(), lr=3e-4, fused=True)
     loss = pm.step(ids, targets); pm.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 
 Pieces: dims.py (ParallelDims, Layout), decoder.py (the reference model), pipeline.py (stage

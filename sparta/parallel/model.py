@@ -6,10 +6,11 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.utils import get_total_norm
@@ -71,6 +72,18 @@ class ParallelModel:
         self.has_first, self.has_last = has_first, has_last
         self.seq_len = config.seq_len
         self._vocab_parallel = has_last and VOCAB_STYLE in plan.tp_plan.values()
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """This rank's parameters as optimizer groups, one per kind of tensor: plain tensors
+        (experts, table shards, a replicated layer) and DTensors per device mesh (TP, FSDP2).
+        torch's fused and foreach optimizers take one kind per call, and a plan mixes them
+        ("got mixed torch.Tensor and DTensor"), so hand them these:
+        ``torch.optim.AdamW(pm.param_groups(), lr=3e-4, fused=True)``. Groups are in first-
+        parameter order and hold only ``{"params": [...]}``; add per-group options freely."""
+        groups: dict[DeviceMesh | None, list[nn.Parameter]] = {}
+        for p in self.parameters():
+            groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        return [{"params": params} for params in groups.values()]
 
     def _loss_context(self) -> AbstractContextManager[None]:
         # the head's logits stay split over the vocabulary: torch's vocab-parallel cross-entropy

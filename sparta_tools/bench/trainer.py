@@ -19,7 +19,7 @@ out of Sparta's processes).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,6 +242,15 @@ def oracle(shape: ModelShape, dp: int) -> tuple[float, int]:
 Step = Callable[[torch.Tensor, torch.Tensor], float]  # local ids, targets -> global mean loss
 
 
+def adamw(params: Iterable[Any]) -> torch.optim.AdamW:
+    """Every candidate's optimizer: AdamW at ``LR``, fused (one kernel over all tensors, CPU
+    and CUDA), torchtitan's default implementation: the for-loop one dispatches each
+    element-wise op per parameter, through DTensor's Python dispatch where FSDP2 or TP
+    shard them (Sparta's dense FSDP 4 step: 2.33 s for-loop, 2.29 s fused, one launch). Takes
+    parameters or groups (Sparta's: `ParallelModel.param_groups`, one kind of tensor each)."""
+    return torch.optim.AdamW(params, lr=LR, fused=True)
+
+
 def _plain_step(
     model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
@@ -256,7 +265,7 @@ def _plain_step(
 
 def build_eager(shape: ModelShape) -> Step:
     model = one_process_model(shape)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = adamw(model.parameters())
 
     def step(ids: torch.Tensor, targets: torch.Tensor) -> float:
         return float(_plain_step(model, opt, ids, targets))
@@ -268,7 +277,7 @@ def build_ddp(shape: ModelShape) -> Step:
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(one_process_model(shape))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = adamw(model.parameters())
 
     def step(ids: torch.Tensor, targets: torch.Tensor) -> float:
         mean = _plain_step(model, opt, ids, targets).reshape(1)
@@ -305,7 +314,7 @@ class SpartaRun:
         # several stages: balanced by measured time on one micro-batch, as a user would run it
         sample = local_batch(shape, spec.dp, 0, 0)[0][: shape.batch // spec.microbatches] if stages > 1 else None
         self.pm = parallelize(model, layout, config, sample=sample)
-        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=LR)
+        self.opt = adamw(self.pm.param_groups())
 
     def __call__(self, ids: torch.Tensor, targets: torch.Tensor) -> float:
         loss = self.pm.step(ids, targets)

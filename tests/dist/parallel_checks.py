@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from runner import finish, raises, run_checks, start
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import sparta
 from sparta.errors import ConfigError, InputError
@@ -240,6 +241,50 @@ def parity(
     return check
 
 
+def fused_optimizer(layout: Layout) -> None:
+    """`ParallelModel.param_groups`: every parameter once, one kind of tensor per group (plain
+    or a DTensor of one mesh: here experts and table shards beside FSDP2 and TP DTensors), so
+    that torch's fused AdamW steps them, to the for-loop AdamW's values."""
+    torch.manual_seed(0)
+    per_rank = 2 if layout.dims.pp > 1 else 1
+    stages = layout.dims.pp * per_rank
+    config = ParallelConfig(
+        schedule="Interleaved1F1B" if per_rank > 1 else "1F1B",
+        microbatches=max(2, layout.dims.pp),
+        stages_per_rank=per_rank,
+        split_points=None if stages == 1 else _even_split(stages),
+        data_parallel="fsdp",
+        moe=MOE,
+        seq_len=MODEL.seq_len,
+    )
+    pm = parallelize(Decoder(MODEL), layout, config)
+    try:
+        pm.step(*rank_batches(layout.dims.dp, 0, False, False)[layout.dp_rank])
+    finally:
+        pm.close()
+    groups = pm.param_groups()
+    params = [p for g in groups for p in g["params"]]
+    assert len(params) == len(set(params)) == len(list(pm.parameters())), "every parameter once"
+    kinds = [{p.device_mesh if isinstance(p, DTensor) else None for p in g["params"]} for g in groups]
+    assert all(len(k) == 1 for k in kinds), kinds
+    if layout.dims.tp > 1:
+        assert len(groups) > 1 and None in {k.pop() for k in kinds}, "experts (plain) beside DTensors"
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    start = [local(p.detach()).clone() for p in params]
+    after = []
+    for fused in (True, False):
+        for p, value in zip(params, start, strict=True):
+            local(p.detach()).copy_(value)
+        kwargs = {"fused": True} if fused else {"foreach": False}
+        torch.optim.AdamW(groups if fused else list(pm.parameters()), lr=LR, **kwargs).step()  # type: ignore[arg-type]
+        after.append([local(p.detach()).clone() for p in params])
+    for a, b in zip(*after, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def _even_split(stages: int) -> tuple[str, ...]:
     per = MODEL.n_layers // stages
     return tuple(f"layers.{per * s}" for s in range(1, stages))
@@ -341,6 +386,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("ZBVZeroBubble", 2, "fsdp", recompute=(0, 2)),
         parity("1F1B", 1, "sparta", moe=REPLICATED),
         *VOCAB_STAGES,
+        fused_optimizer,
         bad_inputs,
     ],
     "ddp": [
@@ -354,7 +400,12 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
     "coscheduled": [parity("1F1B", 1, "sparta", moe=COSCHEDULED)],
     "vocab": VOCAB_STAGES,
     "quick": [parity("1F1B", 1, "sparta"), bad_inputs],
-    "one": [parity("1F1B", 1, "sparta", embedding="dense"), parity("1F1B", 1, "ddp"), parity("GPipe", 1, "fsdp")],
+    "one": [
+        parity("1F1B", 1, "sparta", embedding="dense"),
+        parity("1F1B", 1, "ddp"),
+        parity("GPipe", 1, "fsdp"),
+        fused_optimizer,
+    ],
 }
 
 if __name__ == "__main__":
