@@ -14,7 +14,8 @@ world and calls `train(config, world)`, which:
    every ``checkpoint.every`` steps and at the end;
 5. steps: ``loss = pm.step(ids, targets)`` (the mean loss over the global batch, from the last
    pipeline stage: `ParallelModel.step` broadcasts it, nothing here estimates it), clip the
-   global gradient norm, ``optimizer.step()``; evaluates every ``train.eval_every`` steps.
+   global gradient norm, steps fused AdamW (one per kind of tensor: `_optimizers`);
+   evaluates every ``train.eval_every`` steps.
 
 Rank 0 shows a tqdm bar (loss, tokens/s, MFU, peak memory, expert load) and writes one JSON
 record per step to ``output.metrics``: ``step`` (from 1), ``loss`` (the global batch's, from
@@ -119,15 +120,20 @@ def expert_load(layers: list[MoELayer]) -> tuple[float | None, str]:
     return peak / max(mean, 1e-9), spark
 
 
-def _optimizer(pm: ParallelModel, config: RunConfig) -> torch.optim.AdamW:
-    params = [p for p in pm.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.train.lr,
-        betas=(0.9, 0.95),
-    )
+def _optimizers(pm: ParallelModel, config: RunConfig) -> list[torch.optim.AdamW]:
+    """Fused AdamW, one per kind of tensor (`ParallelModel.param_groups`: a fused kernel takes
+    one kind per call), each with the same two groups, matrices (decayed) and the rest
+    (either may be empty): so the groups a checkpoint restores are the same on every rank
+    and layout, whatever kinds a stage holds."""
+    optimizers = []
+    for group in pm.param_groups():
+        params = [p for p in group["params"] if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.train.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        optimizers.append(torch.optim.AdamW(groups, lr=config.train.lr, betas=(0.9, 0.95), fused=True))
+    return optimizers
 
 
 def _tokens(config: RunConfig, world: sparta.World, say: Callable[[str], object]) -> torch.Tensor:
@@ -242,7 +248,7 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
     pm = parallelize(Decoder(config.model), layout, config.parallel, sample=sample)
     if world.rank == 0:
         log.info("plan:\n%s", pm.plan)
-    optimizer = _optimizer(pm, config)
+    optimizers = _optimizers(pm, config)
     layers = pm.moe_layers()
     n_active = active_parameters(config.model, config.parallel)
     peak_flops = config.output.peak_tflops * 1e12 if config.output.peak_tflops else None
@@ -264,7 +270,7 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
     # the data position beside the step (a step's batch is a function of these and the step)
     position = {"seed": t.seed, "global_batch": t.global_batch, "samples": config.data.samples}
     if checkpointer is not None:
-        extra = checkpointer.load(pm.parts, optimizer)
+        extra = checkpointer.load(pm.parts, optimizers)
         if extra is not None:
             start_step = int(extra["step"])
             say(f"resumed from step {start_step} of {ckpt.dir}")
@@ -284,13 +290,15 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
             begin = time.perf_counter()
             with tracer.region(step):
                 lr = learning_rate(config, step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
+                for optimizer in optimizers:
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
                 ids, targets = batches.train_batch(step, t.global_batch, layout.dp_rank, d.dp)
                 loss = pm.step(ids.to(layout.device), targets.to(layout.device))
                 grad_norm = pm.clip_grad_norm_(t.grad_clip if t.grad_clip > 0 else math.inf)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
             elapsed = time.perf_counter() - begin
             tracer.after(step, step + 1 == t.steps)
             tokens_per_step = _step_tokens(batches, config, step)
@@ -318,7 +326,7 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
                 say(f"step {step + 1}: train loss {loss:.3f}, val loss {val_loss:.3f}")
             if checkpointer is not None and ((ckpt.every and (step + 1) % ckpt.every == 0) or last):
                 # the data position is the step: batches are a function of (seed, step)
-                checkpointer.save(step + 1, pm.parts, optimizer, position)
+                checkpointer.save(step + 1, pm.parts, optimizers, position)
             metrics.write(record)
             bar.set_postfix_str(_postfix(record, spark), refresh=False)
             bar.update(1)
