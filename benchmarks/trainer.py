@@ -758,27 +758,14 @@ def main() -> int:
             common = [f"--size={args.size}", f"--model={model}", f"--layout={name}", f"--warmup={args.warmup}"]
             shared = [c for c in run if c != "torchtitan"]
             records: list[dict[str, Any]] = []
-            if shared:
-                records += launch(
-                    spec.world_size,
-                    ["--_worker", *common, f"--repeats={args.repeats}", f"--candidates={','.join(shared)}"],
-                    args.timeout,
-                    context,
-                )
+            timed: list[tuple[str, dict[str, object]]] = [(",".join(shared), context)] if shared else []
             if "torchtitan" in run:
-                records += launch(
-                    spec.world_size,
-                    ["--_worker", *common, f"--repeats={args.repeats}", "--candidates=torchtitan"],
-                    args.timeout,
-                    {**context, "candidate": "torchtitan"},
-                )
-                if "sparta" in run:
-                    records += launch(
-                        spec.world_size,
-                        ["--_worker", *common, f"--repeats={args.repeats}", "--candidates=torchtitan,sparta"],
-                        args.timeout,
-                        {**context, "bench": "trainer_pair"},
-                    )
+                timed.append(("torchtitan", {**context, "candidate": "torchtitan"}))
+                if "sparta" in run:  # the two alternating in torchtitan's processes
+                    timed.append(("torchtitan,sparta", {**context, "bench": "trainer_pair"}))
+            for candidates, where in timed:
+                worker = ["--_worker", *common, f"--repeats={args.repeats}", f"--candidates={candidates}"]
+                records += launch(spec.world_size, worker, args.timeout, where)
             if args.memory:
                 for candidate in shared:
                     records += launch(
