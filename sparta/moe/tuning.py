@@ -32,13 +32,15 @@ def tune_schedule(
     hierarchical: HierarchicalAllToAll | None = None,
     config: ProfileConfig | None = None,
     margin: float = 0.03,
+    trials: int = 4,
 ) -> SchedulePlan:
     """Profile ``layer``'s all-to-all (flat, and through ``hierarchical`` when given), one
     expert's GEMMs and its router on the layer's device, ask ``CostModel`` for its two best
     plans, then time them and flat r=1 on ``sample``'s rows (``[..., d_model]``, a batch
-    like the ones it will train on; forward and backward, once to warm up, twice timed) and
-    return the fastest (r=1 unless another is ``margin`` faster), calibrated by those
-    timings (``SchedulePlan.calibration``). Collective over ``layer.comm``: timings are
+    like the ones it will train on; forward and backward, once to warm up, then ``trials``
+    times each, round robin, compared by their medians) and return the fastest (r=1 unless
+    another is ``margin`` faster), calibrated by those timings
+    (``SchedulePlan.calibration``). Collective over ``layer.comm``: timings are
     agreed (slowest rank), and so is the token count planned for (the largest), so every
     rank returns the same plan. The layer's parameters, gradients and router state are left
     as they were; apply the plan with ``layer.apply_schedule``."""
@@ -82,7 +84,8 @@ def tune_schedule(
     )
     model = CostModel(profile)
     best = model.plan(shape, hierarchical=None if hierarchical is not None else False, router=cfg.router)
-    tuner = OnlineTuner(comm, [*best.ranked(2), UNPIPELINED], trials=2, baseline=UNPIPELINED, margin=margin, warmup=1)
+    candidates = [*best.ranked(2), UNPIPELINED]
+    tuner = OnlineTuner(comm, candidates, trials=trials, baseline=UNPIPELINED, margin=margin, warmup=1)
     experts = copy.deepcopy(layer.experts)  # its gradients are computed and dropped
     while tuner.chosen is None:
         choice: Choice = tuner.current
