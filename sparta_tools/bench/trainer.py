@@ -288,7 +288,8 @@ def build_ddp(shape: ModelShape) -> Step:
 
 
 class SpartaRun:
-    """Sparta's trainer on ``layout``: parallelize, then step / clip / AdamW per step."""
+    """Sparta's trainer on ``layout``: parallelize, then step / clip / AdamW per step; on
+    ``shape``'s model, or on ``model`` (a decoder of the same shape) where given."""
 
     def __init__(
         self,
@@ -298,10 +299,11 @@ class SpartaRun:
         data_parallel: str,
         expert_tp: bool = True,
         vocab_parallel_head: bool = True,
+        model: torch.nn.Module | None = None,
     ) -> None:
         from sparta.parallel import ParallelConfig, parallelize
 
-        model = build_model(shape)
+        model = build_model(shape) if model is None else model
         config = ParallelConfig(
             schedule=spec.schedule,
             microbatches=spec.microbatches,

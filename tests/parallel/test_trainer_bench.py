@@ -150,7 +150,8 @@ def test_whole_experts_and_whole_heads_run_only_under_tp() -> None:
 
 
 def test_torchtitan_target_takes_the_alternating_pair_where_it_ran(capsys: pytest.CaptureFixture[str]) -> None:
-    """Two launches' medians drift more than the gap judged: the pair's ratio wins."""
+    """Two launches' medians drift more than the gap judged: the pair's ratio wins, and the
+    same model's (torchtitan's Llama under both trainers) where it ran."""
     import importlib.util
 
     from sparta_tools.bench.trainer import LAYOUTS, SIZES
@@ -163,8 +164,14 @@ def test_torchtitan_target_takes_the_alternating_pair_where_it_ran(capsys: pytes
         {"bench": "trainer", "candidate": "sparta", "median_s": 2.8},
         {"bench": "trainer", "candidate": "torchtitan", "median_s": 2.5},
     ]
-    pair = {"bench": "trainer_pair", "torchtitan_over_sparta": 1.02}
-    for records, ratio, how in ((apart, 0.8929, "medians of two launches"), ([*apart, pair], 1.02, "alternating")):
+    pair = {"bench": "trainer_pair", "torchtitan_over_sparta": 0.97, "torchtitan_over_sparta_same_model": None}
+    same = {**pair, "torchtitan_over_sparta_same_model": 1.02}
+    for records, ratio, how in (
+        (apart, 0.8929, "medians of two launches"),
+        ([*apart, pair], 0.97, "alternating in one launch"),
+        ([*apart, same], 1.02, "torchtitan's own model under both"),
+    ):
         bench.targets("debug", SIZES["debug"]["dense"], LAYOUTS["fsdp4"], records)
         (target,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert target["ratio"] == ratio and how in target["target"] and target["met"] == (ratio >= 1), target
+        assert target.get("hf_llama_ratio") == (0.97 if ratio == 1.02 else None), target
