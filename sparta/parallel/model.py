@@ -121,7 +121,9 @@ class ParallelModel:
         args = (ids.to(self.layout.device),) if self.has_first else ()
         kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
         with self._loss_context():
-            schedule.step(*args, **kwargs)  # type: ignore[attr-defined]
+            # no outputs back: the last stage would keep every micro-batch's logits alive and
+            # concatenate them (a copy of [B, T, vocab] a step) for a caller that reads losses only
+            schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
         self._check_heads()
         self.data_parallel.finish()
         return self._global_mean(losses)
