@@ -12,6 +12,9 @@ from sparta.comm import Communicator, HierarchicalAllToAll
 from sparta.errors import ConfigError
 from sparta.moe import ROUTERS, MoELayer, moeify
 from sparta.parallel.dims import Layout
+from sparta.scheduling.chunks import PipelineDegrees
+
+AUTO = "auto"  # MoESpec.pipeline_degree: tuned on the first step's inputs (auto_schedule.py)
 
 
 @dataclass(frozen=True)
@@ -27,9 +30,10 @@ class MoESpec:
     every: int = 1
     seed: int = 0
     # the co-scheduler: row exchanges cut into chunks that overlap the experts' compute
-    # (an int, or (forward, backward) degrees), and the two-level all-to-all over the
-    # world's nodes (intra-node first, one message per node across)
-    pipeline_degree: int | tuple[int, ...] = 1
+    # (an int, or (forward, backward) degrees, or "auto": tuned on the first step's inputs,
+    # auto_schedule.py), and the two-level all-to-all over the world's nodes (intra-node
+    # first, one message per node across; under "auto" the tuner weighs it against flat)
+    pipeline_degree: int | tuple[int, ...] | str = 1
     hierarchical: bool = False
     # under tp > 1, each expert's hidden units split over the tp ranks (Megatron-Core's expert
     # tensor parallelism: 1/tp of the experts' GEMMs and memory, two all-reduces over tp per
@@ -49,6 +53,27 @@ class MoESpec:
             raise ConfigError(f"MoESpec.router={self.router!r} is unknown: choose one of {', '.join(ROUTERS)}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ConfigError(f"MoESpec.capacity_factor={self.capacity_factor} must be > 0, or None for dropless")
+        if isinstance(self.pipeline_degree, str):
+            if self.pipeline_degree != AUTO:
+                raise ConfigError(
+                    f"MoESpec.pipeline_degree={self.pipeline_degree!r}: the one word it takes is 'auto' (tuned on the "
+                    "first step's inputs); else an int or (forward, backward) degrees"
+                )
+            if self.router == "soft":
+                raise ConfigError(
+                    "MoESpec.pipeline_degree='auto' tunes a token-choice router's exchange; router='soft' has none: "
+                    "set a degree, or pick another router"
+                )
+        else:
+            try:
+                PipelineDegrees.of(self.pipeline_degree)
+            except ConfigError as exc:
+                raise ConfigError(f"MoESpec.pipeline_degree: {exc}") from None
+
+    @property
+    def auto(self) -> bool:
+        """The co-scheduler's degrees are tuned on the first step (pipeline_degree="auto")."""
+        return self.pipeline_degree == AUTO
 
 
 def moe_layers(
@@ -82,7 +107,7 @@ def moe_layers(
                 router=spec.router,
                 capacity_factor=spec.capacity_factor,
                 aux_loss_coef=spec.aux_loss_coef,
-                pipeline_degree=spec.pipeline_degree,
+                pipeline_degree=1 if spec.auto else spec.pipeline_degree,  # "auto": flat until tuned
             )
         for path in paths:
             moe = layer.get_submodule(path)

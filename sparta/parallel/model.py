@@ -17,6 +17,7 @@ from torch.nn.utils import get_total_norm
 
 from sparta.errors import InputError
 from sparta.moe import MoELayer
+from sparta.parallel.auto_schedule import AutoSchedule
 from sparta.parallel.data_parallel import DataParallel
 from sparta.parallel.dims import Layout
 from sparta.parallel.forward_only import forward_only
@@ -49,6 +50,8 @@ class ParallelModel:
     plan: the ParallelPlan (data). schedule: builds a torch pipelining schedule over fresh
     stages of ``parts``; called once per batch shape (`schedules` holds them). heads: this
     rank's head stages under ``config.vocab_stages`` (unwrapped), fed each step's targets.
+    auto: the MoE layers whose co-scheduler degrees the first step tunes
+    (``MoESpec.pipeline_degree="auto"``; `auto.plans` holds what each layer took), or None.
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class ParallelModel:
         has_first: bool,
         has_last: bool,
         heads: list[HeadStage] | None = None,
+        auto: AutoSchedule | None = None,
     ) -> None:
         self.layout, self.config, self.parts, self._new_schedule = layout, config, parts, schedule
         # (batch, padded length) -> the schedule whose stages were shaped by such batches
@@ -72,6 +76,7 @@ class ParallelModel:
         self.has_first, self.has_last = has_first, has_last
         self.seq_len = config.seq_len
         self._vocab_parallel = has_last and VOCAB_STYLE in plan.tp_plan.values()
+        self.auto = auto
 
     def param_groups(self) -> list[dict[str, Any]]:
         """This rank's parameters as optimizer groups, one per kind of tensor: plain tensors
@@ -120,12 +125,15 @@ class ParallelModel:
         losses: list[Tensor] = []
         args = (ids.to(self.layout.device),) if self.has_first else ()
         kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
-        with self._loss_context():
+        tune = self.auto is not None and self.auto.pending
+        with self._loss_context(), self.auto.recording() if tune else nullcontext():  # type: ignore[union-attr]
             # no outputs back: the last stage would keep every micro-batch's logits alive and
             # concatenate them (a copy of [B, T, vocab] a step) for a caller that reads losses only
             schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
         self._check_heads()
         self.data_parallel.finish()
+        if tune:
+            self.auto.tune()  # type: ignore[union-attr]
         return self._global_mean(losses)
 
     @torch.no_grad()

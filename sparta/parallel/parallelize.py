@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from sparta.embedding import swap_embeddings
 from sparta.errors import ConfigError
 from sparta.moe import MoELayer
+from sparta.parallel.auto_schedule import AutoSchedule
 from sparta.parallel.data_parallel import DataParallel
 from sparta.parallel.dims import Layout
 from sparta.parallel.experts import check_expert_tp, hierarchical_ep, moe_layers
@@ -277,8 +278,12 @@ def parallelize(
         expert_tp=tuple(expert_tp),
     )
     schedule = partial(_schedule, config, layout, dict(zip(mine, modules, strict=True)), num_stages)
+    auto = None
+    if config.moe is not None and config.moe.auto:
+        layers = {n: m for module in modules for n, m in module.named_modules() if isinstance(m, MoELayer)}
+        auto = AutoSchedule(layers, moe_exchange)
     return ParallelModel(layout, config, modules, schedule, data_parallel, plan, has_first=0 in mine,
-                         has_last=num_stages - 1 in mine, heads=head_stages)  # fmt: skip
+                         has_last=num_stages - 1 in mine, heads=head_stages, auto=auto)  # fmt: skip
 
 
 def _apart(model: nn.Module, parts: ModelParts, config: ParallelConfig, pp: int, tp: int) -> tuple[str, ...]:

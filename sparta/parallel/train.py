@@ -294,7 +294,10 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
                     for group in optimizer.param_groups:
                         group["lr"] = lr
                 ids, targets = batches.train_batch(step, t.global_batch, layout.dp_rank, d.dp)
+                tuning = pm.auto is not None and pm.auto.pending
                 loss = pm.step(ids.to(layout.device), targets.to(layout.device))
+                if tuning:  # this step tuned the co-scheduler (pipeline_degree = "auto"): say what it chose
+                    say(pm.auto.describe())  # type: ignore[union-attr]
                 grad_norm = pm.clip_grad_norm_(t.grad_clip if t.grad_clip > 0 else math.inf)
                 for optimizer in optimizers:
                     optimizer.step()

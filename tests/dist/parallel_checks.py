@@ -38,6 +38,8 @@ MODEL = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=
 MOE = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2)
 # the co-scheduler on: rows pipelined in 2 chunks over the two-level all-to-all (nodes of 2 ranks)
 COSCHEDULED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degree=2, hierarchical=True)
+# the co-scheduler tuned on the first step's inputs (flat or two-level, the degrees it finds)
+AUTO = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degree="auto", hierarchical=True)
 # under tp, whole experts on every tp rank (MOE splits their hidden units over tp)
 REPLICATED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, expert_tp=False)
 STEPS, BATCH, LR, TOL = 10, 4, 0.05, 1e-5  # BATCH: sequences per dp rank per step
@@ -152,6 +154,12 @@ def trained_losses(
                                                config.stages_per_rank)  # fmt: skip
     split = layout.dims.tp > 1 and config.moe is not None and config.moe.expert_tp
     moe = [m for part in pm.parts for m in part.modules() if isinstance(m, MoELayer)]
+    if config.moe is not None and config.moe.auto:  # tuned once, at the first step; one plan for the equal layers
+        assert pm.auto is not None and not pm.auto.pending and len(pm.auto.plans) == len(moe) > 0, pm.auto.plans
+        assert len({(p.degrees, p.hierarchical) for p in pm.auto.plans.values()}) == 1, pm.auto.plans
+        plan = next(iter(pm.auto.plans.values()))
+        assert all(m.degrees == plan.degrees for m in moe), [m.degrees for m in moe]
+        assert pm.auto.describe().endswith(f"all-to-all ({len(moe)} MoE layers)"), pm.auto.describe()
     assert all(m.experts.w1.shape[-1] == MODEL.d_ff // (layout.dims.tp if split else 1) for m in moe), "experts' d_ff"
     assert (len(pm.plan.expert_tp) == len(moe)) if split else not pm.plan.expert_tp, pm.plan.expert_tp
     # the last stage's head: its vocabulary over tp, its loss on the shards (losses compared below)
@@ -236,6 +244,7 @@ def parity(
 
     check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
     check.__name__ += "_coscheduled" * (moe is COSCHEDULED) + "_experts_replicated" * (moe is REPLICATED)
+    check.__name__ += "_auto_degrees" * (moe is AUTO)
     check.__name__ += "".join(f"_recompute{i}" for i in recompute) + "".join(f"_len{n}" for n in lengths)
     check.__name__ += "_uneven" * uneven + "_vocab_stages" * vocab_stages + "_embedding_stages" * embedding_stages
     return check
@@ -397,7 +406,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
     "ddp_pp": [parity("1F1B", 1, "ddp", microbatches=4)],
     "horovod": [parity("1F1B", 1, "horovod")],
     "sparta": [parity("1F1B", 1, "sparta"), parity("1F1B", 1, "sparta", ragged=True, lengths=(6, MODEL.seq_len))],
-    "coscheduled": [parity("1F1B", 1, "sparta", moe=COSCHEDULED)],
+    "coscheduled": [parity("1F1B", 1, "sparta", moe=COSCHEDULED), parity("1F1B", 1, "sparta", moe=AUTO)],
     "vocab": VOCAB_STAGES,
     "quick": [parity("1F1B", 1, "sparta"), bad_inputs],
     "one": [

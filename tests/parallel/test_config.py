@@ -99,6 +99,11 @@ def test_overrides_are_parsed_and_applied() -> None:
         # values, checked by the leaves (the core's own messages)
         (["parallel.ep=3"], r"ep=3 must divide dp=2"),
         (["parallel.moe.top_k=9"], r"top_k=9 exceeds num_experts=8"),
+        (["parallel.moe.pipeline_degree=fast"], r"pipeline_degree='fast': the one word it takes is 'auto'"),
+        (["parallel.moe.pipeline_degree=0"], r"MoESpec\.pipeline_degree: .*use an int >= 1"),
+        (["parallel.moe.pipeline_degree=auto", "parallel.moe.router=soft"], r"router='soft' has none"),
+        (["parallel.moe.pipeline_degree=auto"], r"'auto' with the experts' hidden units split over tp=2 \(expert_tp\)"),
+        (["parallel.moe.pipeline_degree=auto", "parallel.ep=1"], r"'auto' tunes the experts' row exchange, but ep=1"),
         (["model.n_heads=3"], r"d_model=64 must be divisible by n_heads=3"),
         (["parallel.schedule=Zigzag"], r"schedule='Zigzag' is unknown"),
         (["parallel.moe.num_experts=3", "parallel.moe.top_k=1"], r"num_experts=3 does not divide over ep=2"),
@@ -221,3 +226,11 @@ def test_active_parameters_count_the_dense_decoder_without_embeddings() -> None:
     extra = cfg.n_layers * (mlp + cfg.d_model * 4)  # a second expert's MLP and the router, per layer
     assert active_parameters(cfg, moe) == active_parameters(cfg, ParallelConfig()) + extra
     assert math.isfinite(active_parameters(cfg, moe))
+
+
+def test_auto_degrees_read_from_a_file_and_pass_with_whole_experts_under_tp() -> None:
+    """pipeline_degree = "auto" (the co-scheduler tuned on the first step, auto_schedule.py):
+    accepted where tp peers cannot disagree, i.e. experts whole on every tp rank."""
+    run = demo_with("parallel.moe.pipeline_degree=auto", "parallel.moe.expert_tp=false")
+    assert run.parallel.moe is not None and run.parallel.moe.auto and run.parallel.moe.pipeline_degree == "auto"
+    assert not MoESpec(pipeline_degree=(2, 4)).auto and MoESpec(pipeline_degree=[2, 4]).pipeline_degree == (2, 4)

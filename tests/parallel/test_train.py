@@ -4,8 +4,9 @@
   uninterrupted run's losses exactly (the batch of a step is a function of (seed, step); the
   optimizer and RNG states come back with the weights);
 - the demo's own file under mpirun, on the MPI engine, 8 ranks;
-- a run under horovodrun, on the Horovod engine with Horovod's data parallelism (dp2), whose
-  losses equal one process's on the same global batches.
+- a run under horovodrun, on the Horovod engine with Horovod's data parallelism (dp2) and the
+  experts over both ranks (ep2) with the co-scheduler tuned at the first step
+  (``pipeline_degree = "auto"``), whose losses equal one process's on the same global batches.
 """
 
 from __future__ import annotations
@@ -126,12 +127,16 @@ def test_a_run_under_horovodrun_equals_one_process(tmp_path: Path) -> None:
 
     # aux losses and routing are per chunk: the oracle runs dp2's two halves as micro-batches
     _run([str(SPARTA), *train("one.jsonl", "parallel.microbatches=2")], 180, "sparta train (one process)")
-    args = train("hvd.jsonl", "parallel.dp=2", "parallel.data_parallel=horovod")
+    # the experts over both ranks, the co-scheduler tuned at the first step on Horovod's engine
+    auto = ("parallel.ep=2", "parallel.moe.pipeline_degree=auto")
+    args = train("hvd.jsonl", "parallel.dp=2", "parallel.data_parallel=horovod", *auto)
     out = _run(command("horovodrun", 2, SPARTA, args), 300, "horovodrun sparta train")
     found = re.findall(r'\{"steps": .*\}', out)
     assert found, f"no summary line in the output; tail:\n{out[-4000:]}"
     summary = json.loads(found[-1])
     assert summary["backend"] == "horovod" and summary["ranks"] == 2, summary
+    tuned = r"co-scheduler tuned: \d+ forward / \d+ backward chunks, flat all-to-all \(2 MoE layers\)"
+    assert re.search(tuned, out), out[-4000:]
     one, hvd = _records(tmp_path / "one.jsonl"), _records(tmp_path / "hvd.jsonl")
     assert [r["step"] for r in hvd] == [1, 2, 3, 4, 5, 6]
     # float32 sums in another order (measured: 5e-7 apart over 6 AdamW steps)
