@@ -82,10 +82,11 @@ Co-scheduler (``--cluster``, needs root, ip and tc): the MoE model on an emulate
 split over all 4 ranks (ep 4), two candidates in one launch, alternating:
   sparta_cosched_off  the MoE layers' flat all-to-all, not chunked, nothing overlapped (what
                       DeepSpeed-MoE and torchtitan do)
-  sparta_cosched_on   after the warm-up step, sparta.moe.tune_schedule on the first MoE
-                      layer with the inputs it saw (profile, cost model, timed trials of its
-                      best plans: pipeline degrees, flat or hierarchical all-to-all), the
-                      plan applied to every MoE layer (all have the same shape)
+  sparta_cosched_on   MoESpec(pipeline_degree="auto", hierarchical=True): the trainer's
+                      warm-up step tunes it (sparta/parallel/auto_schedule.py:
+                      sparta.moe.tune_schedule on the first MoE layer with the inputs it saw:
+                      profile, cost model, timed trials of its best plans, pipeline degrees,
+                      flat or two-level all-to-all), the plan applied to every MoE layer
 Both train from the same initialisation on the same batches; the record gives each step's
 loss for both (``losses_equal``: within 1e-5) and the speed-up of on over off per step.
 """
@@ -134,6 +135,7 @@ from sparta_tools.bench.trainer import (  # noqa: E402
     Step,
     build_step,
     local_batch,
+    moe_spec,
     oracle,
     plan_candidates,
 )
@@ -386,8 +388,6 @@ def _emit_torchtitan(
 def cluster_worker(args: argparse.Namespace) -> None:
     """One rank of the emulated cluster: the MoE model at dp4 x ep4, co-scheduler off and on."""
     import sparta
-    from sparta.comm import HierarchicalAllToAll
-    from sparta.moe import tune_schedule
     from sparta.parallel import ParallelDims, build_layout
 
     torch.set_num_threads(1)
@@ -395,23 +395,17 @@ def cluster_worker(args: argparse.Namespace) -> None:
     spec = LayoutSpec("dp4_ep4", dp=4)
     world = sparta.init(backend="torch", ranks_per_node=args.ranks_per_node)
     layout = build_layout(ParallelDims(dp=4, ep=4), world)
-    intra, inter = world.node_comms()
-    hierarchical = HierarchicalAllToAll(layout.ep, intra, inter)
     off = SpartaRun(shape, spec, layout, "sparta")
-    on = SpartaRun(shape, spec, layout, "sparta")
-    layers = on.pm.moe_layers()
-    seen: list[torch.Tensor] = []
-    hook = layers[0].register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].detach()))
+    # the trainer's own co-scheduler: tuned on its first step's inputs, flat or two-level
+    on = SpartaRun(shape, spec, layout, "sparta", moe=moe_spec(shape, pipeline_degree="auto", hierarchical=True))
 
     def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return local_batch(shape, spec.dp, layout.dp_rank, step)
 
-    # warm-up outside timed_steps, so that the plan is tuned on the inputs of on's first step
+    # warm-up outside timed_steps: on's first step tunes its plan
     losses = {"sparta_cosched_off": [off(*batch_of(0))], "sparta_cosched_on": [on(*batch_of(0))]}
-    hook.remove()
-    plan = tune_schedule(layers[0], seen[0], hierarchical=hierarchical)
-    for layer in layers:
-        layer.apply_schedule(plan, hierarchical=hierarchical)
+    assert on.pm.auto is not None and not on.pm.auto.pending
+    plan = next(iter(on.pm.auto.plans.values()))
     steps: dict[str, Step] = {"sparta_cosched_off": off, "sparta_cosched_on": on}
     seconds, timed_losses = timed_steps(steps, lambda s: batch_of(s + 1), 0, args.repeats)
     for name in steps:

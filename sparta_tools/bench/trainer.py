@@ -205,12 +205,22 @@ def build_model(shape: ModelShape) -> torch.nn.Module:
     )
 
 
-def moe_spec(shape: ModelShape, expert_tp: bool = True) -> Any:
+def moe_spec(
+    shape: ModelShape, expert_tp: bool = True, pipeline_degree: int | str = 1, hierarchical: bool = False
+) -> Any:
+    """The MoE GPT's MoESpec (None for a dense model); pipeline_degree and hierarchical are
+    the co-scheduler's (1 and False: the flat exchange, nothing overlapped)."""
     from sparta.parallel import MoESpec
 
     if shape.kind != "moe_gpt":
         return None
-    return MoESpec(num_experts=shape.num_experts, top_k=shape.top_k, expert_tp=expert_tp)
+    return MoESpec(
+        num_experts=shape.num_experts,
+        top_k=shape.top_k,
+        expert_tp=expert_tp,
+        pipeline_degree=pipeline_degree,
+        hierarchical=hierarchical,
+    )
 
 
 def one_process_model(shape: ModelShape) -> torch.nn.Module:
@@ -289,7 +299,8 @@ def build_ddp(shape: ModelShape) -> Step:
 
 class SpartaRun:
     """Sparta's trainer on ``layout``: parallelize, then step / clip / AdamW per step; on
-    ``shape``'s model, or on ``model`` (a decoder of the same shape) where given."""
+    ``shape``'s model, or on ``model`` (a decoder of the same shape) where given; ``moe``: a
+    MoESpec in place of `moe_spec`'s."""
 
     def __init__(
         self,
@@ -300,6 +311,7 @@ class SpartaRun:
         expert_tp: bool = True,
         vocab_parallel_head: bool = True,
         model: torch.nn.Module | None = None,
+        moe: Any | None = None,
     ) -> None:
         from sparta.parallel import ParallelConfig, parallelize
 
@@ -309,7 +321,7 @@ class SpartaRun:
             microbatches=spec.microbatches,
             stages_per_rank=spec.stages_per_rank,
             data_parallel=data_parallel,
-            moe=moe_spec(shape, expert_tp),
+            moe=moe_spec(shape, expert_tp) if moe is None else moe,
             vocab_parallel_head=vocab_parallel_head,
         )
         stages = spec.pp * spec.stages_per_rank
