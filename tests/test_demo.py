@@ -60,6 +60,7 @@ def test_the_demo_trains_on_eight_ranks_through_sparta_train(tmp_path: Path) -> 
     assert summary["steps"] == STEPS and summary["ranks"] == 8 and summary["backend"] == "torch", summary
     assert summary["val_loss"] < summary["initial_val_loss"], summary
     assert "pp2 x dp2 x tp2, ep2, 1F1B" in out
+    assert re.search(r"co-scheduler tuned: \d+ forward / \d+ backward chunks, .* \(2 MoE layers\)", out), out[-4000:]
 
     # rank 0 writes the trace's own path, rank r > 0 trace.rank<r>.json
     for rank in range(8):

@@ -12,9 +12,11 @@ flat one. The degrees never change a result, only when rows travel, so the first
 numbers and every later one's equal the flat layers' (the trainer's parity checks).
 
 Every rank of an expert-parallel group tunes the same layers in the same order: the groups
-lie inside one pipeline stage, whose ranks hold the same layers. Experts split over tp
-(``expert_tp``) all-reduce inside each chunk, so tp peers tuned apart could pick different
-chunk counts and stall each other: `ParallelConfig.check` refuses "auto" there.
+lie inside one pipeline stage, whose ranks hold the same layers. Each group tunes on its
+own, so groups may settle on different plans; that is safe because nothing but the group's
+own exchange depends on the chunking: under expert tensor parallelism the tp peers (each in
+another ep group) sum their partial outputs once per layer, after the exchange back, and
+once per backward (`MoELayer.split_experts`), whatever chunks either used.
 """
 
 from __future__ import annotations

@@ -140,13 +140,6 @@ class ParallelConfig:
                 "MoESpec.pipeline_degree='auto' tunes the experts' row exchange, but ep=1 leaves every expert on its "
                 "rank (no exchange): set ep > 1, or pipeline_degree=1"
             )
-        if self.moe is not None and self.moe.auto and self.moe.expert_tp and self.tensor_parallel and dims.tp > 1:
-            # split experts all-reduce over tp inside every chunk: tp peers tune over different
-            # ep groups and could settle on different chunk counts, stalling each other
-            raise ConfigError(
-                f"MoESpec.pipeline_degree='auto' with the experts' hidden units split over tp={dims.tp} (expert_tp): "
-                "the tp ranks would tune apart and could choose different chunkings; set a degree, or expert_tp=False"
-            )
         stages = dims.pp * self.stages_per_rank
         body, first = self.body_stages(dims.pp), self.first_body(dims.pp)
         apart = [n for n in ("embedding_stages", "vocab_stages") if getattr(self, n)]

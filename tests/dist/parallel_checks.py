@@ -40,6 +40,8 @@ MOE = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2)
 COSCHEDULED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degree=2, hierarchical=True)
 # the co-scheduler tuned on the first step's inputs (flat or two-level, the degrees it finds)
 AUTO = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degree="auto", hierarchical=True)
+# the same, flat only: under tp the experts split over it, each ep group tuning on its own
+AUTO_FLAT = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degree="auto")
 # under tp, whole experts on every tp rank (MOE splits their hidden units over tp)
 REPLICATED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, expert_tp=False)
 STEPS, BATCH, LR, TOL = 10, 4, 0.05, 1e-5  # BATCH: sequences per dp rank per step
@@ -244,7 +246,7 @@ def parity(
 
     check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
     check.__name__ += "_coscheduled" * (moe is COSCHEDULED) + "_experts_replicated" * (moe is REPLICATED)
-    check.__name__ += "_auto_degrees" * (moe is AUTO)
+    check.__name__ += "_auto_degrees" * (moe is AUTO or moe is AUTO_FLAT)
     check.__name__ += "".join(f"_recompute{i}" for i in recompute) + "".join(f"_len{n}" for n in lengths)
     check.__name__ += "_uneven" * uneven + "_vocab_stages" * vocab_stages + "_embedding_stages" * embedding_stages
     return check
@@ -394,6 +396,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("1F1B", 1, "sparta", recompute=(0,)),
         parity("ZBVZeroBubble", 2, "fsdp", recompute=(0, 2)),
         parity("1F1B", 1, "sparta", moe=REPLICATED),
+        parity("ZBVZeroBubble", 2, "sparta", moe=AUTO_FLAT),
         *VOCAB_STAGES,
         fused_optimizer,
         bad_inputs,

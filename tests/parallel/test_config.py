@@ -38,7 +38,7 @@ def test_the_demo_file_is_pp_dp_tp_with_experts() -> None:
     run = load_config(DEMO)
     assert run.dims == ParallelDims(pp=2, dp=2, tp=2, ep=2)
     assert isinstance(run.model, DecoderConfig) and isinstance(run.parallel, ParallelConfig)
-    assert run.parallel.moe == MoESpec(num_experts=8, top_k=2, router="topk")
+    assert run.parallel.moe == MoESpec(num_experts=8, top_k=2, router="topk", pipeline_degree="auto")
     assert run.parallel.split_points == ("layers.2",)  # a TOML list becomes the field's tuple
     assert run.data.source == "stdlib" and run.output.peak_tflops == pytest.approx(0.166)
     run.check(8)
@@ -102,7 +102,6 @@ def test_overrides_are_parsed_and_applied() -> None:
         (["parallel.moe.pipeline_degree=fast"], r"pipeline_degree='fast': the one word it takes is 'auto'"),
         (["parallel.moe.pipeline_degree=0"], r"MoESpec\.pipeline_degree: .*use an int >= 1"),
         (["parallel.moe.pipeline_degree=auto", "parallel.moe.router=soft"], r"router='soft' has none"),
-        (["parallel.moe.pipeline_degree=auto"], r"'auto' with the experts' hidden units split over tp=2 \(expert_tp\)"),
         (["parallel.moe.pipeline_degree=auto", "parallel.ep=1"], r"'auto' tunes the experts' row exchange, but ep=1"),
         (["model.n_heads=3"], r"d_model=64 must be divisible by n_heads=3"),
         (["parallel.schedule=Zigzag"], r"schedule='Zigzag' is unknown"),
@@ -128,7 +127,7 @@ def test_overrides_are_parsed_and_applied() -> None:
         (["parallel.split_points=['layers.9']"], r"split_points \['layers\.9'\] name no layer; the layers are "
          r"layers\.0, layers\.1"),
         (["model.n_layers=1", "parallel.split_points=[]"], r"2 pipeline stages .* but the model has 1 layers"),
-        (["parallel.ep=1", "parallel.moe.num_experts=8", "model.vocab_size=200"], r"vocab_size=200 must exceed the "
+        (["parallel.ep=1", "parallel.moe.pipeline_degree=1", "model.vocab_size=200"], r"vocab_size=200 must exceed the "
          r"256 byte tokens"),
         (["output.trace=t.json", "output.trace_start=500"], r"output\.trace_start=500 is after the last step"),
         # the override itself
@@ -228,9 +227,13 @@ def test_active_parameters_count_the_dense_decoder_without_embeddings() -> None:
     assert math.isfinite(active_parameters(cfg, moe))
 
 
-def test_auto_degrees_read_from_a_file_and_pass_with_whole_experts_under_tp() -> None:
-    """pipeline_degree = "auto" (the co-scheduler tuned on the first step, auto_schedule.py):
-    accepted where tp peers cannot disagree, i.e. experts whole on every tp rank."""
-    run = demo_with("parallel.moe.pipeline_degree=auto", "parallel.moe.expert_tp=false")
+def test_auto_degrees_read_from_a_file() -> None:
+    """pipeline_degree = "auto" (the co-scheduler tuned on the first step, auto_schedule.py),
+    as the demo asks it on pp2 x dp2 x tp2 x ep2 with the experts split over tp; a degree
+    given instead reads as one."""
+    run = load_config(DEMO)
     assert run.parallel.moe is not None and run.parallel.moe.auto and run.parallel.moe.pipeline_degree == "auto"
+    run.parallel.check(run.dims)
+    fixed = demo_with("parallel.moe.pipeline_degree=[4, 2]").parallel.moe
+    assert fixed is not None and not fixed.auto and fixed.pipeline_degree == (4, 2)
     assert not MoESpec(pipeline_degree=(2, 4)).auto and MoESpec(pipeline_degree=[2, 4]).pipeline_degree == (2, 4)

@@ -108,6 +108,7 @@ def test_the_demo_file_under_mpirun(tmp_path: Path) -> None:
     assert found, f"no summary line in the output; tail:\n{out[-4000:]}"
     summary = json.loads(found[-1])
     assert summary["backend"] == "mpi" and summary["ranks"] == 8 and summary["steps"] == 4, summary
+    assert re.search(r"co-scheduler tuned: \d+ forward / \d+ backward chunks", out), out[-4000:]  # the demo's "auto"
     records = _records(metrics)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(7.0 < r["loss"] < 8.2 and r["expert_load"] >= 1.0 for r in records), records
