@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from torch import Tensor, nn
 
 from sparta.comm import HierarchicalAllToAll
+from sparta.errors import InputError
 from sparta.moe import MoELayer, tune_schedule
 from sparta.scheduling.cost_model import SchedulePlan
 
@@ -34,14 +35,14 @@ from sparta.scheduling.cost_model import SchedulePlan
 class AutoSchedule:
     """The "auto" MoE layers of this rank, untuned until `tune` runs once.
 
-    layers: this rank's MoE layers (ep > 1) by their paths in the model; exchange: their two-level all-to-all, when the
-    spec asked for one (the tuner weighs it against flat), else None; trials: timed runs of
-    each candidate plan (`tune_schedule`)."""
+    layers: this rank's MoE layers (ep > 1) by their paths in the model; exchange: their
+    two-level all-to-all, when the spec asked for one (the tuner weighs it against flat),
+    else None; trials: timed runs of each candidate plan (`tune_schedule`)."""
 
     def __init__(self, layers: dict[str, MoELayer], exchange: HierarchicalAllToAll | None, trials: int = 4) -> None:
         self.layers, self.exchange, self.trials = layers, exchange, trials
         self.plans: dict[str, SchedulePlan] = {}  # layer path -> the plan it took
-        self._seen: dict[str, Tensor] = {}
+        self.samples: dict[str, Tensor] = {}  # layer path -> its input recorded for `tune`
 
     @property
     def pending(self) -> bool:
@@ -60,7 +61,7 @@ class AutoSchedule:
 
     def _keep(self, path: str) -> Callable[[nn.Module, tuple[Tensor, ...]], None]:
         def hook(module: nn.Module, inputs: tuple[Tensor, ...]) -> None:
-            self._seen.setdefault(path, inputs[0].detach())
+            self.samples.setdefault(path, inputs[0].detach())
 
         return hook
 
@@ -68,14 +69,17 @@ class AutoSchedule:
         """Tune the first layer of each shape on its recorded input and apply the plan to
         that shape's layers. Collective over the layers' expert-parallel group."""
         by_shape: dict[tuple[object, ...], SchedulePlan] = {}
+        missing = [path for path in self.layers if path not in self.samples]
+        if missing:
+            raise InputError(f"pipeline_degree='auto': MoE layers {missing} did not run in the step that tunes them")
         for path, layer in self.layers.items():
-            sample = self._seen[path]
+            sample = self.samples[path]
             key = (_shape(layer), tuple(sample.shape))
             if key not in by_shape:
                 by_shape[key] = tune_schedule(layer, sample, hierarchical=self.exchange, trials=self.trials)
             layer.apply_schedule(by_shape[key], hierarchical=self.exchange)
             self.plans[path] = by_shape[key]
-        self._seen.clear()
+        self.samples.clear()
         return self.plans
 
     def describe(self) -> str:

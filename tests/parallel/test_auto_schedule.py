@@ -1,0 +1,33 @@
+"""AutoSchedule's bookkeeping in one process (the tuning itself is collective: the dist checks
+`parity_*_auto_degrees` run it under torchrun, and `sparta train` under horovodrun and mpirun)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparta.errors import InputError
+from sparta.moe import MoELayer
+from sparta.parallel.auto_schedule import AutoSchedule
+
+
+def test_records_each_layers_first_input_and_leaves_no_hook() -> None:
+    layers = {f"layers.{i}.mlp": MoELayer(8, 16, 4, top_k=2) for i in range(2)}
+    auto = AutoSchedule(layers, None)
+    assert auto.pending and auto.describe() == "co-scheduler tuned: not yet"
+    first, second = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
+    with auto.recording():
+        for x in (first, second):
+            for layer in layers.values():
+                x = layer(x)
+    assert torch.equal(auto.samples["layers.0.mlp"], first) and auto.samples["layers.1.mlp"].shape == first.shape
+    auto.samples.clear()
+    layers["layers.0.mlp"](torch.randn(2, 8))  # outside recording(): its hooks are gone
+    assert auto.samples == {}
+    assert not AutoSchedule({}, None).pending  # a rank without MoE layers has nothing to tune
+
+
+def test_a_layer_that_never_ran_is_named() -> None:
+    auto = AutoSchedule({"layers.3.mlp": MoELayer(8, 16, 4, top_k=2)}, None)
+    with pytest.raises(InputError, match=r"\['layers\.3\.mlp'\] did not run"):
+        auto.tune()
