@@ -82,7 +82,7 @@ Co-scheduler (``--cluster``, needs root, ip and tc): the MoE model on an emulate
 split over all 4 ranks (ep 4), two candidates in one launch, alternating:
   sparta_cosched_off  the MoE layers' flat all-to-all, not chunked, nothing overlapped (what
                       DeepSpeed-MoE and torchtitan do)
-  sparta_cosched_on   MoESpec(pipeline_degree="auto", hierarchical=True): the trainer's
+  sparta_cosched_on   MoESpec(pipeline_degree="auto"): the trainer's
                       warm-up step tunes it (sparta/parallel/auto_schedule.py:
                       sparta.moe.tune_schedule on the first MoE layer with the inputs it saw:
                       profile, cost model, timed trials of its best plans, pipeline degrees,
@@ -397,7 +397,7 @@ def cluster_worker(args: argparse.Namespace) -> None:
     layout = build_layout(ParallelDims(dp=4, ep=4), world)
     off = SpartaRun(shape, spec, layout, "sparta")
     # the trainer's own co-scheduler: tuned on its first step's inputs, flat or two-level
-    on = SpartaRun(shape, spec, layout, "sparta", moe=moe_spec(shape, pipeline_degree="auto", hierarchical=True))
+    on = SpartaRun(shape, spec, layout, "sparta", moe=moe_spec(shape, pipeline_degree="auto"))
 
     def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return local_batch(shape, spec.dp, layout.dp_rank, step)

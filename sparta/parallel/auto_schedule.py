@@ -7,8 +7,9 @@ layer's first input, and after that step `sparta.moe.tune_schedule` profiles the
 and the experts, asks the cost model for its best plans and times them (and flat) on the
 recorded rows, and the winner is applied to the layer and to every other layer of this
 rank with the same shape and exchange (all of a decoder's, usually: one tuning a rank).
-With ``MoESpec.hierarchical`` the tuner also weighs the two-level all-to-all against the
-flat one. The degrees never change a result, only when rows travel, so the first step's
+Where every expert-parallel group spans several nodes with as many of its ranks on each
+(`experts.two_level_pays`), or with ``MoESpec.hierarchical``, the tuner also weighs the
+two-level all-to-all against the flat one. The degrees never change a result, only when rows travel, so the first step's
 numbers and every later one's equal the flat layers' (the trainer's parity checks).
 
 Every rank of an expert-parallel group tunes the same layers in the same order: the groups

@@ -32,7 +32,8 @@ class MoESpec:
     # the co-scheduler: row exchanges cut into chunks that overlap the experts' compute
     # (an int, or (forward, backward) degrees, or "auto": tuned on the first step's inputs,
     # auto_schedule.py), and the two-level all-to-all over the world's nodes (intra-node
-    # first, one message per node across; under "auto" the tuner weighs it against flat)
+    # first, one message per node across). Under "auto" the tuner weighs the two-level one
+    # against flat wherever every ep group spans several nodes evenly, hierarchical or not
     pipeline_degree: int | tuple[int, ...] | str = 1
     hierarchical: bool = False
     # under tp > 1, each expert's hidden units split over the tp ranks (Megatron-Core's expert
@@ -130,14 +131,26 @@ def check_expert_tp(module: nn.Module, tp: int) -> None:
                 raise ConfigError(f"{path}: {exc}") from None
 
 
+def _ep_by_node(layout: Layout) -> list[list[list[int]]]:
+    """Each expert-parallel group's ranks, split by the world's nodes (the nodes it touches)."""
+    nodes = layout.world.node_ranks
+    groups = layout.dims.ep_groups()
+    return [[ranks for node in nodes if (ranks := [r for r in group if r in node])] for group in groups]
+
+
+def two_level_pays(layout: Layout) -> bool:
+    """Whether a two-level all-to-all can serve the expert-parallel groups and might pay:
+    every group spans more than one node, with as many of its ranks on each. Pure."""
+    groups = _ep_by_node(layout)
+    return layout.dims.ep > 1 and all(len(g) > 1 and len({len(r) for r in g}) == 1 for g in groups)
+
+
 def hierarchical_ep(layout: Layout) -> HierarchicalAllToAll:
     """A two-level all-to-all over this rank's expert-parallel group, nodes as the world's.
     Collective over the world (every rank builds its group's)."""
-    world, dims = layout.world, layout.dims
+    world = layout.world
     intra_groups, inter_groups = [], []
-    for group in dims.ep_groups():
-        by_node = [[r for r in group if r in node] for node in world.node_ranks]
-        by_node = [ranks for ranks in by_node if ranks]
+    for group, by_node in zip(layout.dims.ep_groups(), _ep_by_node(layout), strict=True):
         if len({len(ranks) for ranks in by_node}) != 1:
             raise ConfigError(
                 f"MoESpec.hierarchical: the expert-parallel group {group} has {[len(r) for r in by_node]} ranks on its "

@@ -46,7 +46,7 @@ from sparta.moe import MoELayer
 from sparta.parallel.auto_schedule import AutoSchedule
 from sparta.parallel.data_parallel import DataParallel
 from sparta.parallel.dims import Layout
-from sparta.parallel.experts import check_expert_tp, hierarchical_ep, moe_layers
+from sparta.parallel.experts import check_expert_tp, hierarchical_ep, moe_layers, two_level_pays
 from sparta.parallel.model import VOCAB_STYLE, ParallelModel, loss_fn
 from sparta.parallel.parallel_config import ParallelConfig
 from sparta.parallel.pipeline import (
@@ -235,7 +235,12 @@ def parallelize(
     expert_tp: list[str] = []
     split_experts = layout.tp if config.tensor_parallel and config.moe is not None and config.moe.expert_tp else None
     modules: list[nn.Module] = []
-    moe_exchange = hierarchical_ep(layout) if config.moe is not None and config.moe.hierarchical and layout.ep else None
+    moe_exchange = None
+    if config.moe is not None and layout.ep is not None:
+        if config.moe.hierarchical or (config.moe.auto and two_level_pays(layout)):  # "auto": a candidate
+            moe_exchange = hierarchical_ep(layout)
+    # the layers start on it only when asked; under "auto" the tuner may move them to it
+    layer_exchange = moe_exchange if config.moe is not None and config.moe.hierarchical else None
     head_stages: list[HeadStage] = []
     # the vocabulary stages' rows split over tp as the tp head's are (vocab_parallel_head)
     rows_tp = layout.tp if config.tensor_parallel and config.vocab_parallel_head and dims.tp > 1 else None
@@ -255,7 +260,7 @@ def parallelize(
             table = model.get_submodule(parts.first[0])
             module.set_submodule(parts.first[0], TakenRows(table.weight.dtype))  # type: ignore[union-attr, arg-type]
         if config.moe is not None:
-            replaced = moe_layers(module, config.moe, layout.ep, moe_exchange, split_experts)
+            replaced = moe_layers(module, config.moe, layout.ep, layer_exchange, split_experts)
             expert_tp += replaced if split_experts is not None else []
         if config.embedding == "sparse" and index == first:
             swap_embeddings(module, layout.dp)

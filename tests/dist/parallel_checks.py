@@ -38,10 +38,9 @@ MODEL = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=
 MOE = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2)
 # the co-scheduler on: rows pipelined in 2 chunks over the two-level all-to-all (nodes of 2 ranks)
 COSCHEDULED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degree=2, hierarchical=True)
-# the co-scheduler tuned on the first step's inputs (flat or two-level, the degrees it finds)
-AUTO = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degree="auto", hierarchical=True)
-# the same, flat only: under tp the experts split over it, each ep group tuning on its own
-AUTO_FLAT = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degree="auto")
+# the co-scheduler tuned on the first step's inputs: the degrees it finds, and the two-level
+# exchange weighed against flat where the ep groups span nodes (the "coscheduled" launch's 2)
+AUTO = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degree="auto")
 # under tp, whole experts on every tp rank (MOE splits their hidden units over tp)
 REPLICATED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, expert_tp=False)
 STEPS, BATCH, LR, TOL = 10, 4, 0.05, 1e-5  # BATCH: sequences per dp rank per step
@@ -162,6 +161,8 @@ def trained_losses(
         plan = next(iter(pm.auto.plans.values()))
         assert all(m.degrees == plan.degrees for m in moe), [m.degrees for m in moe]
         assert pm.auto.describe().endswith(f"all-to-all ({len(moe)} MoE layers)"), pm.auto.describe()
+        # two-level offered where every ep group spans nodes (2 nodes of 2 at dp4 x ep4), else flat alone
+        assert (pm.auto.exchange is not None) == (layout.world.num_nodes > 1), (pm.auto.exchange, layout.world)
     assert all(m.experts.w1.shape[-1] == MODEL.d_ff // (layout.dims.tp if split else 1) for m in moe), "experts' d_ff"
     assert (len(pm.plan.expert_tp) == len(moe)) if split else not pm.plan.expert_tp, pm.plan.expert_tp
     # the last stage's head: its vocabulary over tp, its loss on the shards (losses compared below)
@@ -246,7 +247,7 @@ def parity(
 
     check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
     check.__name__ += "_coscheduled" * (moe is COSCHEDULED) + "_experts_replicated" * (moe is REPLICATED)
-    check.__name__ += "_auto_degrees" * (moe is AUTO or moe is AUTO_FLAT)
+    check.__name__ += "_auto_degrees" * (moe is AUTO)
     check.__name__ += "".join(f"_recompute{i}" for i in recompute) + "".join(f"_len{n}" for n in lengths)
     check.__name__ += "_uneven" * uneven + "_vocab_stages" * vocab_stages + "_embedding_stages" * embedding_stages
     return check
@@ -396,7 +397,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("1F1B", 1, "sparta", recompute=(0,)),
         parity("ZBVZeroBubble", 2, "fsdp", recompute=(0, 2)),
         parity("1F1B", 1, "sparta", moe=REPLICATED),
-        parity("ZBVZeroBubble", 2, "sparta", moe=AUTO_FLAT),
+        parity("ZBVZeroBubble", 2, "sparta", moe=AUTO),
         *VOCAB_STAGES,
         fused_optimizer,
         bad_inputs,
