@@ -205,11 +205,9 @@ def build_model(shape: ModelShape) -> torch.nn.Module:
     )
 
 
-def moe_spec(
-    shape: ModelShape, expert_tp: bool = True, pipeline_degree: int | str = 1, hierarchical: bool = False
-) -> Any:
-    """The MoE GPT's MoESpec (None for a dense model); pipeline_degree and hierarchical are
-    the co-scheduler's (1 and False: the flat exchange, nothing overlapped)."""
+def moe_spec(shape: ModelShape, expert_tp: bool = True, pipeline_degree: int | str = 1) -> Any:
+    """The MoE GPT's MoESpec (None for a dense model); pipeline_degree is the co-scheduler's
+    (1: the flat exchange, nothing overlapped; "auto": tuned at the first step)."""
     from sparta.parallel import MoESpec
 
     if shape.kind != "moe_gpt":
@@ -219,7 +217,6 @@ def moe_spec(
         top_k=shape.top_k,
         expert_tp=expert_tp,
         pipeline_degree=pipeline_degree,
-        hierarchical=hierarchical,
     )
 
 
