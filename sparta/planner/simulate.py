@@ -35,8 +35,16 @@ replicated.
 
 After the last action the rank's gradient sync runs: the dense gradients' all-reduce over
 dp, which the bucketed strategies overlap with the last micro-batch's backward (only what
-sticks out past it counts), the experts' over their replicas, and under fsdp a parameter
-all-gather per micro-batch forward and backward; then AdamW.
+sticks out past it counts), the experts' over their replicas; then AdamW.
+
+Under fsdp each of FSDP2's units (the trainer's `fsdp_units`: every layer, the token table,
+the stage module's own rest, the norm and head together) all-gathers its parameters over dp
+inside the action that finds them sharded, one call per unit: F gathers what is sharded,
+after it the units reshard but the head (and none under zero-bubble schedules, where the
+trainer keeps them gathered), and after a B or I all stay gathered until the step's last
+(torch's pipelining turns resharding after backward off but for the last micro-batch). So
+GPipe over m micro-batches gathers each unit m + 1 times, a zero-bubble schedule once,
+which is what a traced step shows (``FSDP::all_gather`` per unit).
 
 Memory per pipeline rank: parameters, gradients and AdamW's two moments (16 bytes per
 float32 parameter; fsdp divides them by dp), plus the activations of the micro-batches in
@@ -171,9 +179,20 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
     # pipeline ranks that compute at full speed at once: the hosts' slots over each one's replicas
     share = costs.slots * (dims.world_size / costs.ranks_per_host) / (dims.dp * dims.tp)
     zero_bubble = config.schedule in ZERO_BUBBLE
-    spans, finish, peak = _replay(actions, stages, owner, hop, zero_bubble, len(stages), trace, share)
-
     grad = costs.element_bytes
+    unshard: dict[int, tuple[float, float]] = {}
+    if config.data_parallel == "fsdp" and dims.dp > 1:
+
+        def gathers(st: StageCost, resharded: bool) -> float:
+            return sum(
+                costs.collective("all_gather", dims.dp, params * grad / dims.dp, dims.tp)
+                for params, again in st.units
+                if again == resharded
+            )
+
+        unshard = {i: (gathers(st, True), gathers(st, False)) for i, st in enumerate(stages)}
+    spans, finish, peak = _replay(actions, stages, owner, hop, zero_bubble, unshard, trace, share)
+
     step = pipeline_s = sync_s = opt_s = 0.0
     peak_bytes: dict[int, float] = {}
     for rank in range(dims.pp):
@@ -181,9 +200,8 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
         dense = sum(s.dense_params for s in mine)
         expert = sum(s.expert_params for s in mine)
         held = sum(s.params for s in mine)
-        if config.data_parallel == "fsdp":
-            gather = costs.collective("all_gather", dims.dp, dense * grad / dims.dp, dims.tp)
-            sync = 2 * config.microbatches * gather + costs.collective("all_reduce", dims.dp, dense * grad, dims.tp)
+        if config.data_parallel == "fsdp":  # its gathers ran inside the actions
+            sync = costs.collective("all_reduce", dims.dp, dense * grad, dims.tp)
             held = held - dense + dense / dims.dp
         else:
             reduce = costs.collective("all_reduce", dims.dp, dense * grad, dims.tp)
@@ -216,13 +234,15 @@ def _replay(
     owner: Mapping[int, int],
     hop: float,
     zero_bubble: bool,
-    n_stages: int,
+    unshard: Mapping[int, tuple[float, float]],
     trace: bool,
     share: float,
 ) -> tuple[dict[int, list[Span]], dict[int, float], dict[int, float]]:
     """Run every rank's actions in order; returns the spans, each rank's finish time and its
-    peak activation bytes. ``share``: how many pipeline ranks can compute at full speed at
-    once (their replicas share the hosts' compute slots); with more busy, each runs at
+    peak activation bytes. ``unshard``: per stage under fsdp, the seconds its units that
+    reshard after forward, and those that do not, take to gather (see the module doc).
+    ``share``: how many pipeline ranks can compute at full speed at once (their replicas
+    share the hosts' compute slots); with more busy, each runs at
     share / busy of its speed (processor sharing), which is what ranks oversubscribing a
     host's cores see. An action computes its speed-one seconds, then waits its collectives'
     seconds, which are not shared: they were measured with every rank of the launch
@@ -238,6 +258,8 @@ def _replay(
     done: dict[tuple[int, str, int], float] = {}
     spans: dict[int, list[Span]] = {r: [] for r in queues}
     running: dict[int, list[float]] = {}  # rank -> [compute left, collectives left, start]
+    n_stages = len(stages)
+    sharded = {s: [True, True] for s in unshard}  # [resharding units, the others]
     seconds_of = {
         "F": lambda st: (st.fwd, st.fwd_comm),
         "B": lambda st: (st.bwd, st.bwd_comm),
@@ -277,7 +299,12 @@ def _replay(
                 continue
             stage, kind, mb = queues[rank][pos[rank]]
             st = stages[stage]
-            running[rank] = [*seconds_of[kind](st), now]
+            compute, waited = seconds_of[kind](st)
+            if stage in sharded and kind != "W":
+                state = sharded[stage]
+                waited += sum(t for t, gone in zip(unshard[stage], state, strict=True) if gone)
+                state[:] = [kind == "F" and not zero_bubble, False]
+            running[rank] = [compute, waited, now]
             if kind == "F":
                 live[rank] += st.saved
             elif kind in "BI":

@@ -31,6 +31,9 @@ class StageCost:
     params: float  # float32 parameters this rank holds for the stage
     dense_params: float  # of which reduced over dp
     expert_params: float  # of which reduced over the expert's replicas
+    # FSDP2's units under "fsdp" (data_parallel.fsdp_units): each one's parameters on this
+    # rank before dp shards them, and whether it reshards after forward (the head does not)
+    units: tuple[tuple[float, bool], ...] = ()
 
 
 def stage_cost(
@@ -44,6 +47,7 @@ def stage_cost(
     # and the collectives' seconds inside fwd, bwd and bwd_input
     blocks, extras, comms = [0.0] * 4, [0.0] * 4, [0.0] * 3
     largest_block = dense = expert = 0.0
+    units: list[tuple[float, bool]] = []
 
     def add(
         into: list[float], part: str, split: int, comm: float = 0.0, group: int = dims.tp, saved_split: int = 0
@@ -76,6 +80,11 @@ def stage_cost(
     elif index == 0:
         add(extras, "embed", 1)
         dense += costs.parts["embed"].params / (dims.dp if plan.config.embedding == "sparse" else 1)
+        # the token table a unit of its own (a SparseEmbedding's shards are no unit), the
+        # position table left to the stage module's own
+        table = min(cfg.vocab_size * cfg.d_model, costs.parts["embed"].params)
+        units += [(table, True)] if plan.config.embedding != "sparse" else []
+        units.append((costs.parts["embed"].params - table, True))
 
     def add_dense(part: str) -> None:
         measured = f"{part}/tp{dims.tp}"  # timed under tp, its all-reduces inside (costs.py)
@@ -85,7 +94,7 @@ def stage_cost(
             add(blocks, part, dims.tp, costs.collective("all_reduce", dims.tp, act))
 
     for layer in layers:
-        before = blocks[3]
+        before, dense_before = blocks[3], dense
         add_dense("attention")
         dense += costs.parts["attention"].params / dims.tp
         if moe is not None and layer % moe.every == 0:
@@ -116,6 +125,7 @@ def stage_cost(
             add_dense("mlp")
             dense += costs.parts["mlp"].params / dims.tp
         largest_block = max(largest_block, blocks[3] - before)
+        units.append((dense - dense_before, True))
     if index >= first + body:
         # a head stage (vocab_stages): its rows' per-token work (its fixed cost per call
         # whole); over tp, its input gradient summed backward (the statistics are small)
@@ -135,6 +145,7 @@ def stage_cost(
             comms[1] += costs.collective("all_reduce", head, act)
             comms[2] += costs.collective("all_reduce", head, act)
         dense += costs.parts["head"].params / head
+        units.append((costs.parts["head"].params / head, False))
     transient = 0.0
     if index in plan.config.recompute:
         # only each block's input is kept; backward runs its forward again first
@@ -144,4 +155,5 @@ def stage_cost(
         comms[1] += comms[0]  # the forward's collectives run again too
         comms[2] += comms[0]
     fwd, bwd, bwd_input, saved = (b + e for b, e in zip(blocks, extras, strict=True))
-    return StageCost(fwd, bwd, bwd_input, *comms, saved, transient, dense + expert, dense, expert)
+    held = tuple((float(n), again) for n, again in units if n > 0)  # a module without parameters is no unit
+    return StageCost(fwd, bwd, bwd_input, *comms, saved, transient, dense + expert, dense, expert, held)

@@ -47,6 +47,24 @@ class LinearFit:
         """Predicted seconds for size n."""
         return self.alpha + self.beta * n
 
+    def interpolate(self, n: float) -> float:
+        """Seconds for size n read off the samples: linear between the two measured sizes
+        around n, and beyond the smallest or largest along the fit's slope from it (floored
+        at 0); the fit itself without samples. For costs that are not one line over the
+        sizes measured (a collective whose latency floor hides its bandwidth at small sizes:
+        least squares fits the large sizes and misses that floor)."""
+        points = sorted(self.samples)
+        if not points:
+            return self(n)
+        if n <= points[0][0]:
+            return max(points[0][1] + self.beta * (n - points[0][0]), 0.0)
+        if n >= points[-1][0]:
+            return points[-1][1] + self.beta * (n - points[-1][0])
+        for (n0, t0), (n1, t1) in zip(points, points[1:], strict=False):
+            if n <= n1:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        raise AssertionError("unreachable: n lies within the samples")
+
     @classmethod
     def fit(cls, samples: Sequence[tuple[float, float]]) -> LinearFit:
         """Least squares over (n, t); alpha and beta are clamped at 0 (a cost is never negative)."""

@@ -142,6 +142,36 @@ def test_collectives_enter_where_the_layout_puts_them() -> None:
     assert simulate(c, WORK, plan(1, "1F1B", 1, (), dp=2)).sync_s == pytest.approx(0.25 / 4)
 
 
+def test_fsdp_gathers_each_unit_where_a_traced_step_does() -> None:
+    # every collective 0.25 s; four layer units that reshard after forward, and the head
+    # (1000 parameters here) that does not. Counts as traced steps of the trainer show them
+    # (FSDP::all_gather per unit): m + 1 per resharding unit over m micro-batches, one under
+    # a zero-bubble schedule (kept gathered), one for the head
+    c = costs(comm_s=0.25)
+    c.parts["head"] = dataclasses.replace(c.parts["head"], params=1000)
+
+    def extra(schedule: str, pp: int, spr: int = 1) -> tuple[float, float]:
+        split = tuple(f"layers.{i}" for i in range(4 // (pp * spr), 4, 4 // (pp * spr)))
+
+        def run(strategy: str) -> Prediction:
+            config = ParallelConfig(
+                schedule=schedule, microbatches=4, stages_per_rank=spr, split_points=split, data_parallel=strategy
+            )
+            return simulate(c, WORK, Plan(ParallelDims(pp=pp, dp=2), config))
+
+        fsdp, sparta = run("fsdp"), run("sparta")
+        return fsdp.pipeline_s - sparta.pipeline_s, fsdp.sync_s
+
+    for schedule in ("1F1B", "GPipe", "Interleaved1F1B"):
+        gathered, sync = extra(schedule, 1, 2 if schedule == "Interleaved1F1B" else 1)
+        assert gathered == pytest.approx((4 + 1) * 4 * 0.25 + 0.25), schedule
+        assert sync == pytest.approx(0.25)  # the reduction after the last backward, not overlapped
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble"):
+        assert extra(schedule, 1, 2)[0] == pytest.approx(4 * 0.25 + 0.25), schedule
+    # two stages: stage 1's gathers wait on stage 0's, which are fewer per stage
+    assert extra("GPipe", 2)[0] < extra("GPipe", 1)[0]
+
+
 def test_a_parts_fixed_cost_is_not_split_over_tp() -> None:
     # every part 1 s per forward call whatever its tokens, nothing else: tp2 halves no second
     # (launch and Python overheads are every tp rank's, whole)

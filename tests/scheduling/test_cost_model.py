@@ -43,6 +43,19 @@ def test_fit_recovers_a_line_and_reports_its_error() -> None:
         LinearFit.fit([(1, 1.0), (1, 2.0)])
 
 
+def test_interpolation_reads_the_samples_the_fit_misses() -> None:
+    # a latency floor then bandwidth (a 4-rank all-gather on 8 ranks over 2 cores, seconds
+    # vs bytes per rank): least squares through the origin misses the floor at 64 KiB
+    fit = LinearFit.fit([(65536, 0.0105), (262144, 0.0123), (1048576, 0.0216), (4194304, 0.2286)])
+    assert fit(65536) < 0.005
+    assert fit.interpolate(65536) == pytest.approx(0.0105)
+    assert fit.interpolate((262144 + 1048576) / 2) == pytest.approx((0.0123 + 0.0216) / 2)
+    # beyond the samples, along the fit's slope from the nearest; never below 0
+    assert fit.interpolate(2 * 4194304) == pytest.approx(0.2286 + fit.beta * 4194304)
+    assert fit.interpolate(0) == pytest.approx(max(0.0105 - fit.beta * 65536, 0.0))
+    assert LinearFit(1.0, 2.0, 0.0, ()).interpolate(3) == 7.0  # no samples (published figures): the line
+
+
 def test_profile_round_trips_through_json(tmp_path: Path) -> None:
     p = profile(1e-8, 2e-8, 1e-6)
     p.save(tmp_path / "p.json")
