@@ -72,7 +72,10 @@ class PartCost:
     keeps for backward, per token; params: parameter count (all experts of an MoE layer);
     busy: the share of those seconds the rank computes (1 but for the parts measured under
     their groups, tp halves and ep MoE layers, whose collectives wait inside them): ranks
-    sharing a host's cores slow the busy share down, not the waiting (see simulate.py)."""
+    sharing a host's cores slow the busy share down, not the waiting (see simulate.py);
+    zero_bubble: (I + W) / B, what torch's zero-bubble schedules' split of the backward into
+    an input and a weight pass costs over one backward (zero_bubble.py; 1 where not timed:
+    the embedding, the head, costs from published figures or without torch.distributed)."""
 
     fwd: LinearFit
     bwd: LinearFit
@@ -80,6 +83,7 @@ class PartCost:
     saved_bytes_per_token: float
     params: int
     busy: float = 1.0
+    zero_bubble: float = 1.0
 
 
 @dataclass
@@ -179,6 +183,7 @@ class ModelCosts:
                         p["saved_bytes_per_token"],
                         p["params"],
                         p.get("busy", 1.0),
+                        p.get("zero_bubble", 1.0),
                     )
                     for k, p in raw["parts"].items()
                 },

@@ -37,6 +37,7 @@ from sparta.parallel.parallelize import TP_STYLES
 from sparta.scheduling.profiler import LinearFit, ProfileConfig, Profiler
 
 from .costs import FLOAT_BYTES, ModelCosts, PartCost, hardware_fingerprint, model_fingerprint
+from .zero_bubble import zero_bubble_factor
 
 
 def _saved_bytes(fn: Callable[[], Any]) -> int:
@@ -159,8 +160,20 @@ def measure_costs(
     torch.manual_seed(0)
     # ranks share the host: time each part on one rank alone (its speed-one time)
     active = 1 if slots < ranks_per_host else comm.size
-    parts = {name: _part(profiler, module.to(device), name, model, cfg.rows, active, device)
-             for name, module in _parts(model, moe).items()}  # fmt: skip
+    modules = {name: module.to(device) for name, module in _parts(model, moe).items()}
+    parts = {name: _part(profiler, module, name, model, cfg.rows, active, device) for name, module in modules.items()}
+    if torch.distributed.is_initialized():
+        # torch's zero-bubble split of a block's halves, timed through its schedules on a
+        # group of each rank alone (zero_bubble.py)
+        alone = _alone(comm)
+        tokens = cfg.rows[len(cfg.rows) // 2]
+        for name in ("attention", "mlp", "moe"):
+            if name in parts:
+                backward_s = parts[name].bwd(tokens)
+                factor = zero_bubble_factor(
+                    profiler, modules[name], _hidden(model, device), tokens, backward_s, alone, active
+                )
+                parts[name] = dataclasses.replace(parts[name], zero_bubble=factor)
     for g in sizes if torch.distributed.is_initialized() else ():
         if model.n_heads % g or model.d_ff % g:
             continue
@@ -189,6 +202,8 @@ def measure_costs(
         module = _moe_part(model, moe, groups[f"g{e}s{t}"], groups[f"g{t}"]).to(device)  # type: ignore[arg-type]
         parts[f"moe/ep{e}tp{t}"] = _grouped_part(profiler, module, "moe", model, cfg.rows, e * t, slots, device)
     optimizer = _fit(profiler, (100_000, 400_000, 1_600_000), lambda n: _adamw(n, device), active)
+    # the halves timed under their groups split their backward as the plain ones do
+    parts = {k: dataclasses.replace(p, zero_bubble=parts[k.split("/")[0]].zero_bubble) for k, p in parts.items()}
     return ModelCosts(
         parts=parts,
         comm=fits,
@@ -199,6 +214,16 @@ def measure_costs(
         slots=slots,
         ranks_per_host=ranks_per_host,
     )
+
+
+def _alone(comm: Communicator) -> torch.distributed.ProcessGroup:
+    """A process group of this rank alone (collective: every rank creates every one)."""
+    mine = None
+    for rank in comm.ranks:
+        group = torch.distributed.new_group([rank])
+        mine = group if rank == comm.ranks[comm.rank] else mine
+    assert mine is not None
+    return mine
 
 
 def _ep_tp_pairs(

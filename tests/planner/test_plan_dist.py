@@ -69,6 +69,12 @@ def test_a_measured_plan_trains_like_one_process(tmp_path: Path) -> None:
     assert {"all_reduce/g2", "all_reduce/g2s2", "all_reduce/g4", "all_to_all/g4", "all_gather/g2s2"} <= set(costs.comm)
     assert {"p2p", "p2p/s2"} <= set(costs.comm)
     assert all(p.fwd(64) > 0 and p.bwd(64) > 0 and p.saved_bytes_per_token > 0 for p in costs.parts.values())
+    # torch's zero-bubble split timed through its schedules for a block's halves (and taken
+    # by their variants under groups); the embedding and the head are not timed so
+    factors = {name: p.zero_bubble for name, p in costs.parts.items()}
+    assert all(1.0 <= factors[n] <= 2.0 for n in ("attention", "mlp", "moe")), factors
+    assert factors["embed"] == factors["head"] == 1.0
+    assert all(f == factors[name.split("/")[0]] for name, f in factors.items()), factors
 
     out = _run(
         [PY, *cli, "plan", "--config", str(run), "--costs", str(costs_path), "--world", "4", "--memory", "1"]
