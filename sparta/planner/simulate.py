@@ -11,6 +11,10 @@ its rank is free and its inputs have arrived:
     B/I(s, m)     after F(s, m), and B/I(s+1, m) plus the hop (the last stage: after its F)
     W(s, m)       after I(s, m)
 
+Under zero-bubble schedules I is a part's plain input gradient and W the rest of its
+backward, both times its ``zero_bubble`` factor: torch's split of one backward into the two
+costs more than the backward (zero_bubble.py measures it through torch's schedules).
+
 DualPipeV's overlapped pairs ("(0F3;3B1)OVERLAP_F_B") run as their two actions in turn, and
 the schedules' REDUCE_GRAD markers take no time here (the gradient sync is counted after).
 
@@ -38,7 +42,8 @@ dp, which the bucketed strategies overlap with the last micro-batch's backward (
 sticks out past it counts), the experts' over their replicas; then AdamW.
 
 Under fsdp each of FSDP2's units (the trainer's `fsdp_units`: every layer, the token table,
-the stage module's own rest, the norm and head together) all-gathers its parameters over dp
+the stage module's own rest, the norm and head together; a vocabulary stage's rows, which
+are dense over dp, as its module's own) all-gathers its parameters over dp
 inside the action that finds them sharded, one call per unit: F gathers what is sharded,
 after it the units reshard but the head (and none under zero-bubble schedules, where the
 trainer keeps them gathered), and after a B or I all stay gathered until the step's last
@@ -263,8 +268,8 @@ def _replay(
     seconds_of = {
         "F": lambda st: (st.fwd, st.fwd_comm),
         "B": lambda st: (st.bwd, st.bwd_comm),
-        "I": lambda st: (st.bwd_input, st.bwd_input_comm),
-        "W": lambda st: (max(st.bwd - st.bwd_input, 0.0), 0.0),
+        "I": lambda st: (st.zb_bwd_input, st.bwd_input_comm),
+        "W": lambda st: (max(st.zb_bwd - st.zb_bwd_input, 0.0), 0.0),
     }
 
     def inputs(stage: int, kind: str, mb: int) -> list[tuple[int, str, int]]:

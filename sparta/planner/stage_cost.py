@@ -23,6 +23,8 @@ class StageCost:
     fwd: float  # compute seconds at full speed
     bwd: float
     bwd_input: float
+    zb_bwd: float  # I + W as torch's zero-bubble schedules split the backward (PartCost.zero_bubble)
+    zb_bwd_input: float  # of which I
     fwd_comm: float  # collective seconds inside the action (tp all-reduces, ep all-to-alls)
     bwd_comm: float
     bwd_input_comm: float
@@ -43,9 +45,9 @@ def stage_cost(
     dims, cfg, moe = plan.dims, work.model, work.moe
     n_stages = dims.pp * plan.config.stages_per_rank
     act = tokens * cfg.d_model * costs.element_bytes
-    # [fwd, bwd, bwd_input, saved] of the stage's blocks and of its extras (embedding, head),
-    # and the collectives' seconds inside fwd, bwd and bwd_input
-    blocks, extras, comms = [0.0] * 4, [0.0] * 4, [0.0] * 3
+    # [fwd, bwd, bwd_input, saved, zb_bwd, zb_bwd_input] of the stage's blocks and of its
+    # extras (embedding, head), and the collectives' seconds inside fwd, bwd and bwd_input
+    blocks, extras, comms = [0.0] * 6, [0.0] * 6, [0.0] * 3
     largest_block = dense = expert = 0.0
     units: list[tuple[float, bool]] = []
 
@@ -65,6 +67,8 @@ def stage_cost(
             seconds = f.alpha + f.beta * tokens / split
             into[i] += p.busy * seconds
             comms[i] += comm + waited * seconds
+            if i:
+                into[3 + i] += p.busy * seconds * p.zero_bubble
         into[3] += p.saved_bytes_per_token * tokens / (saved_split or split)
 
     first, body = plan.config.first_body(dims.pp), plan.config.body_stages(dims.pp)
@@ -77,6 +81,7 @@ def stage_cost(
         if rows_tp > 1:
             comms[0] += costs.collective("all_reduce", rows_tp, act)
         dense += costs.parts["embed"].params / (dims.pp * rows_tp)
+        units.append((costs.parts["embed"].params / (dims.pp * rows_tp), True))  # the stage module's own
     elif index == 0:
         add(extras, "embed", 1)
         dense += costs.parts["embed"].params / (dims.dp if plan.config.embedding == "sparse" else 1)
@@ -134,6 +139,7 @@ def stage_cost(
             comms[1] += costs.collective("all_reduce", rows_tp, act)
             comms[2] += costs.collective("all_reduce", rows_tp, act)
         dense += costs.parts["head"].params / (dims.pp * rows_tp)
+        units.append((costs.parts["head"].params / (dims.pp * rows_tp), True))
     elif index == n_stages - 1:
         # its vocabulary split over tp where tp divides it, as parallelize does (the "vocab"
         # style, the loss on the shards): per-token time and parameters divided, plus the
@@ -149,11 +155,13 @@ def stage_cost(
     transient = 0.0
     if index in plan.config.recompute:
         # only each block's input is kept; backward runs its forward again first
-        blocks[1] += blocks[0]
-        blocks[2] += blocks[0]
+        for i in (1, 2, 4, 5):
+            blocks[i] += blocks[0]
         blocks[3], transient = len(layers) * act, largest_block
         comms[1] += comms[0]  # the forward's collectives run again too
         comms[2] += comms[0]
-    fwd, bwd, bwd_input, saved = (b + e for b, e in zip(blocks, extras, strict=True))
+    fwd, bwd, bwd_input, saved, zb_bwd, zb_input = (b + e for b, e in zip(blocks, extras, strict=True))
     held = tuple((float(n), again) for n, again in units if n > 0)  # a module without parameters is no unit
-    return StageCost(fwd, bwd, bwd_input, *comms, saved, transient, dense + expert, dense, expert, held)
+    return StageCost(
+        fwd, bwd, bwd_input, zb_bwd, zb_input, *comms, saved, transient, dense + expert, dense, expert, held
+    )

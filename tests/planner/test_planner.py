@@ -110,6 +110,20 @@ def test_the_simulator_replays_small_schedules_exactly() -> None:
     assert r.peak_bytes[0] == pytest.approx(params + 2 * inputs + 2 * tokens)  # + one block's, recomputing
 
 
+def test_zero_bubble_passes_cost_their_measured_split() -> None:
+    # ZBV, both stages on one rank: no bubble, so the step is every action's seconds. Per
+    # stage and micro-batch F = 1 s, B = 2 s of which the input half 1 s: 8 x (1 + 2) s; with
+    # torch's split measured at 1.5 B, I and W take half as long again: 8 x (1 + 3) s
+    zbv = plan(1, "ZBVZeroBubble", 4, ("layers.2",), spr=2)
+    c = costs()
+    assert simulate(c, WORK, zbv).step_s == pytest.approx(24.0)
+    slow = {k: dataclasses.replace(p, zero_bubble=1.5) for k, p in c.parts.items()}
+    assert simulate(dataclasses.replace(c, parts=slow), WORK, zbv).step_s == pytest.approx(32.0)
+    # schedules that do not split the backward do not pay it
+    gpipe = plan(1, "GPipe", 4, ())
+    assert simulate(dataclasses.replace(c, parts=slow), WORK, gpipe).step_s == simulate(c, WORK, gpipe).step_s
+
+
 def test_ranks_sharing_a_host_share_its_speed() -> None:
     # 2 ranks on a host that computes one at full speed: when both compute, each runs at half.
     # GPipe, 2 stages, 2 micro-batches of 32 tokens (stage F = 2 s, B = 4 s), worked by hand:
