@@ -8,6 +8,8 @@
 
 Pieces: costs.py (what is measured, saved and checked against the model and hardware),
 measure.py (measuring it on the hardware at hand: parts, every group shape, the optimizer),
+zero_bubble.py (what torch's split of a backward into its I and W passes costs, timed
+through torch's schedules),
 hardware.py (costs of clusters we do not have, from published figures), stage_cost.py (what
 one stage costs per micro-batch), simulate.py (a plan replayed on the costs: step time, peak
 memory, timeline), search.py (the plans the trainer
