@@ -7,7 +7,7 @@
     sparta bench plot run.jsonl -o run.png
 
 Suites (`registry()`): collectives, alltoallv, and the folded scripts (moe-layer, pipeline,
-dispatch: moe.py; trainer once benchmarks/trainer.py lands: suites.py). Without a launcher a suite
+dispatch: moe.py; embedding; trainer: suites.py). Without a launcher a suite
 starts its own local ranks, one job per engine (runner.drive); under torchrun, mpirun or
 horovodrun each rank runs it directly (runner.worker). Output: JSON lines, a header first
 (records.py says what every field means), and a table on stdout.

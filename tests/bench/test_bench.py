@@ -341,25 +341,6 @@ def test_ranks_times_combine_per_call() -> None:
     assert stats["rank_spread_us"] == 0.0 and stats["slowest_rank"] == 0  # both ranks' medians are 2 s
 
 
-def test_trainer_suite_skips_with_the_hook_named_until_it_exists() -> None:
-    from sparta_tools.bench.suites import trainer_suite
-
-    suite = trainer_suite()
-    skipped: list[tuple[str, dict]] = []
-
-    class Ctx:
-        def skip(self, reason: str, **what: object) -> None:
-            skipped.append((reason, what))
-
-    try:
-        import sparta_tools.bench.trainer  # noqa: F401
-    except ModuleNotFoundError:
-        suite.run(Ctx())
-        assert skipped and "sparta_tools/bench/trainer.py" in skipped[0][0], skipped
-    else:  # the trainer helper's module landed: the suite is its
-        assert suite.run.__module__ == "sparta_tools.bench.trainer"
-
-
 def test_embedding_with_a_transformer_block_on_an_emulated_cluster(tmp_path: Path) -> None:
     """--rate: two emulated nodes behind 1 Gbit/s links (root only, as tests/scheduling/test_cluster.py)."""
     from sparta_tools.cluster import can_emulate
