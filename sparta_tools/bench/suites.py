@@ -1,7 +1,7 @@
 """The suites folded in from the scripts under benchmarks/ (moe.py: moe-layer from
 benchmarks/moe_layer.py, pipeline from benchmarks/moe_pipeline.py's plans on the launched ranks,
-dispatch; embedding.py: embedding from benchmarks/embedding.py; trainer.py: the 3D trainer's
-step, whose full comparison across launches is benchmarks/trainer.py).
+dispatch; embedding.py: embedding from benchmarks/embedding.py; trainer_suite.py: the 3D
+trainer's step, whose full comparison across launches is benchmarks/trainer.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from sparta_tools.bench.runner import Suite
 
 
 def folded() -> list[Suite]:
-    from sparta_tools.bench import embedding, moe, trainer
+    from sparta_tools.bench import embedding, moe, trainer_suite
 
     return [
         Suite("moe-layer", "one MoE layer forward+backward: Sparta, DeepSpeed-MoE, a naive loop, the dense floor",
@@ -22,5 +22,5 @@ def folded() -> list[Suite]:
         Suite("embedding", "a step of a large-table model: DDP, Horovod sparse/dense, Sparta row/column sharding",
               embedding.add_arguments, embedding.check, embedding.run, engines=("torch", "horovod")),
         Suite("trainer", "the 3D trainer's step: pipeline x data x tensor (+ expert) parallel",
-              trainer.add_arguments, trainer.check, trainer.run, engines=("torch",)),
+              trainer_suite.add_arguments, trainer_suite.check, trainer_suite.run, engines=("torch",)),
     ]  # fmt: skip

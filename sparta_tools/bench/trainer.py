@@ -1,32 +1,19 @@
-"""The 3D trainer's benchmark pieces, and the `sparta bench trainer` suite built on them.
-
-benchmarks/trainer.py (the full comparison: every layout in launches of its own, torchtitan
-patched for CPU in its own processes, peak memory per candidate, the co-scheduler on the
-emulated cluster) builds on what is here: the models (`SIZES`), the layouts (`LAYOUTS`),
-the synthetic batches, and the candidates' steps (plain eager, plain DDP, Sparta's trainer).
-
-    sparta bench trainer --nprocs 2 --layouts dp2,tp2,pp2_1f1b --models dense -n 7 -w 2 -J run.jsonl
-
-runs, on the ranks of one launch, each named layout whose world size is the launch's (others
-are recorded as skipped, with the --nprocs they need): its candidates alternating (-w
-untimed steps each, then -n rounds in a rotated order, a barrier before each step). Each
-point's ``wrong`` compares the variant's first-step loss (the mean over the global batch) with
-one process's forward of the same model on the same batch (1e-5); later steps train on, so
-only the first is checked. torchtitan is benchmarks/trainer.py's alone (its CPU patches stay
-out of Sparta's processes).
+"""The 3D trainer's benchmark pieces: the models (`SIZES`), the layouts (`LAYOUTS`), the
+synthetic batches, one process's oracle, and the candidates' steps (plain eager, plain DDP,
+Sparta's trainer). Two benchmarks build on them: `sparta bench trainer` (trainer_suite.py:
+the candidates on the ranks of one launch) and benchmarks/trainer.py (the full comparison:
+every layout in launches of its own, torchtitan patched for CPU in its own processes, peak
+memory per candidate, the co-scheduler on the emulated cluster).
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from sparta.errors import ConfigError
 
 LR, MAX_NORM, SEED, TOL = 3e-4, 1.0, 0, 1e-5
 
@@ -353,112 +340,3 @@ def build_step(name: str, shape: ModelShape, spec: LayoutSpec, layout_for: Calla
         expert_tp=name != "sparta_experts_whole",
         vocab_parallel_head=name != "sparta_head_whole",
     )
-
-
-# ----------------------------------------------------------------------------- the suite
-SUITE_CANDIDATES = ("eager", "ddp", "sparta", "sparta_ep", "sparta_experts_whole", "sparta_head_whole", "sparta_ddp")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated: {', '.join(LAYOUTS)}")
-    parser.add_argument("--size", default="debug", help=f"model sizes: {', '.join(SIZES)} (tiny: for tests)")
-    default = "eager,ddp,sparta,sparta_ep,sparta_experts_whole,sparta_head_whole"
-    parser.add_argument("--candidates", default=default, help=f"of {', '.join(SUITE_CANDIDATES)}")
-
-
-def _names(opts: Any, flag: str, known: Any) -> list[str]:
-    given = [n for n in str(opts.extra[flag]).split(",") if n]
-    unknown = [n for n in given if n not in known]
-    if unknown or not given:
-        raise ConfigError(f"--{flag} {opts.extra[flag]!r}: unknown {unknown}; choose among {', '.join(known)}")
-    return given
-
-
-def check(opts: Any) -> None:
-    """ConfigError for an unknown size, model, layout or candidate (before any rank starts)."""
-    if opts.extra["size"] not in SIZES:
-        raise ConfigError(f"--size {opts.extra['size']!r}: choose one of {', '.join(SIZES)}")
-    _names(opts, "models", SIZES[str(opts.extra["size"])])
-    _names(opts, "layouts", LAYOUTS)
-    _names(opts, "candidates", SUITE_CANDIDATES)
-    if opts.device != "cpu":
-        raise ConfigError("--device cuda: the trainer suite runs on CPU ranks (gloo) for now; use --device cpu")
-
-
-class _Stepper:
-    """One candidate as the suite calls it: each call trains on the next batch and returns
-    that step's loss; ``steps`` counts the calls (the first is the one the oracle checks)."""
-
-    def __init__(self, step: Step, shape: ModelShape, dp: int, dp_rank: int) -> None:
-        self.step, self.shape, self.dp, self.dp_rank, self.steps = step, shape, dp, dp_rank, 0
-
-    def __call__(self) -> float:
-        loss = self.step(*local_batch(self.shape, self.dp, self.dp_rank, self.steps))
-        self.steps += 1
-        return loss
-
-
-def run(ctx: Any) -> None:
-    """Every rank: each asked-for layout of ctx.size ranks, each model, its candidates timed together."""
-    from sparta.parallel import ParallelDims, build_layout
-
-    torch.set_num_threads(1)
-    size = str(ctx.opts.extra["size"])
-    wanted = _names(ctx.opts, "candidates", SUITE_CANDIDATES)
-    ctx.skip("benchmarks/trainer.py times it: its CPU patches run in processes of their own", candidate="torchtitan")
-    for layout_name in _names(ctx.opts, "layouts", LAYOUTS):
-        spec = LAYOUTS[layout_name]
-        if spec.world_size != ctx.size:
-            ctx.skip(f"needs {spec.world_size} ranks: --nprocs {spec.world_size}", layout=layout_name)
-            continue
-        layouts: dict[int, Any] = {}
-
-        def layout_for(ep: int, spec: LayoutSpec = spec, layouts: dict[int, Any] = layouts) -> Any:
-            if ep not in layouts:
-                layouts[ep] = build_layout(ParallelDims(pp=spec.pp, dp=spec.dp, tp=spec.tp, ep=ep), ctx.world)
-            return layouts[ep]
-
-        for model in _names(ctx.opts, "models", SIZES[size]):
-            _time_model(ctx, SIZES[size][model], spec, wanted, layout_for)
-
-
-def _time_model(
-    ctx: Any, shape: ModelShape, spec: LayoutSpec, wanted: list[str], layout_for: Callable[[int], Any]
-) -> None:
-    names, _ = plan_candidates(shape, spec, wanted)
-    dp_rank = layout_for(1).dp_rank
-    built = {name: build_step(name, shape, spec, layout_for) for name in names}
-    calls = {name: _Stepper(step, shape, spec.dp, dp_rank) for name, step in built.items()}
-    want, params = oracle(shape, spec.dp)
-
-    def check_loss(name: str, loss: float) -> int:
-        # only the first step has a one-process oracle: later ones have trained on
-        if calls[name].steps != 1:
-            return 0
-        expected = float(ctx.plant(torch.tensor([want], dtype=torch.float64))[0])  # --_plant-wrong proves it fails
-        return int(abs(loss - expected) > TOL)
-
-    tokens = spec.dp * shape.batch * shape.seq_len
-    base = {
-        "model": shape.name,
-        "layout": spec.name,
-        "params": params,
-        "oracle_loss": round(want, 6),
-        "pp": spec.pp,
-        "dp": spec.dp,
-        "tp": spec.tp,
-        "tokens_per_step": tokens,
-    }
-    ctx.time_points(
-        base,
-        calls,
-        check_loss,
-        lambda seconds: {
-            "tokens_per_s": round(tokens / seconds, 1),
-            "tokens_per_s_per_rank": round(tokens / seconds / ctx.size, 1),
-        },
-    )
-    for step in built.values():
-        if isinstance(step, SpartaRun):
-            step.pm.close()
