@@ -9,11 +9,11 @@
 Suites (`registry()`): collectives, alltoallv, and the folded scripts (moe-layer, pipeline,
 dispatch: moe.py; embedding; trainer: suites.py). Without a launcher a suite
 starts its own local ranks, one job per engine (runner.drive); under torchrun, mpirun or
-horovodrun each rank runs it directly (runner.worker). Output: JSON lines, a header first
+horovodrun each rank runs it directly (rank.worker). Output: JSON lines, a header first
 (records.py says what every field means), and a table on stdout.
 
 A suite is a `Suite`: its flags, a check of them (ConfigError, before any rank starts), and
-`run(ctx)` on every rank (runner.BenchContext: time_points checks each variant against an
+`run(ctx)` on every rank (rank.BenchContext: time_points checks each variant against an
 oracle, times the variants alternately and emits one record per variant). To add one,
 list it in suites.folded().
 """
@@ -97,12 +97,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         parser.exit(2, f"sparta bench {suite.name}: error: {exc}\n")
     from sparta.comm.launch import detect
-    from sparta_tools.bench import runner
+    from sparta_tools.bench import rank, runner
 
     command = json.loads(args.command) if args.command else ["sparta", "bench", *argv]
     if args._worker or detect().launcher != "none":
         try:
-            return runner.worker(opts, suite.run, command, standalone=not args._worker)
+            return rank.worker(opts, suite.run, command, standalone=not args._worker)
         except ConfigError as exc:
             print(f"sparta bench {suite.name}: error: {exc}", file=sys.stderr, flush=True)
             return 2

@@ -27,7 +27,7 @@ from sparta.errors import ConfigError
 from sparta_tools.bench import records, traffic
 from sparta_tools.bench.options import BenchOptions, human_size
 from sparta_tools.bench.oracle import Oracle
-from sparta_tools.bench.runner import BenchContext
+from sparta_tools.bench.rank import BenchContext
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 VARIANTS = ("raw", "sparta", "sparta+check")

@@ -41,7 +41,7 @@ from torch import nn
 
 from sparta.errors import ConfigError
 from sparta_tools.bench.options import BenchOptions
-from sparta_tools.bench.runner import BenchContext
+from sparta_tools.bench.rank import BenchContext
 
 VARIANTS = {
     "torch": ("ddp", "sparta_row", "sparta_column", "sparta_row_sparse", "sparta_column_sparse",

@@ -47,7 +47,7 @@ from sparta_tools.bench.moe_candidates import (
     reference_output,
 )
 from sparta_tools.bench.options import BenchOptions, human_size
-from sparta_tools.bench.runner import BenchContext
+from sparta_tools.bench.rank import BenchContext
 
 SUITE_CONFIGS = {**CONFIGS, "tiny": BenchConfig("tiny", tokens=256, d_model=64, d_ff=128, num_experts=4)}
 TOLERANCE = {"float32": (1e-4, 1e-3), "bfloat16": (3e-2, 3e-2)}  # (atol, rtol) of the output check
