@@ -37,7 +37,7 @@ from sparta.parallel.parallelize import TP_STYLES
 from sparta.scheduling.profiler import LinearFit, ProfileConfig, Profiler
 
 from .costs import FLOAT_BYTES, ModelCosts, PartCost, hardware_fingerprint, model_fingerprint
-from .zero_bubble import zero_bubble_factor
+from .zero_bubble import alone_group, zero_bubble_factor
 
 
 def _saved_bytes(fn: Callable[[], Any]) -> int:
@@ -165,7 +165,7 @@ def measure_costs(
     if torch.distributed.is_initialized():
         # torch's zero-bubble split of a block's halves, timed through its schedules on a
         # group of each rank alone (zero_bubble.py)
-        alone = _alone(comm)
+        alone = alone_group(comm)
         tokens = cfg.rows[len(cfg.rows) // 2]
         for name in ("attention", "mlp", "moe"):
             if name in parts:
@@ -214,16 +214,6 @@ def measure_costs(
         slots=slots,
         ranks_per_host=ranks_per_host,
     )
-
-
-def _alone(comm: Communicator) -> torch.distributed.ProcessGroup:
-    """A process group of this rank alone (collective: every rank creates every one)."""
-    mine = None
-    for rank in comm.ranks:
-        group = torch.distributed.new_group([rank])
-        mine = group if rank == comm.ranks[comm.rank] else mine
-    assert mine is not None
-    return mine
 
 
 def _ep_tp_pairs(

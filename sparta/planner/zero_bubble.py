@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
+from sparta.comm.communicator import Communicator
 from sparta.scheduling.profiler import Profiler
 
 MICROBATCHES = 4
@@ -57,6 +58,16 @@ def zero_bubble_factor(
     every = profiler.comm.all_gather(torch.tensor([extra], dtype=torch.float64))
     extra = float(torch.cat(every)[:active].mean())  # type: ignore[arg-type]
     return min(max(1.0 + extra / max(backward_s, 1e-12), 1.0), MOST)
+
+
+def alone_group(comm: Communicator) -> dist.ProcessGroup:
+    """A process group of this rank alone (collective: every rank creates every one)."""
+    mine = None
+    for rank in comm.ranks:
+        group = dist.new_group([rank])
+        mine = group if rank == comm.ranks[comm.rank] else mine
+    assert mine is not None
+    return mine
 
 
 def _step(
