@@ -65,6 +65,7 @@ class _Task:
     key: TaskKey
     spans: list[tuple[nn.Parameter, int, int]]
     handle: Handle[torch.Tensor] | None = None
+    flat: torch.Tensor | None = None  # the piece's buffer, kept from step to step
 
 
 class GradBuckets:
@@ -209,7 +210,14 @@ class GradBuckets:
 
     def _send(self, index: int) -> None:
         task = self._tasks[index]
-        flat = torch.cat([local_grad(p).reshape(-1)[lo:hi] for p, lo, hi in task.spans])
+        pieces = [local_grad(p).reshape(-1)[lo:hi] for p, lo, hi in task.spans]
+        # into the buffer of the last step (finish waited on it): a fresh one each step cost
+        # a 16 MiB flatten 3.8 ms instead of 1.7 on CPU, its pages faulted in anew
+        if task.flat is None or (task.flat.dtype, task.flat.device) != (pieces[0].dtype, pieces[0].device):
+            task.flat = torch.cat(pieces)
+        else:
+            torch.cat(pieces, out=task.flat)
+        flat = task.flat
         # no per-call check: the sizes were agreed at the plan's first start; flat is ours to
         # donate, so the engine may sum into it instead of a copy
         if self.queue is not None:
