@@ -1,6 +1,7 @@
 """One rank of benchmarks/trainer.py's launches: the candidates timed alternating, and
 their records. The driver (benchmarks/trainer.py) starts these through torchrun (``--_worker``)
-or on the emulated cluster (``--_cluster_worker``) and reads rank 0's JSON lines.
+or on the emulated cluster (``--_cluster_worker``) and reads rank 0's JSON lines. Imported by
+trainer.py only, which puts the repository on sys.path first.
 
 - ``sparta_worker``: the candidates named in --candidates (not torchtitan), or one
   candidate's peak memory;
@@ -16,20 +17,15 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # sparta_tools lives beside the package
-
-from sparta_tools.bench.torchtitan import TorchtitanRun, patch_torchtitan_for_cpu  # noqa: E402
-from sparta_tools.bench.trainer import (  # noqa: E402
+from sparta_tools.bench.torchtitan import TorchtitanRun, patch_torchtitan_for_cpu
+from sparta_tools.bench.trainer import (
     LAYOUTS,
     SIZES,
     TOL,

@@ -268,8 +268,8 @@ def _replay(
     seconds_of = {
         "F": lambda st: (st.fwd, st.fwd_comm),
         "B": lambda st: (st.bwd, st.bwd_comm),
-        "I": lambda st: (st.zb_bwd_input, st.bwd_input_comm),
-        "W": lambda st: (max(st.zb_bwd - st.zb_bwd_input, 0.0), 0.0),
+        "I": lambda st: (st.bwd_input, st.bwd_input_comm),
+        "W": lambda st: (max(st.zb_bwd - st.bwd_input, 0.0), 0.0),
     }
 
     def inputs(stage: int, kind: str, mb: int) -> list[tuple[int, str, int]]:

@@ -22,9 +22,10 @@ class StageCost:
 
     fwd: float  # compute seconds at full speed
     bwd: float
+    # zero-bubble schedules only: their input pass I, and I + W, as torch splits the
+    # backward (each part's PartCost.zero_bubble applied)
     bwd_input: float
-    zb_bwd: float  # I + W as torch's zero-bubble schedules split the backward (PartCost.zero_bubble)
-    zb_bwd_input: float  # of which I
+    zb_bwd: float
     fwd_comm: float  # collective seconds inside the action (tp all-reduces, ep all-to-alls)
     bwd_comm: float
     bwd_input_comm: float
@@ -45,9 +46,9 @@ def stage_cost(
     dims, cfg, moe = plan.dims, work.model, work.moe
     n_stages = dims.pp * plan.config.stages_per_rank
     act = tokens * cfg.d_model * costs.element_bytes
-    # [fwd, bwd, bwd_input, saved, zb_bwd, zb_bwd_input] of the stage's blocks and of its
-    # extras (embedding, head), and the collectives' seconds inside fwd, bwd and bwd_input
-    blocks, extras, comms = [0.0] * 6, [0.0] * 6, [0.0] * 3
+    # [fwd, bwd, bwd_input, saved, zb_bwd] of the stage's blocks and of its extras
+    # (embedding, head), and the collectives' seconds inside fwd, bwd and bwd_input
+    blocks, extras, comms = [0.0] * 5, [0.0] * 5, [0.0] * 3
     largest_block = dense = expert = 0.0
     units: list[tuple[float, bool]] = []
 
@@ -65,10 +66,10 @@ def stage_cost(
         waited = (1.0 - p.busy) * max(1.0, group / costs.slots)
         for i, f in enumerate((p.fwd, p.bwd, p.bwd_input)):
             seconds = f.alpha + f.beta * tokens / split
-            into[i] += p.busy * seconds
+            into[i] += p.busy * seconds * (p.zero_bubble if i == 2 else 1.0)
             comms[i] += comm + waited * seconds
-            if i:
-                into[3 + i] += p.busy * seconds * p.zero_bubble
+            if i == 1:
+                into[4] += p.busy * seconds * p.zero_bubble
         into[3] += p.saved_bytes_per_token * tokens / (saved_split or split)
 
     first, body = plan.config.first_body(dims.pp), plan.config.body_stages(dims.pp)
@@ -155,13 +156,11 @@ def stage_cost(
     transient = 0.0
     if index in plan.config.recompute:
         # only each block's input is kept; backward runs its forward again first
-        for i in (1, 2, 4, 5):
+        for i in (1, 2, 4):
             blocks[i] += blocks[0]
         blocks[3], transient = len(layers) * act, largest_block
         comms[1] += comms[0]  # the forward's collectives run again too
         comms[2] += comms[0]
-    fwd, bwd, bwd_input, saved, zb_bwd, zb_input = (b + e for b, e in zip(blocks, extras, strict=True))
+    fwd, bwd, bwd_input, saved, zb_bwd = (b + e for b, e in zip(blocks, extras, strict=True))
     held = tuple((float(n), again) for n, again in units if n > 0)  # a module without parameters is no unit
-    return StageCost(
-        fwd, bwd, bwd_input, zb_bwd, zb_input, *comms, saved, transient, dense + expert, dense, expert, held
-    )
+    return StageCost(fwd, bwd, bwd_input, zb_bwd, *comms, saved, transient, dense + expert, dense, expert, held)
