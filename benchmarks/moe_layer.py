@@ -82,9 +82,11 @@ from moe_candidates import (
     CONFIGS,
     DTYPES,
     EP_CANDIDATES,
+    GPU_CONFIGS,
     BenchConfig,
     Place,
     Step,
+    all_configs,
     build,
     busiest_rank_load,
     make_input,
@@ -305,7 +307,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (one process)")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per candidate (0: memory only)")
-    parser.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
+    parser.add_argument("--config", choices=[*CONFIGS, *GPU_CONFIGS, "all"], default="all")
     parser.add_argument("--memory", action="store_true", help="also measure peak RSS per candidate (one process)")
     parser.add_argument("--ranks", default="1", help="comma-separated process counts; 1 is the one-process run")
     parser.add_argument(
@@ -326,7 +328,7 @@ def main() -> None:
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_ep_worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    configs = list(CONFIGS.values()) if args.config == "all" else [CONFIGS[args.config]]
+    configs = all_configs(args.device) if args.config == "all" else [{**CONFIGS, **GPU_CONFIGS}[args.config]]
     configs = [replace(cfg, zero_grad=args.zero_grad, device=args.device, dtype=args.dtype) for cfg in configs]
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")

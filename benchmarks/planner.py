@@ -16,7 +16,8 @@ top-2, as the demo), on ``--world`` ranks of this machine (torchrun, gloo, one t
 4. the chosen plan trained once more at the end: ``same_plan_spread`` is how far apart two
    launches of one plan came, the noise floor under every error.
 Prints JSON lines: a ``planner_header``, one ``planner_plan`` per plan (predicted and
-measured seconds, the error, predicted peak memory per rank and rank 0's peak RSS), and one
+measured seconds, the error, predicted peak memory per pipeline rank and rank 0's measured
+peak, with ``memory_error`` on CUDA), and one
 ``planner_summary`` per model (mean and max absolute error; the chosen plan's measured
 speed over the median measured plan and against the best measured; targets: error <= 5 %,
 chosen >= 1.2x the median and within 5 % of the best).
@@ -35,7 +36,9 @@ layers, 8 experts top-2, seq 4096, batch 1,024) on 8 to 1,024 H100s under 80 GiB
 
 Memory is predicted as model state plus activations; on CPU the only peak a rank reports is
 its resident set, which adds the interpreter and libraries (hundreds of MiB), so the memory
-error is not judged here (on CUDA, `sparta train` reports the allocator's peak instead).
+error is not judged there. ``--device cuda`` (one GPU per rank: ``--world 1`` on one GPU)
+compares the prediction with `sparta train`'s CUDA allocator peak instead; ``--d-model`` and
+``--seq-len`` size the models for a GPU.
 """
 
 from __future__ import annotations
@@ -81,13 +84,14 @@ MODELS = {
 RUN = """
 [model]
 vocab_size = 2048
-seq_len = 128
-d_model = 128
+seq_len = {seq_len}
+d_model = {d_model}
 n_layers = 8
 n_heads = 4
-d_ff = 256
+d_ff = {d_ff}
 {moe}
 [train]
+device = "{device}"
 steps = {steps}
 global_batch = 16
 lr = 1e-3
@@ -133,7 +137,8 @@ def _spread(n: int, k: int) -> list[int]:
 
 def bench_model(name: str, a: argparse.Namespace, tmp: Path, launch: Launcher) -> None:
     run = tmp / f"{name}.toml"
-    run.write_text(RUN.format(moe=MODELS[name], steps=a.steps))
+    width = {"moe": MODELS[name], "steps": a.steps, "device": a.device, "seq_len": a.seq_len, "d_model": a.d_model}
+    run.write_text(RUN.format(**width, d_ff=2 * a.d_model))
     config = load_config(run)
     costs_path = tmp / f"{name}.costs.json"
     began = time.perf_counter()
@@ -175,8 +180,10 @@ def bench_model(name: str, a: argparse.Namespace, tmp: Path, launch: Launcher) -
             "measured_s": round(measured, 5),
             "error": round(predicted / measured - 1, 4),
             "predicted_peak_mib": {r: round(b / 2**20, 1) for r, b in ranked.prediction.peak_bytes.items()},
-            "rank0_peak_rss_mib": records[-1].get("peak_mem_mb"),
+            "rank0_peak_mib": records[-1].get("peak_mem_mb"),
         }
+        if a.device == "cuda":  # the allocator's peak, which the prediction models (see above)
+            row["memory_error"] = round(ranked.prediction.peak_bytes[0] / 2**20 / row["rank0_peak_mib"] - 1, 4)
         rows.append(row)
         print(json.dumps(row), flush=True)
     times = [r["measured_s"] for r in rows]
@@ -277,6 +284,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--memory", type=float, default=4.0, help="GiB per rank")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank")
+    parser.add_argument("--d-model", type=int, default=128, help="the models' width (d_ff is twice it)")
+    parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--cluster", action="store_true", help="also predict H100/A100 clusters (see above)")
     parser.add_argument("--only-cluster", action="store_true", help="only the cluster predictions (no launches)")
     parser.add_argument("--nodes", type=int, default=1, help="> 1: an emulated cluster of this many nodes (root)")
@@ -293,6 +303,7 @@ def main() -> None:
         "cores": os.cpu_count(),
         "world": a.world,
         "nodes": a.nodes,
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else None,
         "rate": a.rate if a.nodes > 1 else None,
         "command": " ".join(sys.argv),
     }

@@ -39,8 +39,10 @@ from sparta_tools.bench.moe_candidates import (
     CANDIDATES,
     CONFIGS,
     EP_CANDIDATES,
+    GPU_CONFIGS,
     BenchConfig,
     Place,
+    all_configs,
     build,
     busiest_rank_load,
     make_input,
@@ -49,7 +51,7 @@ from sparta_tools.bench.moe_candidates import (
 from sparta_tools.bench.options import BenchOptions, human_size
 from sparta_tools.bench.rank import BenchContext
 
-SUITE_CONFIGS = {**CONFIGS, "tiny": BenchConfig("tiny", tokens=256, d_model=64, d_ff=128, num_experts=4)}
+SUITE_CONFIGS = {**CONFIGS, **GPU_CONFIGS, "tiny": BenchConfig("tiny", tokens=256, d_model=64, d_ff=128, num_experts=4)}
 TOLERANCE = {"float32": (1e-4, 1e-3), "bfloat16": (3e-2, 3e-2)}  # (atol, rtol) of the output check
 UNCHECKED = {
     "dense": "the floor: an MLP on T * top_k rows, another function than the MoE layer",
@@ -85,7 +87,7 @@ def _configs(opts: BenchOptions) -> list[BenchConfig]:
     name = str(opts.extra["config"])
     if name != "all" and name not in SUITE_CONFIGS:
         raise ConfigError(f"--config {name!r}: use one of {', '.join(SUITE_CONFIGS)} or all")
-    chosen = [c for c in CONFIGS.values()] if name == "all" else [SUITE_CONFIGS[name]]
+    chosen = all_configs(opts.device) if name == "all" else [SUITE_CONFIGS[name]]
     return [replace(c, zero_grad=bool(opts.extra.get("zero_grad")), device=opts.device, dtype=opts.dtype)
             for c in chosen]  # fmt: skip
 

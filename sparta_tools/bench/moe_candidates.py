@@ -60,6 +60,14 @@ CONFIGS = {
     "small": BenchConfig("small", tokens=4096, d_model=512, d_ff=1024, num_experts=8),
     "large": BenchConfig("large", tokens=8192, d_model=1024, d_ff=2048, num_experts=16),
 }
+# Sized for one H100/H200 (about 6.6 TFLOP a step in bf16): GEMMs large enough that the step
+# is the tensor cores' and not kernel launches'; "all" adds it on CUDA only, minutes a step on CPU.
+GPU_CONFIGS = {"gpu": BenchConfig("gpu", tokens=16384, d_model=2048, d_ff=8192, num_experts=8)}
+
+
+def all_configs(device: str) -> list[BenchConfig]:
+    """What ``--config all`` times on ``device``: the CPU sizes, and on CUDA the GPU one."""
+    return [*CONFIGS.values(), *(GPU_CONFIGS.values() if device == "cuda" else ())]
 CANDIDATES = (
     "dense",
     "naive",
@@ -166,9 +174,11 @@ def _naive(cfg: BenchConfig, x: Tensor) -> Step:
     def forward() -> Tensor:
         # Per-expert weight tensors, as an nn.ModuleList of experts would have.
         w1, w2 = experts.w1.unbind(0), experts.w2.unbind(0)
-        probs = torch.softmax(x @ gate.t(), dim=-1)
+        # Routing in float32, as Sparta's router does: in bf16 near-ties pick other experts,
+        # and the output check then compares two different functions.
+        probs = torch.softmax(x.float() @ gate.float().t(), dim=-1)
         top, ids = torch.topk(probs, cfg.top_k, dim=-1)
-        weights = top / top.sum(dim=-1, keepdim=True)
+        weights = (top / top.sum(dim=-1, keepdim=True)).to(x.dtype)
         y = torch.zeros_like(x)
         for e in range(cfg.num_experts):
             chosen = ids == e
