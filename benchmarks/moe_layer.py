@@ -127,8 +127,30 @@ def _timings(
     )
 
 
+def profile_steps(steps: dict[str, Step], rows: int, device: str) -> None:
+    """torch.profiler over three steps of each candidate: its top ``rows`` operators by self
+    time on ``device`` (CUDA kernels' time on a GPU), printed to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device == "cuda" else [])]
+    # on a GPU also by host time: a step that launches more than the device runs is host-bound
+    keys = ["self_cuda_time_total", "self_cpu_time_total"] if device == "cuda" else ["self_cpu_time_total"]
+    for name, step in steps.items():
+        with profile(activities=activities) as prof:
+            for _ in range(3):
+                step()
+        for key in keys:
+            print(f"# profile of {name}, 3 steps, by {key}", file=sys.stderr)
+            print(prof.key_averages().table(sort_by=key, row_limit=rows), file=sys.stderr, flush=True)
+
+
 def time_candidates(
-    cfg: BenchConfig, candidates: list[str], repeats: int, threads: int, comm: Communicator | None = None
+    cfg: BenchConfig,
+    candidates: list[str],
+    repeats: int,
+    threads: int,
+    comm: Communicator | None = None,
+    profile_rows: int = 0,
 ) -> None:
     place = Place(comm)
     rank = 0 if comm is None else comm.rank
@@ -144,6 +166,8 @@ def time_candidates(
         step()  # warm-up: first-touch allocations and lazy init stay out of the timings
         steps[name] = step
     wall, cpu = _timings(steps, repeats, comm)
+    if profile_rows:
+        profile_steps(steps, profile_rows, cfg.device)
     if rank != 0:
         return
     load = {"busiest_rank_load": round(busiest_rank_load(cfg, place.ranks), 4)} if place.ranks > 1 else {}
@@ -309,6 +333,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per candidate (0: memory only)")
     parser.add_argument("--config", choices=[*CONFIGS, *GPU_CONFIGS, "all"], default="all")
     parser.add_argument("--memory", action="store_true", help="also measure peak RSS per candidate (one process)")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="ROWS", help="print each candidate's top operators (one process)"
+    )
     parser.add_argument("--ranks", default="1", help="comma-separated process counts; 1 is the one-process run")
     parser.add_argument(
         "--candidates", default=",".join(CANDIDATES), help="comma-separated subset (dense is always timed)"
@@ -351,7 +378,7 @@ def main() -> None:
             continue
         for cfg in configs:
             if args.repeats > 0:
-                time_candidates(cfg, candidates, args.repeats, args.threads)
+                time_candidates(cfg, candidates, args.repeats, args.threads, profile_rows=args.profile)
             if args.memory:
                 memory_candidates(cfg, candidates, args.threads)
 

@@ -171,7 +171,10 @@ def launch(
     """Run `dist/<script>` on `nprocs` ranks; returns {(rank, check): result}."""
     returncode, out, results = launch_raw(launcher, script, nprocs, args, timeout)
     if expect_ok and returncode != 0:
-        pytest.fail(f"{launcher} {script} exited with {returncode}; output tail:\n{out[-4000:]}")
+        # the failed checks' own tracebacks first: the launcher's report fills the output's tail
+        failed = [f"rank {r} {check}:\n{rec.get('error', '')}" for (r, check), rec in results.items() if not rec["ok"]]
+        why = "\n".join(failed)[-6000:]
+        pytest.fail(f"{launcher} {script} exited with {returncode}\n{why}\noutput tail:\n{out[-3000:]}")
     if not results:
         pytest.fail(f"{launcher} {script} reported nothing; output tail:\n{out[-4000:]}")
     return results

@@ -58,9 +58,10 @@ class ShardLayout:
         start = rank * base + min(rank, extra)
         return start, start + base + (rank < extra)
 
-    def row_boundaries(self) -> torch.Tensor:
-        """Start row of ranks 1..world-1, for `torch.bucketize(ids, ..., right=True)` -> owner."""
-        return torch.tensor([self.row_range(r)[0] for r in range(1, self.world)], dtype=torch.int64)
+    def row_boundaries(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Start row of ranks 1..world-1, on the ids' `device`, for
+        `torch.bucketize(ids, ..., right=True)` -> owner."""
+        return torch.tensor([self.row_range(r)[0] for r in range(1, self.world)], dtype=torch.int64, device=device)
 
     # --------------------------------------------------------------- columns
     @property

@@ -72,7 +72,7 @@ def plan_route(
     unique, inverse = torch.unique(ids.reshape(-1).long(), sorted=True, return_inverse=True)
     if layout.sharding == "row":
         # Sorted ids are already grouped by owner, so no permutation is needed.
-        owner = torch.bucketize(unique, layout.row_boundaries(), right=True)
+        owner = torch.bucketize(unique, layout.row_boundaries(unique.device), right=True)
         send = torch.bincount(owner, minlength=comm.size).tolist()
         outgoing = unique
     else:

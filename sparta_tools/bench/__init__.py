@@ -106,6 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"sparta bench {suite.name}: error: {exc}", file=sys.stderr, flush=True)
             return 2
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if opts.device == "cuda" and opts.nprocs > gpus:
+        parser.exit(2, f"sparta bench {suite.name}: error: --device cuda --nprocs {opts.nprocs}: each rank takes a "
+                       f"GPU of its own and this machine has {gpus}; start at most that many ranks\n")  # fmt: skip
     engines = opts.engines or suite.engines
     peers = (lambda o: suite.peers(o, extra)) if suite.peers else None
     return runner.drive(opts, argv, command, engines, peers)

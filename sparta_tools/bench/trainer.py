@@ -257,8 +257,8 @@ def _plain_step(
     return loss.detach()
 
 
-def build_eager(shape: ModelShape) -> Step:
-    model = one_process_model(shape)
+def build_eager(shape: ModelShape, device: torch.device | str = "cpu") -> Step:
+    model = one_process_model(shape).to(device)
     opt = adamw(model.parameters())
 
     def step(ids: torch.Tensor, targets: torch.Tensor) -> float:
@@ -267,10 +267,10 @@ def build_eager(shape: ModelShape) -> Step:
     return step
 
 
-def build_ddp(shape: ModelShape) -> Step:
+def build_ddp(shape: ModelShape, device: torch.device | str = "cpu") -> Step:
     from torch.nn.parallel import DistributedDataParallel
 
-    model = DistributedDataParallel(one_process_model(shape))
+    model = DistributedDataParallel(one_process_model(shape).to(device))
     opt = adamw(model.parameters())
 
     def step(ids: torch.Tensor, targets: torch.Tensor) -> float:
@@ -310,7 +310,8 @@ class SpartaRun:
         )
         stages = spec.pp * spec.stages_per_rank
         # several stages: balanced by measured time on one micro-batch, as a user would run it
-        sample = local_batch(shape, spec.dp, 0, 0)[0][: shape.batch // spec.microbatches] if stages > 1 else None
+        first = local_batch(shape, spec.dp, 0, 0)[0][: shape.batch // spec.microbatches].to(layout.device)
+        sample = first if stages > 1 else None
         self.pm = parallelize(model, layout, config, sample=sample)
         self.opt = adamw(self.pm.param_groups())
 
@@ -322,14 +323,17 @@ class SpartaRun:
         return loss
 
 
-def build_step(name: str, shape: ModelShape, spec: LayoutSpec, layout_for: Callable[[int], Any]) -> Step:
-    """Candidate ``name`` (not torchtitan) built on this rank; ``layout_for(ep)`` gives the
-    Sparta Layout of ``spec`` with ``ep`` expert-parallel ranks (collective: every rank
-    builds the same candidates in the same order)."""
+def build_step(
+    name: str, shape: ModelShape, spec: LayoutSpec, layout_for: Callable[[int], Any], device: torch.device | str = "cpu"
+) -> Step:
+    """Candidate ``name`` (not torchtitan) built on this rank, on ``device`` (Sparta's: its
+    layout's); ``layout_for(ep)`` gives the Sparta Layout of ``spec`` with ``ep``
+    expert-parallel ranks (collective: every rank builds the same candidates in the same
+    order). Each step takes its batch on that device."""
     if name == "eager":
-        return build_eager(shape)
+        return build_eager(shape, device)
     if name == "ddp":
-        return build_ddp(shape)
+        return build_ddp(shape, device)
     strategy = "ddp" if name == "sparta_ddp" else spec.data_parallel
     ep = spec.dp if name == "sparta_ep" else 1
     return SpartaRun(

@@ -7,6 +7,7 @@ with the --nprocs they need): its candidates alternating (-w untimed steps each,
 rounds in a rotated order, a barrier before each step). Each point's ``wrong`` compares the
 variant's first-step loss (the mean over the global batch) with one process's forward of the
 same model on the same batch (1e-5); later steps train on, so only the first is checked.
+``--device cuda``: every candidate on its rank's GPU (one GPU per rank).
 torchtitan is benchmarks/trainer.py's alone (its CPU patches stay out of Sparta's processes).
 """
 
@@ -59,19 +60,20 @@ def check(opts: Any) -> None:
     _names(opts, "models", SIZES[str(opts.extra["size"])])
     _names(opts, "layouts", LAYOUTS)
     _names(opts, "candidates", SUITE_CANDIDATES)
-    if opts.device != "cpu":
-        raise ConfigError("--device cuda: the trainer suite runs on CPU ranks (gloo) for now; use --device cpu")
 
 
 class _Stepper:
     """One candidate as the suite calls it: each call trains on the next batch and returns
     that step's loss; ``steps`` counts the calls (the first is the one the oracle checks)."""
 
-    def __init__(self, step: Step, shape: ModelShape, dp: int, dp_rank: int) -> None:
+    def __init__(self, step: Step, shape: ModelShape, dp: int, dp_rank: int, device: torch.device) -> None:
         self.step, self.shape, self.dp, self.dp_rank, self.steps = step, shape, dp, dp_rank, 0
+        self.device = device
 
     def __call__(self) -> float:
-        loss = self.step(*local_batch(self.shape, self.dp, self.dp_rank, self.steps))
+        ids, targets = local_batch(self.shape, self.dp, self.dp_rank, self.steps)
+        # float(loss) inside the step waits for the device, so the wall clock times its work
+        loss = self.step(ids.to(self.device), targets.to(self.device))
         self.steps += 1
         return loss
 
@@ -93,7 +95,8 @@ def run(ctx: Any) -> None:
 
         def layout_for(ep: int, spec: LayoutSpec = spec, layouts: dict[int, Any] = layouts) -> Any:
             if ep not in layouts:
-                layouts[ep] = build_layout(ParallelDims(pp=spec.pp, dp=spec.dp, tp=spec.tp, ep=ep), ctx.world)
+                dims = ParallelDims(pp=spec.pp, dp=spec.dp, tp=spec.tp, ep=ep)
+                layouts[ep] = build_layout(dims, ctx.world, ctx.opts.device)
             return layouts[ep]
 
         for model in _names(ctx.opts, "models", SIZES[size]):
@@ -104,9 +107,9 @@ def _time_model(
     ctx: Any, shape: ModelShape, spec: LayoutSpec, wanted: list[str], layout_for: Callable[[int], Any]
 ) -> None:
     names, _ = plan_candidates(shape, spec, wanted)
-    dp_rank = layout_for(1).dp_rank
-    built = {name: build_step(name, shape, spec, layout_for) for name in names}
-    calls = {name: _Stepper(step, shape, spec.dp, dp_rank) for name, step in built.items()}
+    dp_rank, device = layout_for(1).dp_rank, layout_for(1).device
+    built = {name: build_step(name, shape, spec, layout_for, device) for name in names}
+    calls = {name: _Stepper(step, shape, spec.dp, dp_rank, device) for name, step in built.items()}
     want, params = oracle(shape, spec.dp)
 
     def check_loss(name: str, loss: float) -> int:
