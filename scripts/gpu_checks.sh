@@ -2,12 +2,14 @@
 # What a lent GPU runs, in one call: the CUDA test bodies first (the same tests CPU runs,
 # their CUDA parameters), then the GPU benchmarks the issues ask for. Each step has its own
 # time limit so one hang costs only that step; logs and JSON land in $OUT.
-#   bash scripts/gpu_checks.sh            # on the GPU machine
+#   bash scripts/gpu_checks.sh            # on the GPU machine: every step
+#   bash scripts/gpu_checks.sh tests moe  # some steps
 #   DEVICE=cpu bash scripts/gpu_checks.sh # dry run of every command line here
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
+STEPS=${*:-tests moe moe_memory collectives trainer planner}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 LOG=$OUT/gpu_checks.log
@@ -15,6 +17,7 @@ LOG=$OUT/gpu_checks.log
 step() {
     local name=$1 limit=$2 t0 rc
     shift 2
+    case " $STEPS " in *" $name "*) ;; *) return ;; esac
     t0=$(date +%s)
     echo "=== $name: $*" | tee -a "$LOG"
     timeout "$limit" "$@" >>"$LOG" 2>&1
@@ -36,11 +39,12 @@ else
 fi
 step tests 120 $PY -m pytest -q -p no:cacheprovider --timeout 110 "${tests[@]}"
 
-step moe_layer 100 $PY benchmarks/moe_layer.py --device "$DEVICE" --dtype bfloat16 --config all \
-    --repeats 11 --candidates dense,naive,sparta_dropless,sparta_cap1.25 --memory
+# on CUDA "all" adds the GPU-sized config (d 2048, d_ff 8192, 8 experts, 16k tokens)
+step moe 100 $PY -m sparta.cli bench moe-layer --engines torch --nprocs 1 --device "$DEVICE" --dtype bfloat16 \
+    --config all -n 20 -J "$OUT/moe_layer.jsonl"
 
-step moe_suite 60 $PY -m sparta.cli bench moe-layer --engines torch --nprocs 1 --device "$DEVICE" --dtype bfloat16 \
-    --config "${MOE_CONFIG:-gpu}" -n 20 -J "$OUT/moe_suite.jsonl"
+step moe_memory 100 $PY benchmarks/moe_layer.py --device "$DEVICE" --dtype bfloat16 --config all --repeats 0 \
+    --candidates dense,naive,sparta_dropless,sparta_cap1.25 --memory
 
 step collectives 45 $PY -m sparta.cli bench collectives --engines torch --nprocs 1 --device "$DEVICE" \
     -b 4K -e 256M -n 20 -J "$OUT/collectives.jsonl"
@@ -48,5 +52,6 @@ step collectives 45 $PY -m sparta.cli bench collectives --engines torch --nprocs
 step trainer 60 $PY -m sparta.cli bench trainer --engines torch --nprocs 1 --device "$DEVICE" \
     --models dense,moe --layouts 1 --candidates eager,sparta -n 10 -J "$OUT/trainer.jsonl"
 
-step planner 120 $PY benchmarks/planner.py --world 1 --device "$DEVICE" --models moe --plans 3 --steps 8 \
-    --d-model "${PLAN_WIDTH:-1024}" --seq-len "${PLAN_SEQ:-512}" --memory 60
+# one GPU: world 1, so the plans differ in micro-batches and recomputation only
+step planner 150 $PY benchmarks/planner.py --world 1 --device "$DEVICE" --models "${PLAN_MODELS:-moe}" --plans 3 \
+    --steps 8 --d-model "${PLAN_WIDTH:-1024}" --seq-len "${PLAN_SEQ:-512}" --memory 60

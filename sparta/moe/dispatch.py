@@ -1,7 +1,11 @@
 """Dispatch: group token rows by expert; combine: put expert outputs back in token order.
 
 Sparse routing is sort-based: the (token, expert) pairs are stably sorted by expert, the
-token rows gathered in that order, and the outputs index-added back. Memory is
+token rows gathered in that order, and the outputs index-added back. Where every token has
+exactly ``k`` pairs (token choice, dropless) the sort is a permutation of the ``T * k`` pairs,
+and both directions are gathers by it or its inverse, forward and backward: no atomic
+index-add (on an H200, bf16 index_add of 32k rows of 2048 took 0.56 ms, a tenth of the
+layer's step beside its GEMMs), and deterministic. Memory is
 ``O(pairs * d_model)``, never a dense ``[tokens, experts, capacity]`` mask. Because the rows
 come out grouped by expert, and an expert-parallel rank owns a contiguous range of experts,
 they are also grouped by destination rank: the per-expert counts are the all-to-all splits.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,6 +37,10 @@ class DispatchPlan:
     dropped: Tensor
     token_idx: Tensor | None = None
     weight: Tensor | None = None
+    # dropless, ``k`` pairs a token (pair p is token p // k): ``inverse[p]`` is pair p's grouped
+    # position, ``order`` its inverse ([N] each); None otherwise
+    order: Tensor | None = None
+    inverse: Tensor | None = None
 
 
 @dataclass(kw_only=True)
@@ -53,6 +62,7 @@ def plan_dispatch(
     weight: Tensor,
     num_experts: int,
     capacity: int | None = None,
+    pairs_per_token: int | None = None,
 ) -> DispatchPlan:
     """Group ``P`` (token, expert, weight) pairs by expert.
 
@@ -60,6 +70,9 @@ def plan_dispatch(
     ``capacity`` highest-weight pairs (ties: earlier pair first) and the rest are dropped:
     their tokens get nothing from that expert. Dropless planning never synchronises with the
     host; a capacity does once (the number of pairs kept sizes the result).
+    ``pairs_per_token``: the pairs are token-major, ``k`` a token (as token-choice routers
+    make them), so a dropless plan is a permutation that `gather_rows` and `combine` invert
+    by gathers (see the module docstring).
     """
     routed = torch.bincount(expert_idx, minlength=num_experts)
     if capacity is None:
@@ -73,13 +86,45 @@ def plan_dispatch(
         rank_in_expert = torch.arange(order.numel(), device=order.device) - first_of_expert[sorted_experts]
         order = order[rank_in_expert < capacity]
         counts = routed.clamp(max=capacity)
+    inverse = None
+    if capacity is None and pairs_per_token is not None:
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return DispatchPlan(
         counts=counts,
         routed=routed,
         dropped=routed.sum() - counts.sum(),
         token_idx=token_idx[order],
         weight=weight[order],
+        order=order if inverse is not None else None,
+        inverse=inverse,
     )
+
+
+class _GatherPairs(torch.autograd.Function):
+    """``x[src]`` where ``src`` reaches every row of ``x`` ``[T, d]`` exactly ``k`` times,
+    pair ``p`` of row ``p // k`` at position ``inverse[p]``: backward gathers the gradient
+    back by ``inverse`` and sums each row's ``k``, where index_select's backward index-adds."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, src: Tensor, inverse: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, src)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (inverse,) = ctx.saved_tensors
+        per_pair = grad.index_select(0, inverse)
+        summed = per_pair if ctx.k == 1 else per_pair.view(-1, ctx.k, grad.shape[1]).sum(1)
+        return summed, None, None, None
+
+
+def gather_rows(x: Tensor, plan: DispatchPlan) -> Tensor:
+    """The rows of ``x`` ``[T, d]`` in the plan's grouped order, ``[N, d]``."""
+    assert plan.token_idx is not None
+    if plan.inverse is None or x.shape[0] == 0:
+        return x.index_select(0, plan.token_idx)
+    return _GatherPairs.apply(x, plan.token_idx, plan.inverse, plan.inverse.numel() // x.shape[0])
 
 
 def dispatch(
@@ -89,11 +134,12 @@ def dispatch(
     weight: Tensor,
     num_experts: int,
     capacity: int | None = None,
+    pairs_per_token: int | None = None,
 ) -> Dispatched:
     """``plan_dispatch``, then gather the rows of ``x`` ``[T, d]`` in the planned order."""
-    plan = plan_dispatch(token_idx, expert_idx, weight, num_experts, capacity)
+    plan = plan_dispatch(token_idx, expert_idx, weight, num_experts, capacity, pairs_per_token)
     assert plan.token_idx is not None
-    return Dispatched(**vars(plan), rows=x.index_select(0, plan.token_idx))
+    return Dispatched(**vars(plan), rows=gather_rows(x, plan))
 
 
 def combine(expert_out: Tensor, plan: DispatchPlan, num_tokens: int) -> Tensor:
@@ -101,6 +147,13 @@ def combine(expert_out: Tensor, plan: DispatchPlan, num_tokens: int) -> Tensor:
     ``expert_out`` ``[N, d]`` (in the plan's order) times ``plan.weight[i]`` is added into
     token ``plan.token_idx[i]``. A token whose pairs were all dropped gets zeros."""
     assert plan.token_idx is not None and plan.weight is not None
+    if plan.inverse is not None and plan.order is not None and num_tokens > 0:
+        # each token's k outputs side by side: a gather by the inverse permutation, whose
+        # gradient is the gather by the permutation itself
+        k = plan.inverse.numel() // num_tokens
+        per_token = _GatherPairs.apply(expert_out, plan.inverse, plan.order, 1).view(num_tokens, k, -1)
+        weight = plan.weight.index_select(0, plan.inverse).to(expert_out.dtype).view(num_tokens, k, 1)
+        return (per_token * weight).sum(1)
     weighted = expert_out * plan.weight.to(expert_out.dtype).unsqueeze(1)
     return expert_out.new_zeros(num_tokens, expert_out.shape[1]).index_add(0, plan.token_idx, weighted)
 

@@ -17,7 +17,15 @@ from torch import Tensor, nn
 from sparta.comm import all_reduce_backward, all_reduce_forward
 from sparta.errors import ConfigError, InputError
 from sparta.moe.config import MoEConfig
-from sparta.moe.dispatch import DispatchPlan, combine, expert_capacity, plan_dispatch, soft_combine, soft_dispatch
+from sparta.moe.dispatch import (
+    DispatchPlan,
+    combine,
+    expert_capacity,
+    gather_rows,
+    plan_dispatch,
+    soft_combine,
+    soft_dispatch,
+)
 from sparta.moe.experts import GroupedExperts
 from sparta.moe.parallel import T, exchange_expert_counts, expert_parallel, fail_together
 from sparta.moe.routers import RouterOutput, build_router
@@ -214,9 +222,9 @@ class MoELayer(nn.Module):
         if cfg.capacity_factor is not None and cfg.router != "expert_choice":
             capacity = expert_capacity(tokens.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor)
         weight = self._attach_aux_loss(route, route.weight)
-        plan = plan_dispatch(route.token_idx, route.expert_idx, weight, cfg.num_experts, capacity)
-        assert plan.token_idx is not None
-        rows = tokens.index_select(0, plan.token_idx)
+        per_token = None if route.expert_ids is None else route.expert_ids.shape[1]
+        plan = plan_dispatch(route.token_idx, route.expert_idx, weight, cfg.num_experts, capacity, per_token)
+        rows = gather_rows(tokens, plan)
         # token choice keeps at most top_k rows a token; expert choice's count is fixed
         most = rows.shape[0] if cfg.router == "expert_choice" else tokens.shape[0] * cfg.top_k
         out = self._experts(rows, plan, most)

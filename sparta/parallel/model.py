@@ -95,7 +95,8 @@ class ParallelModel:
         return loss_parallel() if self._vocab_parallel else nullcontext()
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters, each once (for the optimizer)."""
+        """This rank's parameters, each once. For an optimizer use `param_groups`: on CUDA,
+        torch's optimizers default to foreach, which fails on plain tensors mixed with DTensors."""
         seen: set[nn.Parameter] = set()
         for module in self.parts:
             for p in module.parameters():

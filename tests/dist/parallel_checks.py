@@ -139,7 +139,7 @@ def trained_losses(
     model = Decoder(MODEL)
     sample = batches(1, 0)[0][:2] if balance else None
     pm = parallelize(model, layout, config, sample=sample)
-    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    opt = torch.optim.SGD(pm.param_groups(), lr=LR)  # on CUDA SGD runs foreach: one kind of tensor a group
     losses = []
     try:
         for step in range(STEPS):

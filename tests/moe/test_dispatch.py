@@ -59,6 +59,32 @@ def test_dispatch_combine_round_trip_and_gradients() -> None:
     torch.testing.assert_close(combine(out.rows, out, 7), x)
 
 
+def test_token_major_pairs_gather_both_ways_as_the_index_add_path() -> None:
+    """k pairs a token, dropless: the plan is a permutation, gathered forward and backward
+    (no index-add); the rows, outputs and gradients are those of the general path."""
+    token_idx = torch.arange(7).repeat_interleave(2)
+    expert_idx = torch.randint(0, 3, (14,), generator=torch.Generator().manual_seed(0))
+
+    def run(x: torch.Tensor, w: torch.Tensor, k: int | None) -> torch.Tensor:
+        out = dispatch(x, token_idx, expert_idx, w, num_experts=3, pairs_per_token=k)
+        assert (out.inverse is not None) == (k is not None)
+        return combine(out.rows.sin(), out, num_tokens=7)
+
+    x = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(14, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: run(x, w, 2), (x, w))
+    fast = torch.autograd.grad(run(x, w, 2).square().sum(), (x, w))
+    general = torch.autograd.grad(run(x, w, None).square().sum(), (x, w))
+    torch.testing.assert_close(run(x, w, 2), run(x, w, None))
+    for a, b in zip(fast, general, strict=True):
+        torch.testing.assert_close(a, b)
+    plan = dispatch(x, token_idx, expert_idx, w, num_experts=3, pairs_per_token=2)
+    assert torch.equal(plan.order[plan.inverse], torch.arange(14))
+    assert torch.equal(plan.token_idx, plan.order // 2)
+    # a capacity drops pairs: no permutation, the general path
+    assert dispatch(x, token_idx, expert_idx, w, num_experts=3, capacity=4, pairs_per_token=2).inverse is None
+
+
 def test_soft_dispatch_groups_slots_by_expert() -> None:
     groups, length, experts, per_expert, d = 2, 5, 3, 2, 4
     x = torch.randn(groups, length, d)
