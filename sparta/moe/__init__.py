@@ -9,7 +9,8 @@ shape. Inside, for ``T`` tokens, ``E`` experts and ``k`` experts per token:
   logits ``[T, E]`` and unscaled scalar aux / z losses;
 - ``plan_dispatch`` sorts the pairs by expert and applies the capacity, giving counts ``[E]``
   and the grouped order (``N = P`` pairs dropless, fewer with a capacity); ``dispatch``
-  also gathers the rows ``[N, d_model]``;
+  also gathers the rows ``[N, d_model]`` (``gather_rows``: dropless token choice is a
+  permutation, gathered both ways, forward and backward, with no atomic index-add);
 - ``GroupedExperts`` runs every expert's MLP (with biases if ``expert_bias=True``) on its
   rows, each GEMM of all experts one ``torch.nn.functional.grouped_mm``;
 - ``combine`` adds the weighted outputs back into token order ``[T, d_model]``.
@@ -35,7 +36,15 @@ from __future__ import annotations
 
 from sparta.moe.checkpoint import full_state_dict
 from sparta.moe.config import ACTIVATIONS, ROUTERS, MoEConfig
-from sparta.moe.dispatch import Dispatched, DispatchPlan, combine, dispatch, expert_capacity, plan_dispatch
+from sparta.moe.dispatch import (
+    Dispatched,
+    DispatchPlan,
+    combine,
+    dispatch,
+    expert_capacity,
+    gather_rows,
+    plan_dispatch,
+)
 from sparta.moe.experts import GroupedExperts
 from sparta.moe.layer import MoELayer, MoEStats
 from sparta.moe.moeify import DenseMLP, moeify, read_dense_mlp
@@ -75,6 +84,7 @@ __all__ = [
     "dispatch",
     "expert_capacity",
     "full_state_dict",
+    "gather_rows",
     "moeify",
     "plan_dispatch",
     "read_dense_mlp",
