@@ -119,12 +119,17 @@ class Profile:
 @dataclass(frozen=True)
 class ProfileConfig:
     """bytes: per-rank payload sizes for collectives; rows: GEMM row counts; repeats: timed
-    runs per size (the median counts); warmup: untimed runs first (connections, caches)."""
+    samples per size (the median counts); warmup: untimed runs first (connections, caches);
+    back_to_back: runs per sample, queued one after another with one wait for the device at
+    the end, the sample their mean: on a GPU, how an operation costs inside a step whose host
+    runs ahead of the device, where 1 adds the idle gap that each wait leaves before the next
+    launch."""
 
     bytes: tuple[int, ...] = (64 * KIB, 256 * KIB, 1024 * KIB, 4096 * KIB)
     rows: tuple[int, ...] = (256, 1024, 4096)
     repeats: int = 3
     warmup: int = 1
+    back_to_back: int = 1
 
     def __post_init__(self) -> None:
         if len(set(self.bytes)) < 2 or min(self.bytes) < 4:
@@ -133,6 +138,8 @@ class ProfileConfig:
             raise ConfigError(f"ProfileConfig.rows = {self.rows}; give two or more row counts >= 1")
         if self.repeats < 1 or self.warmup < 0:
             raise ConfigError(f"ProfileConfig repeats = {self.repeats}, warmup = {self.warmup}; use >= 1 and >= 0")
+        if self.back_to_back < 1:
+            raise ConfigError(f"ProfileConfig.back_to_back = {self.back_to_back}; use >= 1 (runs per timed sample)")
 
 
 class Profiler:
@@ -164,11 +171,13 @@ class Profiler:
         self.synchronize()
         self.comm.barrier()
         times = []
+        runs = self.config.back_to_back
         for _ in range(self.config.repeats):
             begin = time.perf_counter()
-            run()
+            for _ in range(runs):
+                run()
             self.synchronize()
-            times.append(time.perf_counter() - begin)
+            times.append((time.perf_counter() - begin) / runs)
         mine = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
         every = self.comm.all_gather(mine)
         return float(torch.cat(every).max())  # type: ignore[arg-type]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -107,3 +109,21 @@ def test_router_profile_and_its_time_in_the_plan() -> None:
     assert fwd == pytest.approx(fits["router_fwd/topk"](SHAPE.tokens)) and bwd > 0
     assert model.plan(SHAPE, router="topk").router_s == (fwd, bwd)
     assert CostModel(balanced_profile()).plan(SHAPE).router_s == (0.0, 0.0)
+
+
+def test_back_to_back_samples_time_one_run_of_several_queued() -> None:
+    """`ProfileConfig.back_to_back`: each sample runs the operation that many times before
+    one wait for the device and reports their mean, so a 5 ms operation still reads 5 ms."""
+    world = sparta.init(backend="torch")
+    calls = []
+
+    def run() -> None:
+        calls.append(1)
+        time.sleep(0.005)
+
+    profiler = Profiler(world.comm, {}, ProfileConfig(repeats=3, warmup=1, back_to_back=4))
+    seconds = profiler.time(run)
+    assert len(calls) == 1 + 3 * 4  # the warm-up, then 3 samples of 4
+    assert 0.005 <= seconds < 0.010
+    with pytest.raises(ConfigError, match="back_to_back = 0"):
+        ProfileConfig(back_to_back=0)
