@@ -15,6 +15,9 @@ from sparta.comm.config import CommConfig
 from sparta.comm.handle import Handle, engine_failure
 from sparta.comm.launch import LaunchInfo
 
+# torch 2.13 renamed all_gather_into_tensor (deprecating the old name); earlier torch has only that
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class _Session:
@@ -103,15 +106,18 @@ class TorchCommunicator(Communicator):
         return self._run(lambda: dist.all_to_all_single(out, buf, recv, send, group=self.pg, async_op=True), out, op)
 
     def _all_gather_bytes(self, buf: torch.Tensor, counts: list[int], op: str) -> Handle[torch.Tensor]:
-        # gloo gathers equal sizes only: pad to the largest and cut after.
+        # One flat output: the list form copies through a flat buffer of its own on nccl.
         width = max(counts)
+        out = torch.empty(len(counts) * width, dtype=torch.uint8, device=buf.device)
+        if all(c == width for c in counts):  # the common case: the gathered buffer is the result
+            return self._run(lambda: _gather_single(out, buf, group=self.pg, async_op=True), out, op)
+        # the engines gather equal sizes only: pad to the largest and cut after
         padded = torch.zeros(width, dtype=torch.uint8, device=buf.device)
         padded[: buf.numel()] = buf
-        outs = torch.empty(len(counts), width, dtype=torch.uint8, device=buf.device)
-        gathered = self._run(
-            lambda: dist.all_gather(list(outs.unbind()), padded, group=self.pg, async_op=True), outs, op
+        gathered = self._run(lambda: _gather_single(out, padded, group=self.pg, async_op=True), out, op)
+        return gathered.then(
+            lambda flat: torch.cat([row[:c] for row, c in zip(flat.view(len(counts), width), counts, strict=True)])
         )
-        return gathered.then(lambda rows: torch.cat([row[:c] for row, c in zip(rows, counts, strict=True)]))
 
     def _broadcast_bytes(self, buf: torch.Tensor, src: int, op: str) -> Handle[torch.Tensor]:
         return self._run(lambda: dist.broadcast(buf, group_src=src, group=self.pg, async_op=True), buf, op)
