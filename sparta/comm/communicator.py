@@ -272,16 +272,42 @@ class Communicator(Exchange, abc.ABC):
             self.agree(InputError(mismatch) if mismatch else None, name)
         return incoming
 
-    def all_gather(self, x: torch.Tensor, async_op: bool = False) -> list[torch.Tensor] | Handle[list[torch.Tensor]]:
-        """Every rank's `x`, as a list indexed by rank. Dim 0 may differ between ranks."""
+    def all_gather(
+        self,
+        x: torch.Tensor,
+        async_op: bool = False,
+        sizes: Sequence[int] | None = None,
+        check: bool | None = None,
+    ) -> list[torch.Tensor] | Handle[list[torch.Tensor]]:
+        """Every rank's `x`, as a list indexed by rank. Dim 0 may differ between ranks.
+
+        sizes: every rank's dim 0 (1 for a 0-dim `x`), where the caller knows them; None
+        exchanges them first (one small message, which also carries every rank's dtype,
+        shape and verdict). With `sizes` and `check=False` nothing but the data moves: every
+        rank must then pass the same dtype and trailing shape. None follows
+        `CommConfig.check_inputs`, which with `sizes` also agrees that they are right."""
         name = self._op("all_gather")
         x, problem = checks.as_tensor(x)
-        table = self._gather_ints(checks.meta_row(x, problem is not None), name)  # the sizes, and the check
-        self.agree(InputError(problem) if problem else None, name, checks.failed_ranks(table))
-        checks.raise_if_inconsistent(table, name, same_dim0=False)
-        dims0 = [row[3] for row in table]
+        problem = problem or checks.splits_problem(sizes, self.size, None, "sizes")
+        mine = (x.shape[0] if x.dim() else 1) if problem is None else 0
+        if problem is None and sizes is not None and int(sizes[self.rank]) != mine:
+            problem = f"sizes[{self.rank}] = {sizes[self.rank]} but this rank's tensor has {mine} rows along dim 0"
+        if sizes is None or (self.config.check_inputs if check is None else check):
+            table = self._gather_ints(checks.meta_row(x, problem is not None), name)  # the sizes, and the check
+            self.agree(InputError(problem) if problem else None, name, checks.failed_ranks(table))
+            checks.raise_if_inconsistent(table, name, same_dim0=False)
+            dims0 = [row[3] for row in table]
+            if sizes is not None:  # right here, then right on every rank: agreed, so all raise or none
+                wrong = [r for r in range(self.size) if int(sizes[r]) != dims0[r]]
+                why = [f"sizes[{r}] = {sizes[r]} but rank {r} has {dims0[r]} rows" for r in wrong[:1]]
+                self.agree(InputError(why[0]) if why else None, name)
+            per_row = table[0][4] * x.element_size()
+        elif problem is not None:
+            raise InputError(f"{name}: {problem}")
+        else:
+            dims0 = [int(d) for d in sizes]
+            per_row = checks.meta_row(x, False)[4] * x.element_size()
         rest = tuple(x.shape[1:])
-        per_row = table[0][4] * x.element_size()
         counts = [d * per_row for d in dims0]
         shapes = [(d, *rest) if x.dim() > 0 else () for d in dims0]
 

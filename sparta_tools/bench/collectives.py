@@ -8,7 +8,7 @@ Variants of each point, timed alternately in one launch:
                    Bcast on numpy views). In-place all-reduces refill their buffer from the
                    input first (that copy is timed: Sparta's returns a new tensor too).
     sparta         sparta's Communicator with its input checks off (what tuned code runs);
-                   alltoallv is given the receive splits
+                   all_gather is given the sizes, alltoallv the receive splits
     sparta+check   the Communicator as it comes: agreed input checks; alltoallv exchanges
                    the receive splits itself, as an MoE layer's forward does
 Before timing, each variant's result is compared with the seeded oracle (oracle.py), and
@@ -175,8 +175,9 @@ def sparta_call(comm: Any, op: str, x: torch.Tensor, send: list[int] | None = No
                 recv: list[int] | None = None) -> Callable[[], Any]:  # fmt: skip
     if op == "all_reduce":
         return lambda: comm.all_reduce(x)
-    if op == "all_gather":
-        return lambda: comm.all_gather(x)
+    if op == "all_gather":  # checks off: the sizes given, as tuned code that knows them does
+        sizes = None if comm.config.check_inputs else [x.shape[0]] * comm.size
+        return lambda: comm.all_gather(x, sizes=sizes)
     if op == "reduce_scatter":
         return lambda: comm.reduce_scatter(x)
     if op == "all_to_all":

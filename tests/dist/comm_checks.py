@@ -121,6 +121,22 @@ def check_all_gather_uneven(world: World) -> None:
     assert [t.shape for t in empty] == [torch.Size([0, 4])] * n
     handle = world.comm.all_gather(torch.tensor([r, r]), async_op=True)
     assert [t.tolist() for t in handle.wait()] == [[s, s] for s in range(n)]
+    # sizes known: with check=False only the data moves, checked or not the same result
+    sizes = [s % 3 for s in range(n)]
+    for check in (False, True):
+        got = world.comm.all_gather(block(r, r, r % 3, torch.float32), sizes=sizes, check=check)
+        assert all(torch.equal(got[s], block(s, s, s % 3, torch.float32)) for s in range(n)), check
+    scalars = world.comm.all_gather(torch.tensor(float(r)), sizes=[1] * n, check=False)
+    assert [t.item() for t in scalars] == list(range(n)) and all(t.dim() == 0 for t in scalars)
+    # a wrong entry raises on every rank before data moves: this rank's own locally, others' agreed
+    for bad in ([3] * n, [*sizes[:-1], sizes[-1] + 1]):
+        for check in (True, None):
+            try:
+                world.comm.all_gather(block(r, r, r % 3, torch.float32), sizes=bad, check=check)
+            except InputError as exc:
+                assert "sizes[" in str(exc), exc
+            else:
+                raise AssertionError(f"sizes={bad} did not raise")
 
 
 def check_reduce_scatter(world: World) -> None:
