@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from sparta.errors import ConfigError
 from sparta.parallel import DecoderConfig, MoESpec, ParallelConfig, ParallelDims, schedule_actions
@@ -25,6 +26,7 @@ from sparta.planner import (
     simulate,
     stage_layers,
 )
+from sparta.planner.measure import saved_activation_bytes
 from sparta.planner.search import FSDP_ALONE, plan_overrides, write_plan
 from sparta.scheduling.profiler import LinearFit
 
@@ -457,3 +459,15 @@ def test_head_stages_take_a_pth_of_the_head_each_and_the_search_weighs_them(tmp_
     assert "parallel.vocab_stages=true" in plan_overrides(path, WORK)
     path.write_text("\n".join(line for line in path.read_text().splitlines() if "vocab_stages" not in line))
     assert not any("vocab_stages" in o for o in plan_overrides(path, WORK))
+
+
+def test_saved_activations_leave_out_the_weights_a_matmul_saves() -> None:
+    """A part's activation bytes are what grows with its tokens: the input a Linear saves,
+    not its weight (saved too, for the input's gradient), nor a view of it."""
+    lin = torch.nn.Linear(16, 256, bias=False)
+    x = torch.randn(4, 16, requires_grad=True)
+    assert saved_activation_bytes(lambda: lin(x), lin) == 4 * 16 * 4
+    # a weight used through a transposed view is still the weight
+    assert saved_activation_bytes(lambda: x @ lin.weight.t(), lin) == 4 * 16 * 4
+    # with respect to another module, the weight is an activation like any tensor
+    assert saved_activation_bytes(lambda: lin(x), torch.nn.Identity()) == 4 * 16 * 4 + 256 * 16 * 4
