@@ -9,7 +9,7 @@ set -u
 OUT=${OUT:-/tmp/gpu_checks}
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
-STEPS=${*:-tests moe moe_memory collectives trainer planner}
+STEPS=${*:-tests moe moe_profile moe_memory collectives trainer planner}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 LOG=$OUT/gpu_checks.log
@@ -42,6 +42,10 @@ step tests 120 $PY -m pytest -q -p no:cacheprovider --timeout 110 "${tests[@]}"
 # on CUDA "all" adds the GPU-sized config (d 2048, d_ff 8192, 8 experts, 16k tokens)
 step moe 100 $PY -m sparta.cli bench moe-layer --engines torch --nprocs 1 --device "$DEVICE" --dtype bfloat16 \
     --config all -n 20 -J "$OUT/moe_layer.jsonl"
+
+# where the MoE layer's step goes, by device and by host time (the dense floor beside it)
+step moe_profile 60 $PY benchmarks/moe_layer.py --device "$DEVICE" --dtype bfloat16 --config "${MOE_CONFIG:-gpu}" \
+    --repeats 5 --candidates dense,sparta_dropless --profile 30
 
 step moe_memory 100 $PY benchmarks/moe_layer.py --device "$DEVICE" --dtype bfloat16 --config all --repeats 0 \
     --candidates dense,naive,sparta_dropless,sparta_cap1.25 --memory
