@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from launch import free_port, run_killing_on_timeout
 
-from sparta.parallel.config_file import read_file
+from sparta.parallel import Decoder, moe_layers
+from sparta.parallel.config_file import load_config, read_file
 from sparta.planner import ModelCosts
+from sparta.planner.measure import saved_activation_bytes
 
 PY = sys.executable
 RUN = """
@@ -69,6 +72,18 @@ def test_a_measured_plan_trains_like_one_process(tmp_path: Path) -> None:
     assert {"all_reduce/g2", "all_reduce/g2s2", "all_reduce/g4", "all_to_all/g4", "all_gather/g2s2"} <= set(costs.comm)
     assert {"p2p", "p2p/s2"} <= set(costs.comm)
     assert all(p.fwd(64) > 0 and p.bwd(64) > 0 and p.saved_bytes_per_token > 0 for p in costs.parts.values())
+    # the parts' activations, measured apart, add up to what the whole model saves (weights
+    # aside) for a micro-batch: the memory the simulator holds from F to B
+    config = load_config(run)
+    torch.manual_seed(0)
+    model = Decoder(config.model)
+    moe_layers(model, config.parallel.moe, None)
+    ids = torch.randint(0, config.model.vocab_size, (2, config.model.seq_len))
+    loss = lambda: torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+    whole = saved_activation_bytes(loss, model)  # the head's part includes its loss
+    per_token = [costs.parts[n].saved_bytes_per_token for n in ("embed", "head")]
+    per_token += [costs.parts[n].saved_bytes_per_token * config.model.n_layers for n in ("attention", "moe")]
+    assert sum(per_token) * ids.numel() == pytest.approx(whole, rel=0.01)
     # torch's zero-bubble split timed through its schedules for a block's halves (and taken
     # by their variants under groups); the embedding and the head are not timed so
     factors = {name: p.zero_bubble for name, p in costs.parts.items()}
