@@ -152,7 +152,9 @@ class HeadStage(nn.Module):
         picked = torch.where(mine, picked, 0.0)
         top = logits.detach().amax(-1)
         if self.tp is not None:
-            top = torch.stack(self.tp.all_gather(top.contiguous())).amax(0)  # type: ignore[arg-type]
+            # the tp ranks hold the same tokens (replicated activations): only the maxima move
+            sizes = [top.shape[0]] * self.tp.size
+            top = torch.stack(self.tp.all_gather(top.contiguous(), sizes=sizes, check=False)).amax(0)  # type: ignore[arg-type]
         if self.shard > 0:
             top = torch.maximum(m.detach(), top)
         partial = torch.stack([(logits - top.unsqueeze(-1)).exp().sum(-1), picked], dim=-1)
