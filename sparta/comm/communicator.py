@@ -285,7 +285,8 @@ class Communicator(Exchange, abc.ABC):
         exchanges them first (one small message, which also carries every rank's dtype,
         shape and verdict). With `sizes` and `check=False` nothing but the data moves: every
         rank must then pass the same dtype and trailing shape. None follows
-        `CommConfig.check_inputs`, which with `sizes` also agrees that they are right."""
+        `CommConfig.check_inputs`, which with `sizes` also agrees that they are right (one
+        more small collective: pass sizes where checks are off)."""
         name = self._op("all_gather")
         x, problem = checks.as_tensor(x)
         problem = problem or checks.splits_problem(sizes, self.size, None, "sizes")

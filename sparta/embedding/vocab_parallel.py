@@ -34,9 +34,7 @@ class _VocabParallelCE(torch.autograd.Function):
     ) -> torch.Tensor:
         local_max = logits.detach().max(dim=1).values
         # the Communicator reduces by sum only: gather the [world, T] maxima and take the max
-        # (T is every rank's: with checks off only the maxima move)
-        maxima = comm.all_gather(local_max, sizes=[local_max.shape[0]] * comm.size)
-        top = torch.stack(maxima).max(dim=0).values  # type: ignore[arg-type]
+        top = torch.stack(comm.all_gather(local_max)).max(dim=0).values  # type: ignore[arg-type]
         exp = (logits.detach() - top.unsqueeze(1)).exp()
         local = targets - start
         mine = (local >= 0) & (local < logits.shape[1])
