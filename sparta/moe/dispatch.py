@@ -138,7 +138,6 @@ def dispatch(
 ) -> Dispatched:
     """``plan_dispatch``, then gather the rows of ``x`` ``[T, d]`` in the planned order."""
     plan = plan_dispatch(token_idx, expert_idx, weight, num_experts, capacity, pairs_per_token)
-    assert plan.token_idx is not None
     return Dispatched(**vars(plan), rows=gather_rows(x, plan))
 
 

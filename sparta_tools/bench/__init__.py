@@ -25,6 +25,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+import torch
+
 from sparta.errors import ConfigError
 from sparta_tools.bench.options import add_common, options_from
 from sparta_tools.bench.runner import Suite
@@ -106,8 +108,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"sparta bench {suite.name}: error: {exc}", file=sys.stderr, flush=True)
             return 2
-    import torch
-
     gpus = torch.cuda.device_count()
     if opts.device == "cuda" and opts.nprocs > gpus:
         parser.exit(2, f"sparta bench {suite.name}: error: --device cuda --nprocs {opts.nprocs}: each rank takes a "

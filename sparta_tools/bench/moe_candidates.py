@@ -68,6 +68,8 @@ GPU_CONFIGS = {"gpu": BenchConfig("gpu", tokens=16384, d_model=2048, d_ff=8192, 
 def all_configs(device: str) -> list[BenchConfig]:
     """What ``--config all`` times on ``device``: the CPU sizes, and on CUDA the GPU one."""
     return [*CONFIGS.values(), *(GPU_CONFIGS.values() if device == "cuda" else ())]
+
+
 CANDIDATES = (
     "dense",
     "naive",
