@@ -94,97 +94,16 @@ from torch.distributed.tensor import DTensor
 
 from sparta.comm import Exchange, Handle
 from sparta.comm.priority import PriorityQueue, QueueConfig, TaskKey
-from sparta.embedding import SparseEmbedding, VocabParallelHead
+from sparta.embedding import SparseEmbedding
 from sparta.errors import ConfigError, InputError
-from sparta.moe import GroupedExperts, MoELayer
+from sparta.moe import GroupedExperts
 from sparta.parallel.dims import Layout
+from sparta.parallel.dp_rules import check_groups, check_strategy, expert_parameters, fsdp_units, shard_parameters
 from sparta.parallel.grad_buckets import GradBuckets, local_grad, local_tensor, scale_grads, unflatten_into
 from sparta.parallel.vocab_stages import VocabShard
 from sparta.scheduling.grad_sync import GapRelease
 from sparta.scheduling.partition import GradientPartition
 from sparta.scheduling.trace import ObservedExchange
-
-STRATEGIES = ("ddp", "fsdp", "horovod", "sparta")
-
-
-def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters of the experts of ``module``'s expert-parallel MoE layers (``comm`` set)."""
-    layers = [m for m in module.modules() if isinstance(m, MoELayer) and m.comm is not None]
-    return [p for m in layers for p in m.experts.parameters()]
-
-
-def fsdp_units(module: nn.Module, ignored: set[nn.Parameter]) -> list[tuple[list[nn.Module], bool]]:
-    """The modules FSDP2 shards as units of their own under "fsdp", in forward order, each with
-    whether it may reshard after forward (the module itself is the last unit, holding the
-    rest). A decoder's layers are one unit each; its untied token embedding another; its
-    final norm and output head one together, kept gathered from forward to backward (backward
-    needs them first: resharding would only gather them again at once, unoverlapped). A tied
-    head stays in the module's own unit. Children whose every parameter is ``ignored``
-    (shards, experts) are no unit."""
-
-    def owned(*children: nn.Module | None) -> list[nn.Module]:
-        kept = [c for c in children if isinstance(c, nn.Module)]
-        mine = [p for c in kept for p in c.parameters() if p not in ignored]
-        return kept if mine else []
-
-    emb, norm, head = (getattr(module, name, None) for name in ("tok_emb", "norm", "output"))
-    tied = isinstance(emb, nn.Module) and isinstance(head, nn.Module)
-    tied = tied and any(p is q for p in emb.parameters() for q in head.parameters())  # type: ignore[union-attr]
-    units = [] if tied else [(owned(emb), True)]
-    units += [([layer], True) for layer in getattr(module, "layers", {}).values() if owned(layer)]
-    if not tied:
-        units.append((owned(norm, head) if owned(head) else [], False))
-    return [(u, after) for u, after in units if u]
-
-
-def shard_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The shards of ``module``'s SparseEmbeddings and VocabParallelHeads sharded over a
-    group (a tied head's shard is its table's, listed once)."""
-    tables = [m for m in module.modules() if isinstance(m, (SparseEmbedding, VocabParallelHead)) and m.comm is not None]
-    return list(dict.fromkeys(p for m in tables for p in m.parameters()))
-
-
-def check_strategy(strategy: str, zero_bubble: bool, tp: int, backend: str | None = None) -> None:
-    """ConfigError unless ``strategy`` can run here (on engine ``backend``, where given). Pure."""
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"data_parallel={strategy!r} is unknown; choose one of {', '.join(STRATEGIES)}")
-    if strategy == "ddp" and zero_bubble:
-        raise ConfigError(
-            "data_parallel='ddp' cannot run under a zero-bubble schedule: DDP reduces in AccumulateGrad hooks, "
-            "which their weight-gradient passes never fire; use data_parallel='fsdp' or 'sparta'"
-        )
-    if strategy == "ddp" and tp > 1:
-        raise ConfigError(
-            f"data_parallel='ddp' with tp={tp}: torch DDP takes no DTensor parameters; use 'fsdp' (FSDP2 composes "
-            "with tensor parallelism) or 'sparta'"
-        )
-    if strategy == "horovod" and backend not in (None, "horovod"):
-        raise ConfigError(
-            f"data_parallel='horovod' needs the Horovod engine (launch with horovodrun), but the world runs "
-            f"{backend!r}; use 'sparta', which runs on every engine"
-        )
-
-
-def check_groups(module: nn.Module, layout: Layout) -> None:
-    """ConfigError unless every expert-parallel MoE layer of ``module`` shards over the
-    ranks of ``layout.ep`` and every sharded table or head over those of ``layout.dp``
-    (what `finish`'s scaling assumes). Pure: call it before any collective."""
-    ep = tuple(layout.ep.ranks) if layout.ep is not None else None
-    dp = tuple(layout.dp.ranks)
-    for path, m in module.named_modules():
-        if isinstance(m, MoELayer) and m.comm is not None and tuple(m.comm.ranks) != ep:
-            raise ConfigError(
-                f"MoE layer {path or m.name!r} splits its experts over world ranks {list(m.comm.ranks)}, but the "
-                f"layout's expert-parallel group is {list(ep) if ep else 'none (ep=1)'}: data parallelism would sum "
-                "and scale its expert gradients for another group, i.e. average them with other experts'. Build the "
-                f"layers with comm=layout.ep (ParallelDims(ep={m.comm.size}))"
-            )
-        if isinstance(m, (SparseEmbedding, VocabParallelHead)) and m.comm is not None and tuple(m.comm.ranks) != dp:
-            raise ConfigError(
-                f"{type(m).__name__} {path!r} is sharded over world ranks {list(m.comm.ranks)}, but the layout's "
-                f"data-parallel group is {list(dp)}: its gradient is averaged over its own group only, so data "
-                "parallelism over another would mix shards. Shard it over layout.dp (swap_embeddings(model, layout.dp))"
-            )
 
 
 class DataParallel:

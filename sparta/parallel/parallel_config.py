@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sparta.errors import ConfigError
-from sparta.parallel.data_parallel import check_strategy
 from sparta.parallel.dims import ParallelDims
+from sparta.parallel.dp_rules import check_strategy
 from sparta.parallel.experts import MoESpec
 from sparta.parallel.pipeline import ZERO_BUBBLE, check_schedule
 

@@ -46,11 +46,9 @@ import json
 import logging
 import math
 import os
-import resource
 import sys
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +57,6 @@ import torch
 import sparta
 from sparta.comm import detect
 from sparta.errors import BackendUnavailableError, ConfigError, SpartaError
-from sparta.moe import MoELayer
 from sparta.scheduling.varlen import LengthCost
 
 from .checkpoint import Checkpointer, CheckpointError
@@ -71,9 +68,9 @@ from .documents import DocumentBatches
 from .model import ParallelModel
 from .parallel_config import ParallelConfig
 from .parallelize import parallelize
+from .train_report import MetricsFile, StepTracer, expert_load, peak_memory_mb, postfix, progress_bar, say_above_bar
 
 log = logging.getLogger("sparta.parallel.train")
-SPARK = "▁▂▃▄▅▆▇█"
 
 
 def learning_rate(config: RunConfig, step: int) -> float:
@@ -100,26 +97,6 @@ def active_parameters(model: DecoderConfig, parallel: ParallelConfig) -> int:
     return model.n_layers * per_layer + 2 * d + d * model.vocab_size
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """This process's peak memory in MiB: the CUDA caching allocator's peak on CUDA, the
-    resident-set high-water mark on CPU (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
-
-
-def expert_load(layers: list[MoELayer]) -> tuple[float | None, str]:
-    """Max/mean tokens per expert of the most unbalanced layer, and its counts as a sparkline."""
-    counts = [s.tokens_per_expert for s in (layer.last_stats for layer in layers) if s is not None]
-    if not counts:
-        return None, ""
-    worst = max(counts, key=lambda c: max(c) / max(1, sum(c)))
-    peak, mean = max(worst), sum(worst) / len(worst)
-    spark = "".join(SPARK[min(len(SPARK) - 1, int(c / max(1, peak) * len(SPARK)))] for c in worst)
-    return peak / max(mean, 1e-9), spark
-
-
 def _optimizers(pm: ParallelModel, config: RunConfig) -> list[torch.optim.AdamW]:
     """Fused AdamW, one per kind of tensor (`ParallelModel.param_groups`: a fused kernel takes
     one kind per call), each with the same two groups, matrices (decayed) and the rest
@@ -142,61 +119,6 @@ def _tokens(config: RunConfig, world: sparta.World, say: Callable[[str], object]
         return random_tokens(data.random_tokens, config.model.vocab_size, config.train.seed)
     cache = Path(data.cache_dir).expanduser() if data.cache_dir else None
     return stdlib_tokens(world.comm, data.corpus_mb, config.model.vocab_size, cache, say)
-
-
-def _trace_path(path: str, rank: int) -> Path:
-    p = Path(path)
-    return p if rank == 0 else p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
-
-
-class _Tracer:
-    """torch.profiler over steps [start, start + steps); writes the Chrome trace when done."""
-
-    def __init__(self, config: RunConfig, rank: int, device: torch.device) -> None:
-        out = config.output
-        self.path = _trace_path(out.trace, rank) if out.trace else None
-        # 0-based steps [start, stop): trace_start counts from 1, as the metrics do
-        self.start, self.stop = out.trace_start - 1, out.trace_start - 1 + out.trace_steps
-        self.device = device
-        self.profiler: torch.profiler.profile | None = None
-
-    def before(self, step: int) -> None:
-        if self.path is not None and step == self.start:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities, record_shapes=False)
-            self.profiler.start()
-
-    def region(self, step: int) -> Any:
-        return torch.profiler.record_function(f"step {step + 1}") if self.profiler is not None else nullcontext()
-
-    def after(self, step: int, last: bool) -> None:
-        if self.profiler is not None and (step + 1 == self.stop or last):
-            self.profiler.stop()
-            assert self.path is not None
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.profiler.export_chrome_trace(str(self.path))
-            self.profiler = None
-
-
-class _Metrics:
-    """Rank 0's JSONL file: one record per step, flushed as written (a killed run keeps its lines)."""
-
-    def __init__(self, path: str | None, rank: int, resume_step: int) -> None:
-        self.file = None
-        if path is not None and rank == 0:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a" if resume_step else "w")  # noqa: SIM115 - closed by close()
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
 
 
 def _batches(config: RunConfig, tokens: torch.Tensor) -> TokenBatches | DocumentBatches:
@@ -236,7 +158,7 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
     started = time.perf_counter()
     t = config.train
     config.check(world.size)
-    say: Callable[[str], object] = _say if world.rank == 0 else (lambda _: None)
+    say: Callable[[str], object] = say_above_bar if world.rank == 0 else (lambda _: None)
     layout = build_layout(config.dims, world, device=t.device)
     tokens = _tokens(config, world, say)
     batches = _batches(config, tokens)
@@ -276,9 +198,9 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
             say(f"resumed from step {start_step} of {ckpt.dir}")
             if any(extra.get(key, "windows" if key == "samples" else None) != value for key, value in position.items()):
                 say(f"warning: the checkpoint was trained with {extra}; this run's batches differ from its")
-    metrics = _Metrics(config.output.metrics, world.rank, start_step)
-    tracer = _Tracer(config, world.rank, layout.device)
-    bar = _bar(world.rank == 0, t.steps, start_step)
+    metrics = MetricsFile(config.output.metrics, world.rank, start_step)
+    tracer = StepTracer(config, world.rank, layout.device)
+    bar = progress_bar(world.rank == 0, t.steps, start_step)
     losses: list[float] = []
     initial_val = val_loss = None if start_step else evaluate(pm, batches, config, layout)
     if initial_val is not None:
@@ -331,7 +253,7 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
                 # the data position is the step: batches are a function of (seed, step)
                 checkpointer.save(step + 1, pm.parts, optimizers, position)
             metrics.write(record)
-            bar.set_postfix_str(_postfix(record, spark), refresh=False)
+            bar.set_postfix_str(postfix(record, spark), refresh=False)
             bar.update(1)
     finally:
         bar.close()
@@ -353,28 +275,6 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
         "tokens_per_s": rounded(trained_tokens / train_seconds if train_seconds else None, 1),
         "wall_s": rounded(time.perf_counter() - started, 1),
     }
-
-
-def _say(message: str) -> None:
-    from tqdm import tqdm
-
-    tqdm.write(message)  # above the bar, not through it
-
-
-def _bar(show: bool, total: int, initial: int) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, disable=not show, unit="step", mininterval=0.5, dynamic_ncols=True)
-
-
-def _postfix(record: dict[str, Any], spark: str) -> str:
-    parts = [f"loss {record['loss']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
-    if record["mfu"] is not None:
-        parts.append(f"MFU {100 * record['mfu']:.1f}%")
-    parts.append(f"peak {record['peak_mem_mb']:,.0f} MiB")
-    if record["expert_load"] is not None:
-        parts.append(f"load max/mean {record['expert_load']:.2f} {spark}")
-    return " | ".join(parts)
 
 
 def cpu_threads(local_size: int) -> int:

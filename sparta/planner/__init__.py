@@ -7,7 +7,9 @@
     simulate(costs, workload, best.plan, trace=True).spans          # the predicted timeline
 
 Pieces: costs.py (what is measured, saved and checked against the model and hardware),
-measure.py (measuring it on the hardware at hand: parts, every group shape, the optimizer),
+parts.py (the model's parts as they are timed: a block's halves, the MoE half, embedding and
+head), measure.py (measuring it on the hardware at hand: parts, every group shape, the
+optimizer),
 zero_bubble.py (what torch's split of a backward into its I and W passes costs, timed
 through torch's schedules),
 hardware.py (costs of clusters we do not have, from published figures), stage_cost.py (what

@@ -3,8 +3,8 @@
 `measure_costs` runs on every rank of a launch at once (torchrun, mpirun, horovodrun):
 every rank times the same parts together and the slowest rank's median counts, so sharing a
 host's cores or a node's memory bandwidth is in the figures, as it is in training. On GPUs
-each rank times its own device. The parts are the trainer's own modules (`Block`'s halves,
-the MoE layer, the embedding and head as the Decoder has them); the collectives run over
+each rank times its own device. The parts are the trainer's own modules (parts.py: `Block`'s
+halves, the MoE layer, the embedding and head as the Decoder has them); the collectives run over
 every group shape a layout of the launch can form (`group_shapes`). Parts that talk inside
 are timed under their groups as the trainer runs them too: a block's halves under tp
 (``attention/tp2``), the MoE layer with its experts split over ep (``moe/ep4``), with
@@ -21,110 +21,28 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.utils import get_total_norm
 
 from sparta.comm.communicator import Communicator
 from sparta.errors import ConfigError
-from sparta.moe.experts import check_ff_split
-from sparta.parallel.decoder import Block, Decoder, DecoderConfig
-from sparta.parallel.experts import MoESpec, moe_layers
-from sparta.parallel.parallelize import TP_STYLES
+from sparta.parallel.decoder import DecoderConfig
+from sparta.parallel.experts import MoESpec
 from sparta.scheduling.profiler import LinearFit, ProfileConfig, Profiler
 
 from .costs import FLOAT_BYTES, ModelCosts, PartCost, hardware_fingerprint, model_fingerprint
+from .parts import (
+    experts_split,
+    hidden_states,
+    model_parts,
+    moe_part,
+    residual_tp_styles,
+    saved_activation_bytes,
+    token_ids,
+)
 from .zero_bubble import alone_group, zero_bubble_factor
-
-
-def saved_activation_bytes(fn: Callable[[], Any], module: nn.Module) -> int:
-    """Bytes of the distinct activations autograd saves for backward while ``fn`` runs:
-    ``module``'s parameters and buffers, which matmuls save too, are not counted, since the
-    stage holds them anyway and they do not grow with the tokens (counted per token, an
-    MoE's experts made the one-micro-batch plan's predicted peak 22 % high on an H200)."""
-
-    def storage(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t  # under tp: this rank's shard
-
-    kept = (storage(t) for t in (*module.parameters(), *module.buffers()))
-    held = {t.untyped_storage().data_ptr() for t in kept if t.device.type != "meta"}
-    seen: dict[tuple[int, int], int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        local = storage(t)
-        if local.device.type != "meta" and local.untyped_storage().data_ptr() not in held:
-            seen[(local.untyped_storage().data_ptr(), local.storage_offset())] = local.numel() * local.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
-class _Residual(nn.Module):
-    """x + fn(norm(x)): one half of a pre-norm block."""
-
-    def __init__(self, norm: nn.Module, fn: nn.Module) -> None:
-        super().__init__()
-        self.norm, self.fn = norm, fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fn(self.norm(x))
-
-
-class _Embed(nn.Module):
-    """The first stage's extras: ids [B, T] -> [B, T, d]."""
-
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
-
-
-class _Head(nn.Module):
-    """The last stage's extras and the loss: [B, T, d] -> scalar."""
-
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(cfg.d_model)
-        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.output(self.norm(h))
-        targets = torch.zeros(logits.shape[:-1], dtype=torch.long, device=h.device)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def _parts(cfg: DecoderConfig, moe: MoESpec | None) -> dict[str, nn.Module]:
-    """The parts as modules of the trainer's own classes (Block, moeify's MoELayer)."""
-    block = Block(cfg)
-    parts: dict[str, nn.Module] = {
-        "embed": _Embed(cfg),
-        "attention": _Residual(block.attn_norm, block.attn),
-        "mlp": _Residual(block.mlp_norm, block.mlp),
-        "head": _Head(cfg),
-    }
-    if moe is not None:
-        parts["moe"] = _moe_part(cfg, moe, None)
-    return parts
-
-
-def _moe_part(
-    cfg: DecoderConfig, moe: MoESpec, ep: Communicator | None, tp: Communicator | None = None
-) -> nn.Module:
-    """A block's MoE half, its experts split over ``ep`` (None: all here) and their hidden
-    units over ``tp`` (None: whole), as moe_layers builds it."""
-    holder = nn.Module()
-    holder.layers = nn.ModuleDict({"0": Block(cfg)})
-    moe_layers(holder, dataclasses.replace(moe, every=1), ep, tp=tp)
-    moe_block = holder.layers["0"]
-    return _Residual(moe_block.mlp_norm, moe_block.mlp)
 
 
 def measure_costs(
@@ -154,9 +72,7 @@ def measure_costs(
     # sample, one wait, so no part pays a wait's idle gap that a step does not. On CPU every
     # run is synchronous and repeating it would change nothing but the time measuring takes.
     back_to_back = 4 if device.type == "cuda" else 1
-    cfg = config or ProfileConfig(
-        rows=rows if len(rows) > 1 else (seq, 2 * seq), repeats=5, back_to_back=back_to_back
-    )
+    cfg = config or ProfileConfig(rows=rows if len(rows) > 1 else (seq, 2 * seq), repeats=5, back_to_back=back_to_back)
     if any(r % seq for r in cfg.rows):
         raise ConfigError(f"ProfileConfig.rows={cfg.rows} must be multiples of seq_len={seq} (whole sequences)")
     sizes = group_sizes or tuple(g for g in range(2, comm.size + 1) if comm.size % g == 0)
@@ -175,7 +91,7 @@ def measure_costs(
     torch.manual_seed(0)
     # ranks share the host: time each part on one rank alone (its speed-one time)
     active = 1 if slots < ranks_per_host else comm.size
-    modules = {name: module.to(device) for name, module in _parts(model, moe).items()}
+    modules = {name: module.to(device) for name, module in model_parts(model, moe).items()}
     parts = {name: _part(profiler, module, name, model, cfg.rows, active, device) for name, module in modules.items()}
     if torch.distributed.is_initialized():
         # torch's zero-bubble split of a block's halves, timed through its schedules on a
@@ -186,7 +102,7 @@ def measure_costs(
             if name in parts:
                 backward_s = parts[name].bwd(tokens)
                 factor = zero_bubble_factor(
-                    profiler, modules[name], _hidden(model, device), tokens, backward_s, alone, active
+                    profiler, modules[name], hidden_states(model, device), tokens, backward_s, alone, active
                 )
                 parts[name] = dataclasses.replace(parts[name], zero_bubble=factor)
     for g in sizes if torch.distributed.is_initialized() else ():
@@ -194,14 +110,14 @@ def measure_costs(
             continue
         # on the first g ranks, the others idle; g ranks over fewer slots ran at slots / g
         mesh = init_device_mesh(device.type, (comm.size // g, g), mesh_dim_names=("rest", "tp"))
-        for name, module in _parts(model, None).items():
+        for name, module in model_parts(model, None).items():
             if name in ("attention", "mlp"):
-                parallelize_module(module.to(device), mesh["tp"], _tp_styles(name))
+                parallelize_module(module.to(device), mesh["tp"], residual_tp_styles(name))
                 parts[f"{name}/tp{g}"] = _grouped_part(profiler, module, name, model, cfg.rows, g, slots, device)
-        if moe is not None and moe.expert_tp and _experts_split(model, g):
+        if moe is not None and moe.expert_tp and experts_split(model, g):
             # the MoE layer with its experts' hidden units over g adjacent ranks, its two
             # all-reduces inside
-            module = _moe_part(model, moe, None, groups[f"g{g}"]).to(device)
+            module = moe_part(model, moe, None, groups[f"g{g}"]).to(device)
             parts[f"moe/tp{g}"] = _grouped_part(profiler, module, "moe", model, cfg.rows, g, slots, device)
     for g in sizes if moe is not None else ():
         if moe.num_experts % g:  # type: ignore[union-attr]
@@ -209,12 +125,12 @@ def measure_costs(
         # the MoE layer with its experts over g ranks, its exchanges inside (counts, rows
         # out and back, the host synchronisation on the splits, the busiest rank's experts);
         # each rank's own group builds its layer alike
-        module = _moe_part(model, moe, groups[f"g{g}"]).to(device)  # type: ignore[arg-type]
+        module = moe_part(model, moe, groups[f"g{g}"]).to(device)  # type: ignore[arg-type]
         parts[f"moe/ep{g}"] = _grouped_part(profiler, module, "moe", model, cfg.rows, g, slots, device)
     for e, t in _ep_tp_pairs(comm.size, sizes, model, moe):
         # both at once, as the trainer's mesh lays them: tp groups of t adjacent ranks, ep
         # groups of e ranks t apart, on the first e x t ranks
-        module = _moe_part(model, moe, groups[f"g{e}s{t}"], groups[f"g{t}"]).to(device)  # type: ignore[arg-type]
+        module = moe_part(model, moe, groups[f"g{e}s{t}"], groups[f"g{t}"]).to(device)  # type: ignore[arg-type]
         parts[f"moe/ep{e}tp{t}"] = _grouped_part(profiler, module, "moe", model, cfg.rows, e * t, slots, device)
     optimizer = _fit(profiler, (100_000, 400_000, 1_600_000), lambda n: _adamw(n, device), active)
     # the halves timed under their groups split their backward as the plain ones do
@@ -242,18 +158,8 @@ def _ep_tp_pairs(
         (e, t)
         for e in sizes
         for t in sizes
-        if world % (e * t) == 0 and moe.num_experts % e == 0 and _experts_split(model, t)
+        if world % (e * t) == 0 and moe.num_experts % e == 0 and experts_split(model, t)
     ]
-
-
-def _experts_split(model: DecoderConfig, tp: int) -> bool:
-    """Whether the trainer can split the experts' hidden units over ``tp`` ranks, in the
-    parts' float32 (`sparta.moe.experts.check_ff_split`); a model that cannot is not timed so."""
-    try:
-        check_ff_split(model.d_ff, tp, FLOAT_BYTES)
-    except ConfigError:
-        return False
-    return True
 
 
 def group_shapes(world: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -280,7 +186,7 @@ def _part(
     active: int,
     device: torch.device,
 ) -> PartCost:
-    make = _ids(model, device) if name == "embed" else _hidden(model, device)
+    make = token_ids(model, device) if name == "embed" else hidden_states(model, device)
     fwd = _fit(profiler, rows, lambda n: _call(module, make(n)), active)
     bwd = _fit(profiler, rows, lambda n: _backward(module, make(n), False), active)
     if name == "embed":  # ids take no gradient: the first stage's input half is empty
@@ -312,16 +218,6 @@ def _grouped_part(
     return dataclasses.replace(cost, busy=busy)
 
 
-def _tp_styles(name: str) -> dict[str, Any]:
-    """The trainer's tp plan (Decoder.tp_plan) for one half of a block, as a _Residual's paths."""
-    prefix = "attn." if name == "attention" else "mlp."
-    return {
-        "fn." + path.removeprefix(prefix): TP_STYLES[style]()
-        for path, style in Decoder.tp_plan.items()
-        if path.startswith(prefix)
-    }
-
-
 def _scaled(cost: PartCost, factor: float) -> PartCost:
     def scale(f: LinearFit) -> LinearFit:
         return LinearFit(f.alpha * factor, f.beta * factor, f.rel_error, f.samples)
@@ -337,7 +233,7 @@ def _cpu_share(
     collectives, for peers."""
     ratio = 0.0
     if profiler.comm.rank < active:
-        x = _hidden(model, device)(tokens)
+        x = hidden_states(model, device)(tokens)
         run = _backward_fresh(module, x)
         run()  # warm-up
         cpu, wall = [], []
@@ -388,16 +284,6 @@ def _idle() -> None:
 
 def _call(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Callable[[], Any]:
     return lambda: fn(x)
-
-
-def _ids(cfg: DecoderConfig, device: torch.device) -> Callable[[int], torch.Tensor]:
-    return lambda tokens: torch.randint(0, cfg.vocab_size, (tokens // cfg.seq_len, cfg.seq_len), device=device)
-
-
-def _hidden(cfg: DecoderConfig, device: torch.device) -> Callable[[int], torch.Tensor]:
-    return lambda tokens: torch.randn(
-        tokens // cfg.seq_len, cfg.seq_len, cfg.d_model, device=device, requires_grad=True
-    )
 
 
 def _backward(m: nn.Module, x: torch.Tensor, input_only: bool) -> Callable[[], object]:

@@ -34,7 +34,7 @@ class StageCost:
     params: float  # float32 parameters this rank holds for the stage
     dense_params: float  # of which reduced over dp
     expert_params: float  # of which reduced over the expert's replicas
-    # FSDP2's units under "fsdp" (data_parallel.fsdp_units): each one's parameters on this
+    # FSDP2's units under "fsdp" (dp_rules.fsdp_units): each one's parameters on this
     # rank before dp shards them, and whether it reshards after forward (the head does not)
     units: tuple[tuple[float, bool], ...] = ()
 

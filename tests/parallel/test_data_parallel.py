@@ -58,7 +58,7 @@ def test_fsdp_units_follow_the_decoder() -> None:
     head together (kept gathered from forward to backward); a tied head stays with the root,
     and a sharded table (its weight ignored by FSDP) is no unit."""
     from sparta.parallel import Decoder, DecoderConfig
-    from sparta.parallel.data_parallel import fsdp_units
+    from sparta.parallel.dp_rules import fsdp_units
 
     model = Decoder(DecoderConfig(vocab_size=32, seq_len=8, d_model=8, n_layers=2, n_heads=2, d_ff=16))
     units = fsdp_units(model, set())

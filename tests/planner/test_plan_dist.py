@@ -16,7 +16,7 @@ from launch import free_port, run_killing_on_timeout
 from sparta.parallel import Decoder, moe_layers
 from sparta.parallel.config_file import load_config, read_file
 from sparta.planner import ModelCosts
-from sparta.planner.measure import saved_activation_bytes
+from sparta.planner.parts import saved_activation_bytes
 
 PY = sys.executable
 RUN = """

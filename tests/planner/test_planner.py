@@ -26,7 +26,7 @@ from sparta.planner import (
     simulate,
     stage_layers,
 )
-from sparta.planner.measure import saved_activation_bytes
+from sparta.planner.parts import saved_activation_bytes
 from sparta.planner.search import FSDP_ALONE, plan_overrides, write_plan
 from sparta.scheduling.profiler import LinearFit
 
@@ -394,14 +394,15 @@ def test_measured_group_shapes_are_those_a_layout_can_form() -> None:
 def test_experts_are_timed_split_only_where_the_trainer_can_split_them() -> None:
     """measure_costs times moe/tp{t} and moe/ep{e}tp{t} only where tp cuts d_ff into the
     16-byte rows sparta.moe.experts.check_ff_split demands (else the measure would raise)."""
-    from sparta.planner.measure import _ep_tp_pairs, _experts_split
+    from sparta.planner.measure import _ep_tp_pairs
+    from sparta.planner.parts import experts_split
 
     moe = MoESpec(num_experts=4, top_k=2)
     aligned = dataclasses.replace(MODEL, d_ff=32)  # 16 or 8 float32 units: 64- or 32-byte rows
-    assert _experts_split(aligned, 2) and _experts_split(aligned, 4)
+    assert experts_split(aligned, 2) and experts_split(aligned, 4)
     assert _ep_tp_pairs(8, (2, 4, 8), aligned, moe) == [(2, 2), (2, 4), (4, 2)]
     odd = dataclasses.replace(MODEL, d_ff=36)  # 18 units over 2: 72-byte rows
-    assert not _experts_split(odd, 2) and _ep_tp_pairs(8, (2, 4, 8), odd, moe) == []
+    assert not experts_split(odd, 2) and _ep_tp_pairs(8, (2, 4, 8), odd, moe) == []
     assert _ep_tp_pairs(8, (2, 4, 8), aligned, dataclasses.replace(moe, expert_tp=False)) == []
 
 
