@@ -334,6 +334,7 @@ def cluster_worker(args: argparse.Namespace) -> None:
                     "r_fwd": choice.degrees.forward,
                     "r_bwd": choice.degrees.backward,
                     "hierarchical": choice.hierarchical,
+                    "block_microbatches": sorted(set(on.pm.auto.overlaps.values())) or [1],
                 },
                 **common,
             }

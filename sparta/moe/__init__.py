@@ -18,7 +18,9 @@ shape. Inside, for ``T`` tokens, ``E`` experts and ``k`` experts per token:
 With ``ep_size > 1`` the rows travel to the rank holding their expert and back by
 all-to-all between dispatch and combine (``sparta.moe.parallel``), optionally cut into
 chunks that overlap the experts' compute; ``tune_schedule`` picks the chunking from a
-profile, as an explicit step before training.
+profile, as an explicit step before training. ``overlapped_moe_block`` runs a whole block
+(its dense layers, then the layer) over micro-batches, so that one micro-batch's dense
+layers compute while another's rows travel (overlap.py).
 
 Around the layer: ``moeify(model, ...)`` swaps an existing model's MLPs for MoE layers
 (upcycling their weights and biases); ``sparta.parallel.build_layout`` gives the expert-parallel
@@ -48,6 +50,7 @@ from sparta.moe.dispatch import (
 from sparta.moe.experts import GroupedExperts
 from sparta.moe.layer import MoELayer, MoEStats
 from sparta.moe.moeify import DenseMLP, moeify, read_dense_mlp
+from sparta.moe.overlap import overlap_problem, overlapped_moe_block
 from sparta.moe.routers import (
     ExpertChoiceRouter,
     Router,
@@ -86,6 +89,8 @@ __all__ = [
     "full_state_dict",
     "gather_rows",
     "moeify",
+    "overlap_problem",
+    "overlapped_moe_block",
     "plan_dispatch",
     "read_dense_mlp",
     "tune_schedule",

@@ -237,12 +237,12 @@ class MoELayer(nn.Module):
         ``most`` rows (N's bound from the input's shape alone): torch's pipelining infers
         stage shapes from uninitialised inputs, on which tp ranks route differently, and
         the collective must still match."""
-        stats = _stats_vector(plan)
+        stats = stats_vector(plan)
         tp = self.tp
         if tp is not None:
             rows = all_reduce_backward(rows, tp, most)
         if self.comm is None:
-            self._record(stats)
+            self.record_counts(stats)
             out = self.experts(rows, plan.counts)
         else:
             exchanged = exchange_expert_counts(
@@ -250,7 +250,7 @@ class MoELayer(nn.Module):
             )
             self._counts_checked = True
             out = expert_parallel(rows, plan.counts, exchanged, self.experts, self.comm, self.degrees, self.exchange)
-            self._record(stats, exchanged.stats)
+            self.record_counts(stats, exchanged.stats)
         return out if tp is None else all_reduce_forward(out, tp, most)
 
     def split_experts(self, tp: Communicator) -> None:
@@ -283,15 +283,22 @@ class MoELayer(nn.Module):
 
     def _attach_aux_loss(self, route: RouterOutput, carrier: Tensor) -> Tensor:
         total = self.config.aux_loss_coef * route.aux_loss + self.config.z_loss_coef * route.z_loss
+        return self.attach_aux_loss(carrier, total)
+
+    def attach_aux_loss(self, carrier: Tensor, total: Tensor) -> Tensor:
+        """``carrier`` (the routing weights) as is, whose backward in training also
+        back-propagates ``total`` (the scaled aux and z losses, a scalar) with gradient 1;
+        ``aux_loss`` keeps ``total`` detached."""
         self.aux_loss = total.detach()
         if self.training and total.requires_grad and carrier.requires_grad:
             return _AuxLossInBackward.apply(carrier, total)
         return carrier
 
-    def _record(self, local: Tensor, summed: Tensor | None = None) -> None:
-        """Keep the counts behind ``last_stats`` (and feed the router its load), summed over
-        ``stats_comm``: ``summed`` is their sum over ``comm`` from the counts exchange,
-        enough when ``stats_comm`` is ``comm``."""
+    def record_counts(self, local: Tensor, summed: Tensor | None = None) -> None:
+        """Keep the counts behind ``last_stats`` (``stats_vector`` of a forward's plans,
+        summed) and feed the router its load, summed over ``stats_comm`` (one all-reduce):
+        ``summed`` is their sum over ``comm`` from the counts exchange, enough when
+        ``stats_comm`` is ``comm``."""
         if summed is not None and self.stats_comm is self.comm:
             counts = summed
         elif self.stats_comm is not None:
@@ -327,8 +334,9 @@ def _config_of(args: tuple[Any, ...], options: dict[str, Any]) -> MoEConfig:
         raise ConfigError(f"MoELayer: {err}; the fields are {known}") from None
 
 
-def _stats_vector(plan: DispatchPlan) -> Tensor:
-    """``[routed (E), kept (E), dropped (1)]`` int64: the counts behind ``last_stats``."""
+def stats_vector(plan: DispatchPlan) -> Tensor:
+    """A plan's counts as `MoELayer.record_counts` takes them: ``[routed (E), kept (E),
+    dropped (1)]`` int64, the counts behind ``last_stats``."""
     return torch.cat([plan.routed, plan.counts, plan.dropped.reshape(1)])
 
 

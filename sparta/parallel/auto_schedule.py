@@ -12,6 +12,14 @@ Where every expert-parallel group spans several nodes with as many of its ranks 
 two-level all-to-all against the flat one. The degrees never change a result, only when rows travel, so the first step's
 numbers and every later one's equal the flat layers' (the trainer's parity checks).
 
+Then, where the layout lets blocks overlap micro-batches (`parallel_config.overlap_refusal`:
+ep > 1, no expert tensor parallelism, zero-bubble schedule or recomputation) and a
+layer's block is the Decoder's `Block`, the tuner times that whole block, forward and
+backward on its recorded input, cut into 1, 2 and 4 micro-batches (`Block.set_overlap`:
+one micro-batch's attention computes while another's rows travel) and keeps the fastest
+(1 unless another is 3 % faster), for every block of the same shape. This too changes no
+result (`sparta.moe.overlapped_moe_block`).
+
 Every rank of an expert-parallel group tunes the same layers in the same order: the groups
 lie inside one pipeline stage, whose ranks hold the same layers. Each group tunes on its
 own, so groups may settle on different plans; that is safe because nothing but the group's
@@ -22,15 +30,20 @@ once per backward (`MoELayer.split_experts`), whatever chunks either used.
 
 from __future__ import annotations
 
+import copy
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import Tensor, nn
 
 from sparta.comm import HierarchicalAllToAll
 from sparta.errors import InputError
 from sparta.moe import MoELayer, tune_schedule
+from sparta.parallel.decoder import Block
 from sparta.scheduling.cost_model import SchedulePlan
+from sparta.scheduling.tuner import OnlineTuner
 
 
 class AutoSchedule:
@@ -40,10 +53,19 @@ class AutoSchedule:
     two-level all-to-all, when the spec asked for one (the tuner weighs it against flat),
     else None; trials: timed runs of each candidate plan (`tune_schedule`)."""
 
-    def __init__(self, layers: dict[str, MoELayer], exchange: HierarchicalAllToAll | None, trials: int = 4) -> None:
+    def __init__(
+        self,
+        layers: dict[str, MoELayer],
+        exchange: HierarchicalAllToAll | None,
+        trials: int = 4,
+        blocks: dict[str, Block] | None = None,
+    ) -> None:
         self.layers, self.exchange, self.trials = layers, exchange, trials
+        # block path -> a Block whose MLP is one of `layers`, where micro-batch overlap may run
+        self.blocks = blocks or {}
         self.plans: dict[str, SchedulePlan] = {}  # layer path -> the plan it took
-        self.samples: dict[str, Tensor] = {}  # layer path -> its input recorded for `tune`
+        self.overlaps: dict[str, int] = {}  # block path -> the micro-batches it took
+        self.samples: dict[str, Tensor] = {}  # layer or block path -> its input recorded for `tune`
 
     @property
     def pending(self) -> bool:
@@ -53,7 +75,8 @@ class AutoSchedule:
     @contextmanager
     def recording(self) -> Iterator[None]:
         """Keep each layer's first input [..., d_model] (detached) while the block runs."""
-        handles = [layer.register_forward_pre_hook(self._keep(path)) for path, layer in self.layers.items()]
+        watched: dict[str, nn.Module] = {**self.layers, **self.blocks}
+        handles = [module.register_forward_pre_hook(self._keep(path)) for path, module in watched.items()]
         try:
             yield
         finally:
@@ -70,7 +93,7 @@ class AutoSchedule:
         """Tune the first layer of each shape on its recorded input and apply the plan to
         that shape's layers. Collective over the layers' expert-parallel group."""
         by_shape: dict[tuple[object, ...], SchedulePlan] = {}
-        missing = [path for path in self.layers if path not in self.samples]
+        missing = [path for path in (*self.layers, *self.blocks) if path not in self.samples]
         if missing:
             raise InputError(f"pipeline_degree='auto': MoE layers {missing} did not run in the step that tunes them")
         for path, layer in self.layers.items():
@@ -80,6 +103,14 @@ class AutoSchedule:
                 by_shape[key] = tune_schedule(layer, sample, hierarchical=self.exchange, trials=self.trials)
             layer.apply_schedule(by_shape[key], hierarchical=self.exchange)
             self.plans[path] = by_shape[key]
+        by_block: dict[tuple[object, ...], int] = {}
+        for path, block in self.blocks.items():
+            sample = self.samples[path]
+            key = (_shape(block.mlp), tuple(sample.shape))  # type: ignore[arg-type]
+            if key not in by_block:
+                by_block[key] = _tune_overlap(block, sample, self.trials)
+            block.set_overlap(by_block[key])
+            self.overlaps[path] = by_block[key]
         self.samples.clear()
         return self.plans
 
@@ -91,7 +122,38 @@ class AutoSchedule:
             choice = f"{plan.degrees.forward} forward / {plan.degrees.backward} backward chunks, {form} all-to-all"
             by_choice[choice] = by_choice.get(choice, 0) + 1
         chosen = "; ".join(f"{choice} ({n} MoE layers)" for choice, n in by_choice.items())
-        return f"co-scheduler tuned: {chosen or 'not yet'}"
+        by_count: dict[int, int] = {}
+        for m in self.overlaps.values():
+            by_count[m] = by_count.get(m, 0) + 1
+        blocks = "; ".join(f"{m} micro-batches ({n} blocks)" for m, n in sorted(by_count.items()))
+        return f"co-scheduler tuned: {chosen or 'not yet'}" + (f"; blocks overlapped: {blocks}" if blocks else "")
+
+
+def _tune_overlap(block: Block, sample: Tensor, trials: int) -> int:
+    """The micro-batches (1, 2 or 4, at most the sample's sequences) that run ``block``'s
+    forward and backward on ``sample`` fastest, timed round robin after one warm-up each,
+    agreed over its MoE layer's group (slowest rank); 1 unless another is 3 % faster.
+    Leaves the parameters' gradients, the router's state and the RNG as they were.
+    Collective over the layer's ``comm``."""
+    layer = block.mlp
+    assert isinstance(layer, MoELayer) and layer.comm is not None
+    candidates = [m for m in (1, 2, 4) if m <= sample.shape[0]]
+    tuner = OnlineTuner(layer.comm, candidates, trials=trials, baseline=1, margin=0.03, warmup=1)
+    params = [p for p in block.parameters() if p.requires_grad]
+    router_state = copy.deepcopy(layer.router.state_dict())
+    device = sample.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        while tuner.chosen is None:
+            block.set_overlap(tuner.current)
+            x = sample.detach().requires_grad_()
+            begin = time.perf_counter()
+            y = block(x)
+            torch.autograd.grad(y, [x, *params], torch.ones_like(y))  # into no .grad
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            tuner.observe(time.perf_counter() - begin)
+    layer.router.load_state_dict(router_state)
+    return tuner.chosen
 
 
 def _shape(layer: MoELayer) -> tuple[object, ...]:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from sparta.errors import ConfigError, InputError
+from sparta.moe import MoELayer, overlap_problem, overlapped_moe_block
 
 
 @dataclass(frozen=True)
@@ -75,18 +76,43 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)).
+
+    ``overlap`` > 1 (`set_overlap`; its MLP an expert-parallel MoELayer): the block cuts its
+    batch into that many micro-batches of whole sequences, so that one's attention computes
+    while another's rows travel (`sparta.moe.overlapped_moe_block`); same outputs and
+    gradients. A batch of fewer sequences runs whole."""
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.LayerNorm(cfg.d_model)
-        self.mlp = FeedForward(cfg)
+        self.mlp: nn.Module = FeedForward(cfg)
+        self.overlap = 1
+
+    def set_overlap(self, microbatches: int) -> None:
+        """Micro-batches the block cuts its batch into (1: none). ConfigError unless 1, or
+        the MLP is an MoE layer that can overlap (`sparta.moe.overlap_problem`). Every rank
+        of the layer's expert-parallel group must set the same count."""
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ConfigError(f"Block.set_overlap({microbatches!r}): give an int >= 1 (1: no micro-batches)")
+        if microbatches > 1:
+            problem = overlap_problem(self.mlp) if isinstance(self.mlp, MoELayer) else "its MLP is not an MoE layer"
+            if problem is not None:
+                raise ConfigError(f"Block.set_overlap({microbatches}): cannot overlap micro-batches: {problem}")
+        self.overlap = microbatches
+
+    def _attend(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = x + self.attn(self.attn_norm(x))
+        return h, self.mlp_norm(h)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        if self.overlap > 1 and x.shape[0] >= self.overlap:
+            params = [p for p in self.parameters() if p.requires_grad]
+            return overlapped_moe_block(self.mlp, x, self.overlap, self._attend, params)  # type: ignore[arg-type]
+        h, moe_input = self._attend(x)
+        return h + self.mlp(moe_input)
 
 
 class Decoder(nn.Module):

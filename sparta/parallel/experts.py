@@ -11,6 +11,7 @@ from torch import nn
 from sparta.comm import Communicator, HierarchicalAllToAll
 from sparta.errors import ConfigError
 from sparta.moe import ROUTERS, MoELayer, moeify
+from sparta.parallel.decoder import Block
 from sparta.parallel.dims import Layout
 from sparta.scheduling.chunks import PipelineDegrees
 
@@ -40,11 +41,16 @@ class MoESpec:
     # tensor parallelism: 1/tp of the experts' GEMMs and memory, two all-reduces over tp per
     # layer); False: every tp rank holds and runs whole experts
     expert_tp: bool = True
+    # micro-batch overlap: each decoder Block cuts its batch into this many micro-batches of
+    # whole sequences, one's attention computing while another's rows travel
+    # (sparta.moe.overlapped_moe_block; dropless token choice). pipeline_degree="auto" weighs
+    # 1, 2 and 4 itself, where the layout allows (parallel_config.overlap_refusal)
+    overlap: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline_degree, list):
             object.__setattr__(self, "pipeline_degree", tuple(self.pipeline_degree))
-        for name in ("num_experts", "top_k", "every"):
+        for name in ("num_experts", "top_k", "every", "overlap"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"MoESpec.{name}={value!r} must be a positive integer")
@@ -54,6 +60,12 @@ class MoESpec:
             raise ConfigError(f"MoESpec.router={self.router!r} is unknown: choose one of {', '.join(ROUTERS)}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ConfigError(f"MoESpec.capacity_factor={self.capacity_factor} must be > 0, or None for dropless")
+        if self.overlap > 1 and (self.router in ("soft", "expert_choice") or self.capacity_factor is not None):
+            raise ConfigError(
+                f"MoESpec.overlap={self.overlap} cuts each block's batch into micro-batches, which routes as the whole "
+                f"batch only for dropless token choice (router {self.router!r}, capacity_factor "
+                f"{self.capacity_factor}): use topk, switch, sigmoid or xmoe without a capacity, or overlap=1"
+            )
         if isinstance(self.pipeline_degree, str):
             if self.pipeline_degree != AUTO:
                 raise ConfigError(
@@ -64,6 +76,11 @@ class MoESpec:
                 raise ConfigError(
                     "MoESpec.pipeline_degree='auto' tunes a token-choice router's exchange; router='soft' has none: "
                     "set a degree, or pick another router"
+                )
+            if self.overlap > 1:
+                raise ConfigError(
+                    f"MoESpec.overlap={self.overlap} with pipeline_degree='auto', which tunes the blocks' "
+                    "micro-batches itself: leave overlap=1, or give a degree"
                 )
         else:
             try:
@@ -115,6 +132,13 @@ def moe_layers(
             moe.set_exchange(exchange)
             if tp is not None and spec.expert_tp:
                 moe.split_experts(tp)
+        if spec.overlap > 1 and ep is not None:  # one process: nothing travels to overlap
+            if not isinstance(layer, Block):
+                raise ConfigError(
+                    f"MoESpec.overlap={spec.overlap} runs a sparta.parallel.Decoder's Block over micro-batches; layer "
+                    f"{key} is a {type(layer).__name__}: set overlap=1"
+                )
+            layer.set_overlap(spec.overlap)
         replaced += [f"layers.{key}.{p}" for p in paths]
     return replaced
 

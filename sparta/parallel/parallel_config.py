@@ -140,6 +140,10 @@ class ParallelConfig:
                 "MoESpec.pipeline_degree='auto' tunes the experts' row exchange, but ep=1 leaves every expert on its "
                 "rank (no exchange): set ep > 1, or pipeline_degree=1"
             )
+        if self.moe is not None and self.moe.overlap > 1:
+            why = overlap_refusal(self, dims)
+            if why is not None:
+                raise ConfigError(f"MoESpec.overlap={self.moe.overlap}: {why}; set overlap=1")
         stages = dims.pp * self.stages_per_rank
         body, first = self.body_stages(dims.pp), self.first_body(dims.pp)
         apart = [n for n in ("embedding_stages", "vocab_stages") if getattr(self, n)]
@@ -183,3 +187,17 @@ class ParallelConfig:
     def first_body(self, pp: int) -> int:
         """The global index of the first stage holding layers (pp under ``embedding_stages``)."""
         return pp if self.embedding_stages else 0
+
+
+def overlap_refusal(config: ParallelConfig, dims: ParallelDims) -> str | None:
+    """Why the trainer cannot run its blocks over micro-batches (`MoESpec.overlap`, or the
+    tuner's candidates) under ``config`` and ``dims``, or None. Pure."""
+    if dims.ep == 1:
+        return "ep=1 keeps every expert on its rank, so no rows travel to overlap"
+    if config.tensor_parallel and dims.tp > 1 and config.moe is not None and config.moe.expert_tp:
+        return f"tp={dims.tp} splits the experts' hidden units (expert_tp), whose partial sums run per layer"
+    if config.schedule in ZERO_BUBBLE:
+        return f"schedule {config.schedule!r} splits each backward into input and weight passes"
+    if config.recompute:
+        return f"recompute={list(config.recompute)} would run the micro-batches' exchanges again in backward"
+    return None

@@ -45,10 +45,11 @@ from sparta.errors import ConfigError
 from sparta.moe import MoELayer
 from sparta.parallel.auto_schedule import AutoSchedule
 from sparta.parallel.data_parallel import DataParallel
+from sparta.parallel.decoder import Block
 from sparta.parallel.dims import Layout
 from sparta.parallel.experts import check_expert_tp, hierarchical_ep, moe_layers, two_level_pays
 from sparta.parallel.model import VOCAB_STYLE, ParallelModel, loss_fn
-from sparta.parallel.parallel_config import ParallelConfig
+from sparta.parallel.parallel_config import ParallelConfig, overlap_refusal
 from sparta.parallel.pipeline import (
     ZERO_BUBBLE,
     ModelParts,
@@ -285,8 +286,13 @@ def parallelize(
     schedule = partial(_schedule, config, layout, dict(zip(mine, modules, strict=True)), num_stages)
     auto = None
     if config.moe is not None and config.moe.auto:
-        layers = {n: m for module in modules for n, m in module.named_modules() if isinstance(m, MoELayer)}
-        auto = AutoSchedule(layers, moe_exchange)
+        named = [(n, m) for module in modules for n, m in module.named_modules()]
+        layers = {n: m for n, m in named if isinstance(m, MoELayer)}
+        # blocks the tuner may cut into micro-batches: timing one under FSDP2 would run its
+        # unit's gathers outside the step, so those keep the chunked exchange alone
+        overlap = overlap_refusal(config, dims) is None and config.data_parallel != "fsdp"
+        blocks = {n: m for n, m in named if overlap and isinstance(m, Block) and isinstance(m.mlp, MoELayer)}
+        auto = AutoSchedule(layers, moe_exchange, blocks=blocks)
     return ParallelModel(layout, config, modules, schedule, data_parallel, plan, has_first=0 in mine,
                          has_last=num_stages - 1 in mine, heads=head_stages, auto=auto)  # fmt: skip
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from sparta.comm import Communicator, HierarchicalAllToAll, World
 from sparta.errors import ConfigError, InputError
-from sparta.moe import MoELayer, full_state_dict, tune_schedule
+from sparta.moe import MoELayer, full_state_dict, overlapped_moe_block, tune_schedule
 from sparta.parallel import DataParallel, Layout, ParallelDims, build_layout
 
 EXPERTS, D_MODEL, D_FF, SEQ = 8, 8, 16, 9
@@ -368,10 +368,80 @@ def check_bad_input_on_one_rank_raises_on_every_rank(world: World) -> None:
     assert layer(torch.randn(2, D_MODEL)).shape == (2, D_MODEL)  # still in step afterwards
 
 
+def check_overlapped_block_equals_the_plain_block(world: World) -> None:
+    """A block (a dense layer, then the MoE layer) over 2 and 3 micro-batches
+    (`overlapped_moe_block`) gives the plain block's outputs, input and parameter gradients,
+    aux loss (the balance term over the whole batch, weighted heavily here) and counts, for
+    every dropless token-choice router, flat and two-level; a layer that cannot overlap
+    raises ConfigError before any collective."""
+    exchanges: list[object] = [None]
+    if world.size == 4:  # posed as 2 nodes x 2 ranks
+        intra = world.comm.split_groups([[0, 1], [2, 3]])
+        inter = world.comm.split_groups([[0, 2], [1, 3]])
+        exchanges.append(HierarchicalAllToAll(world.comm, intra, inter))
+    dropless = [c for c in CASES if c["capacity_factor"] is None and c["router"] not in ("expert_choice", "soft")]
+    for case in dropless:
+        for exchange in exchanges:
+            torch.manual_seed(0)
+            layer = MoELayer(
+                D_MODEL, D_FF, EXPERTS, ep_size=world.size, comm=world.comm, aux_loss_coef=1.0, z_loss_coef=0.1, **case
+            )
+            layer.set_exchange(exchange)  # type: ignore[arg-type]
+            dense = nn.Sequential(nn.Linear(D_MODEL, D_MODEL), nn.LayerNorm(D_MODEL))
+            params = [*dense.parameters(), *layer.parameters()]
+
+            def attend(piece: torch.Tensor, dense: nn.Module = dense) -> tuple[torch.Tensor, torch.Tensor]:
+                h = piece + dense(piece)
+                return h, h.tanh()
+
+            gen = torch.Generator().manual_seed(world.rank)
+            x = torch.randn(5 + world.rank % 2, SEQ, D_MODEL, generator=gen)
+            up = torch.randn(x.shape, generator=gen)
+            runs = []
+            router_state = {k: v.clone() for k, v in layer.router.state_dict().items()}
+            for m in (1, 2, 3):
+                layer.router.load_state_dict(router_state)  # the sigmoid router's bias moves each forward
+                for p in params:
+                    p.grad = None
+                leaf = x.clone().requires_grad_()
+                if m == 1:
+                    h, moe_in = attend(leaf)
+                    y = h + layer(moe_in)
+                else:
+                    y = overlapped_moe_block(layer, leaf, m, attend, params)
+                y.backward(up)
+                stats = layer.last_stats
+                assert stats is not None
+                moved = [v.clone() for v in layer.router.state_dict().values()]
+                runs.append((y.detach(), leaf.grad, [p.grad.clone() for p in params], layer.aux_loss, stats, moved))
+            y1, g1, p1, aux1, stats1, moved1 = runs[0]
+            for m, (y, g, ps, aux, stats, moved) in zip((2, 3), runs[1:], strict=True):
+                where = f"{case['router']}, {'two-level' if exchange else 'flat'}, {m} micro-batches"
+                torch.testing.assert_close(y, y1, **TOL, msg=lambda s, w=where: f"{w}: output: {s}")
+                torch.testing.assert_close(g, g1, **TOL, msg=lambda s, w=where: f"{w}: input gradient: {s}")
+                for p, a, b in zip(params, ps, p1, strict=True):
+                    name = next(n for n, q in [*dense.named_parameters(), *layer.named_parameters()] if q is p)
+                    torch.testing.assert_close(a, b, **TOL, msg=lambda s, w=where, n=name: f"{w}: {n}.grad: {s}")
+                torch.testing.assert_close(aux, aux1, **TOL, msg=lambda s, w=where: f"{w}: aux_loss: {s}")
+                assert stats == stats1, (where, stats, stats1)
+                for a, b in zip(moved, moved1, strict=True):  # the load the router balances by: the batch's
+                    torch.testing.assert_close(a, b, **TOL, msg=lambda s, w=where: f"{w}: router state: {s}")
+    torch.manual_seed(0)
+    for options, why in (
+        ({"ep_size": world.size, "comm": world.comm, **CASES[1]}, "capacity_factor=1.25 would drop pairs"),
+        ({"ep_size": world.size, "comm": world.comm, **CASES[-2]}, "router 'expert_choice' chooses across"),
+        ({}, "not expert-parallel"),
+    ):
+        layer = MoELayer(D_MODEL, D_FF, EXPERTS, **options)
+        with raises(ConfigError, why):
+            overlapped_moe_block(layer, torch.randn(4, SEQ, D_MODEL), 2, lambda t: (t, t), [])
+
+
 CHECKS = [
     check_every_router_sharded_over_all_ranks,
     check_every_router_with_expert_data_parallel_groups,
     check_pipelined_and_hierarchical_exchanges,
+    check_overlapped_block_equals_the_plain_block,
     check_empty_ranks_and_idle_experts,
     check_checkpoint_loads_under_other_expert_parallel_sizes,
     check_gradients_equal_one_process_on_the_global_batch,

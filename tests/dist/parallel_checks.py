@@ -32,6 +32,8 @@ from sparta.parallel import (
     parallelize,
     schedule_actions,
 )
+from sparta.parallel.decoder import Block
+from sparta.parallel.parallel_config import overlap_refusal
 from sparta.parallel.vocab_stages import VocabShard
 
 MODEL = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=4, d_ff=32)
@@ -41,6 +43,8 @@ COSCHEDULED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degre
 # the co-scheduler tuned on the first step's inputs: the degrees it finds, and the two-level
 # exchange weighed against flat where the ep groups span nodes (the "coscheduled" launch's 2)
 AUTO = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degree="auto")
+# each block's batch cut into 2 micro-batches, one's attention beside the other's exchange
+OVERLAPPED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, overlap=2)
 # under tp, whole experts on every tp rank (MOE splits their hidden units over tp)
 REPLICATED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, expert_tp=False)
 STEPS, BATCH, LR, TOL = 10, 4, 0.05, 1e-5  # BATCH: sequences per dp rank per step
@@ -160,9 +164,18 @@ def trained_losses(
         assert len({(p.degrees, p.hierarchical) for p in pm.auto.plans.values()}) == 1, pm.auto.plans
         plan = next(iter(pm.auto.plans.values()))
         assert all(m.degrees == plan.degrees for m in moe), [m.degrees for m in moe]
-        assert pm.auto.describe().endswith(f"all-to-all ({len(moe)} MoE layers)"), pm.auto.describe()
+        assert f"all-to-all ({len(moe)} MoE layers)" in pm.auto.describe(), pm.auto.describe()
+        # the blocks' micro-batches tuned too where the layout lets them overlap (not under
+        # zero-bubble schedules, recomputation, expert tp or FSDP2), one count for the equal blocks
+        overlap = overlap_refusal(config, layout.dims) is None and config.data_parallel != "fsdp"
+        assert len(pm.auto.overlaps) == (len(moe) if overlap else 0), (pm.auto.overlaps, config)
+        assert len(set(pm.auto.overlaps.values())) <= 1, pm.auto.overlaps
+        assert ("blocks overlapped" in pm.auto.describe()) == overlap, pm.auto.describe()
         # two-level offered where every ep group spans nodes (2 nodes of 2 at dp4 x ep4), else flat alone
         assert (pm.auto.exchange is not None) == (layout.world.num_nodes > 1), (pm.auto.exchange, layout.world)
+    if config.moe is not None and config.moe.overlap > 1:  # every block of this rank overlaps
+        blocks = [b for part in pm.parts for b in part.modules() if isinstance(b, Block)]
+        assert blocks and all(b.overlap == config.moe.overlap for b in blocks), [b.overlap for b in blocks]
     assert all(m.experts.w1.shape[-1] == MODEL.d_ff // (layout.dims.tp if split else 1) for m in moe), "experts' d_ff"
     assert (len(pm.plan.expert_tp) == len(moe)) if split else not pm.plan.expert_tp, pm.plan.expert_tp
     # the last stage's head: its vocabulary over tp, its loss on the shards (losses compared below)
@@ -247,7 +260,7 @@ def parity(
 
     check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
     check.__name__ += "_coscheduled" * (moe is COSCHEDULED) + "_experts_replicated" * (moe is REPLICATED)
-    check.__name__ += "_auto_degrees" * (moe is AUTO)
+    check.__name__ += "_auto_degrees" * (moe is AUTO) + "_overlapped" * (moe is OVERLAPPED)
     check.__name__ += "".join(f"_recompute{i}" for i in recompute) + "".join(f"_len{n}" for n in lengths)
     check.__name__ += "_uneven" * uneven + "_vocab_stages" * vocab_stages + "_embedding_stages" * embedding_stages
     return check
@@ -404,13 +417,19 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
     ],
     "ddp": [
         parity("1F1B", 1, "ddp"),
+        parity("1F1B", 1, "ddp", moe=OVERLAPPED),
         parity("GPipe", 1, "sparta", embedding="dense"),
         parity("1F1B", 1, "ddp", recompute=(0,)),
     ],
     "ddp_pp": [parity("1F1B", 1, "ddp", microbatches=4)],
     "horovod": [parity("1F1B", 1, "horovod")],
     "sparta": [parity("1F1B", 1, "sparta"), parity("1F1B", 1, "sparta", ragged=True, lengths=(6, MODEL.seq_len))],
-    "coscheduled": [parity("1F1B", 1, "sparta", moe=COSCHEDULED), parity("1F1B", 1, "sparta", moe=AUTO)],
+    "coscheduled": [
+        parity("1F1B", 1, "sparta", moe=COSCHEDULED),
+        parity("1F1B", 1, "sparta", moe=AUTO),
+        parity("1F1B", 1, "sparta", moe=OVERLAPPED),
+        parity("GPipe", 1, "fsdp", moe=OVERLAPPED),
+    ],
     "vocab": VOCAB_STAGES,
     "quick": [parity("1F1B", 1, "sparta"), bad_inputs],
     "one": [

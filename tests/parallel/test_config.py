@@ -19,6 +19,7 @@ from sparta.parallel import Decoder, DecoderConfig, MoESpec, ParallelConfig, Par
 from sparta.parallel.config import CheckpointConfig, DataConfig, OutputConfig, RunConfig, TrainConfig
 from sparta.parallel.config_file import from_dict, load_config, parse_value
 from sparta.parallel.data import TokenBatches, random_tokens
+from sparta.parallel.decoder import Block
 from sparta.parallel.train import active_parameters, learning_rate
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "moe_gpt.toml"
@@ -103,6 +104,14 @@ def test_overrides_are_parsed_and_applied() -> None:
         (["parallel.moe.pipeline_degree=0"], r"MoESpec\.pipeline_degree: .*use an int >= 1"),
         (["parallel.moe.pipeline_degree=auto", "parallel.moe.router=soft"], r"router='soft' has none"),
         (["parallel.moe.pipeline_degree=auto", "parallel.ep=1"], r"'auto' tunes the experts' row exchange, but ep=1"),
+        (["parallel.moe.overlap=0"], r"MoESpec\.overlap=0 must be a positive integer"),
+        (["parallel.moe.overlap=2"], r"overlap=2 with pipeline_degree='auto', which tunes the blocks' micro-batches"),
+        (["parallel.moe.pipeline_degree=1", "parallel.moe.overlap=2"], r"overlap=2: tp=2 splits the experts' hidden "
+         r"units \(expert_tp\)"),
+        (["parallel.moe.pipeline_degree=1", "parallel.moe.overlap=2", "parallel.ep=1"], r"overlap=2: ep=1 keeps every "
+         r"expert on its rank"),
+        (["parallel.moe.pipeline_degree=1", "parallel.moe.overlap=2", "parallel.moe.capacity_factor=1.25"],
+         r"routes as the whole batch only for dropless token choice \(router 'topk', capacity_factor 1\.25\)"),
         (["model.n_heads=3"], r"d_model=64 must be divisible by n_heads=3"),
         (["parallel.schedule=Zigzag"], r"schedule='Zigzag' is unknown"),
         (["parallel.moe.num_experts=3", "parallel.moe.top_k=1"], r"num_experts=3 does not divide over ep=2"),
@@ -237,3 +246,23 @@ def test_auto_degrees_read_from_a_file() -> None:
     fixed = demo_with("parallel.moe.pipeline_degree=[4, 2]").parallel.moe
     assert fixed is not None and not fixed.auto and fixed.pipeline_degree == (4, 2)
     assert not MoESpec(pipeline_degree=(2, 4)).auto and MoESpec(pipeline_degree=[2, 4]).pipeline_degree == (2, 4)
+
+
+def test_block_overlap_is_refused_where_its_micro_batches_would_not_run_as_the_batch() -> None:
+    """MoESpec.overlap cuts each Block's batch into micro-batches: refused (naming the fix)
+    under a zero-bubble schedule and under recomputation, and by a Block whose MLP is not an
+    expert-parallel MoE layer."""
+    spec = MoESpec(num_experts=4, overlap=2)
+    dims = ParallelDims(pp=2, dp=2, ep=2)
+    ParallelConfig(moe=spec, microbatches=2).check(dims)
+    zero_bubble = ParallelConfig(moe=spec, schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=2)
+    with pytest.raises(ConfigError, match=r"overlap=2: schedule 'ZBVZeroBubble' splits each backward.*set overlap=1"):
+        zero_bubble.check(dims)
+    with pytest.raises(ConfigError, match=r"overlap=2: recompute=\[0\] would run the micro-batches' exchanges again"):
+        ParallelConfig(moe=spec, microbatches=2, recompute=(0,)).check(dims)
+    block = Block(DecoderConfig())
+    with pytest.raises(ConfigError, match=r"set_overlap\(2\): cannot overlap micro-batches: its MLP is not an MoE"):
+        block.set_overlap(2)
+    with pytest.raises(ConfigError, match=r"set_overlap\(0\): give an int >= 1"):
+        block.set_overlap(0)
+    block.set_overlap(1)
