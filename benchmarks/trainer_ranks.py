@@ -334,7 +334,7 @@ def cluster_worker(args: argparse.Namespace) -> None:
                     "r_fwd": choice.degrees.forward,
                     "r_bwd": choice.degrees.backward,
                     "hierarchical": choice.hierarchical,
-                    "block_microbatches": sorted(set(on.pm.auto.overlaps.values())) or [1],
+                    "blocks": [{"microbatches": m, "dedup": d} for m, d in sorted(set(on.pm.auto.overlaps.values()))],
                 },
                 **common,
             }

@@ -16,9 +16,10 @@ Then, where the layout lets blocks overlap micro-batches (`parallel_config.overl
 ep > 1, no expert tensor parallelism, zero-bubble schedule or recomputation) and a
 layer's block is the Decoder's `Block`, the tuner times that whole block, forward and
 backward on its recorded input, cut into 1, 2 and 4 micro-batches (`Block.set_overlap`:
-one micro-batch's attention computes while another's rows travel) and keeps the fastest
-(1 unless another is 3 % faster), for every block of the same shape. This too changes no
-result (`sparta.moe.overlapped_moe_block`).
+one micro-batch's attention computes while another's rows travel), each also with its
+tokens deduplicated per node where the two-level exchange is weighed, and keeps the fastest
+(the block as it was unless another is 3 % faster), for every block of the same shape.
+This too changes no result (`sparta.moe.overlapped_moe_block`).
 
 Every rank of an expert-parallel group tunes the same layers in the same order: the groups
 lie inside one pipeline stage, whose ranks hold the same layers. Each group tunes on its
@@ -64,7 +65,7 @@ class AutoSchedule:
         # block path -> a Block whose MLP is one of `layers`, where micro-batch overlap may run
         self.blocks = blocks or {}
         self.plans: dict[str, SchedulePlan] = {}  # layer path -> the plan it took
-        self.overlaps: dict[str, int] = {}  # block path -> the micro-batches it took
+        self.overlaps: dict[str, tuple[int, bool]] = {}  # block path -> (micro-batches, deduplicated) it took
         self.samples: dict[str, Tensor] = {}  # layer or block path -> its input recorded for `tune`
 
     @property
@@ -103,13 +104,14 @@ class AutoSchedule:
                 by_shape[key] = tune_schedule(layer, sample, hierarchical=self.exchange, trials=self.trials)
             layer.apply_schedule(by_shape[key], hierarchical=self.exchange)
             self.plans[path] = by_shape[key]
-        by_block: dict[tuple[object, ...], int] = {}
+        by_block: dict[tuple[object, ...], tuple[int, bool]] = {}
         for path, block in self.blocks.items():
             sample = self.samples[path]
             key = (_shape(block.mlp), tuple(sample.shape))  # type: ignore[arg-type]
             if key not in by_block:
-                by_block[key] = _tune_overlap(block, sample, self.trials)
-            block.set_overlap(by_block[key])
+                by_block[key] = _tune_overlap(block, sample, self.trials, self.exchange)
+            microbatches, dedup = by_block[key]
+            block.set_overlap(microbatches, self.exchange if dedup else None)
             self.overlaps[path] = by_block[key]
         self.samples.clear()
         return self.plans
@@ -122,29 +124,35 @@ class AutoSchedule:
             choice = f"{plan.degrees.forward} forward / {plan.degrees.backward} backward chunks, {form} all-to-all"
             by_choice[choice] = by_choice.get(choice, 0) + 1
         chosen = "; ".join(f"{choice} ({n} MoE layers)" for choice, n in by_choice.items())
-        by_count: dict[int, int] = {}
-        for m in self.overlaps.values():
-            by_count[m] = by_count.get(m, 0) + 1
-        blocks = "; ".join(f"{m} micro-batches ({n} blocks)" for m, n in sorted(by_count.items()))
-        return f"co-scheduler tuned: {chosen or 'not yet'}" + (f"; blocks overlapped: {blocks}" if blocks else "")
+        by_count: dict[tuple[int, bool], int] = {}
+        for taken in self.overlaps.values():
+            by_count[taken] = by_count.get(taken, 0) + 1
+        blocks = "; ".join(
+            ("whole" if m == 1 else f"{m} micro-batches") + (", deduplicated" if dedup else "") + f" ({n} blocks)"
+            for (m, dedup), n in sorted(by_count.items())
+        )
+        return f"co-scheduler tuned: {chosen or 'not yet'}" + (f"; blocks: {blocks}" if blocks else "")
 
 
-def _tune_overlap(block: Block, sample: Tensor, trials: int) -> int:
-    """The micro-batches (1, 2 or 4, at most the sample's sequences) that run ``block``'s
-    forward and backward on ``sample`` fastest, timed round robin after one warm-up each,
-    agreed over its MoE layer's group (slowest rank); 1 unless another is 3 % faster.
-    Leaves the parameters' gradients, the router's state and the RNG as they were.
+def _tune_overlap(block: Block, sample: Tensor, trials: int, dedup: HierarchicalAllToAll | None) -> tuple[int, bool]:
+    """The micro-batches (1, 2 or 4, at most the sample's sequences), and whether its
+    tokens go through ``dedup`` (where given), that run ``block``'s forward and backward on
+    ``sample`` fastest, timed round robin after one warm-up each, agreed over its MoE
+    layer's group (slowest rank); (1, False), the block as it was, unless another is 3 %
+    faster. Leaves the parameters' gradients, the router's state and the RNG as they were.
     Collective over the layer's ``comm``."""
     layer = block.mlp
     assert isinstance(layer, MoELayer) and layer.comm is not None
-    candidates = [m for m in (1, 2, 4) if m <= sample.shape[0]]
-    tuner = OnlineTuner(layer.comm, candidates, trials=trials, baseline=1, margin=0.03, warmup=1)
+    counts = [m for m in (1, 2, 4) if m <= sample.shape[0]]
+    candidates = [(m, False) for m in counts] + [(m, True) for m in counts if dedup is not None]
+    tuner = OnlineTuner(layer.comm, candidates, trials=trials, baseline=(1, False), margin=0.03, warmup=1)
     params = [p for p in block.parameters() if p.requires_grad]
     router_state = copy.deepcopy(layer.router.state_dict())
     device = sample.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         while tuner.chosen is None:
-            block.set_overlap(tuner.current)
+            microbatches, deduplicated = tuner.current
+            block.set_overlap(microbatches, dedup if deduplicated else None)
             x = sample.detach().requires_grad_()
             begin = time.perf_counter()
             y = block(x)
@@ -153,6 +161,7 @@ def _tune_overlap(block: Block, sample: Tensor, trials: int) -> int:
                 torch.cuda.synchronize(device)
             tuner.observe(time.perf_counter() - begin)
     layer.router.load_state_dict(router_state)
+    assert tuner.chosen is not None
     return tuner.chosen
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from sparta.comm import HierarchicalAllToAll
 from sparta.errors import ConfigError, InputError
 from sparta.moe import MoELayer, overlap_problem, overlapped_moe_block
 
@@ -80,8 +81,9 @@ class Block(nn.Module):
 
     ``overlap`` > 1 (`set_overlap`; its MLP an expert-parallel MoELayer): the block cuts its
     batch into that many micro-batches of whole sequences, so that one's attention computes
-    while another's rows travel (`sparta.moe.overlapped_moe_block`); same outputs and
-    gradients. A batch of fewer sequences runs whole."""
+    while another's rows travel (`sparta.moe.overlapped_moe_block`); ``dedup`` (a two-level
+    all-to-all over the layer's group): each token crosses to a node once. Same outputs and
+    gradients. A batch of fewer sequences than ``overlap`` runs whole."""
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
@@ -90,27 +92,30 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(cfg.d_model)
         self.mlp: nn.Module = FeedForward(cfg)
         self.overlap = 1
+        self.dedup: HierarchicalAllToAll | None = None
 
-    def set_overlap(self, microbatches: int) -> None:
-        """Micro-batches the block cuts its batch into (1: none). ConfigError unless 1, or
-        the MLP is an MoE layer that can overlap (`sparta.moe.overlap_problem`). Every rank
-        of the layer's expert-parallel group must set the same count."""
+    def set_overlap(self, microbatches: int, dedup: HierarchicalAllToAll | None = None) -> None:
+        """Micro-batches the block cuts its batch into (1: none), and the two-level
+        all-to-all over its MoE layer's group that sends each token to a node once (None:
+        rows go straight to their experts). ConfigError unless (1, None), or the MLP is an
+        MoE layer that can overlap (`sparta.moe.overlap_problem`). Every rank of the layer's
+        expert-parallel group must set the same."""
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ConfigError(f"Block.set_overlap({microbatches!r}): give an int >= 1 (1: no micro-batches)")
-        if microbatches > 1:
+        if microbatches > 1 or dedup is not None:
             problem = overlap_problem(self.mlp) if isinstance(self.mlp, MoELayer) else "its MLP is not an MoE layer"
             if problem is not None:
                 raise ConfigError(f"Block.set_overlap({microbatches}): cannot overlap micro-batches: {problem}")
-        self.overlap = microbatches
+        self.overlap, self.dedup = microbatches, dedup
 
     def _attend(self, x: Tensor) -> tuple[Tensor, Tensor]:
         h = x + self.attn(self.attn_norm(x))
         return h, self.mlp_norm(h)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.overlap > 1 and x.shape[0] >= self.overlap:
+        if (self.overlap > 1 or self.dedup is not None) and x.shape[0] >= self.overlap:
             params = [p for p in self.parameters() if p.requires_grad]
-            return overlapped_moe_block(self.mlp, x, self.overlap, self._attend, params)  # type: ignore[arg-type]
+            return overlapped_moe_block(self.mlp, x, self.overlap, self._attend, params, self.dedup)  # type: ignore[arg-type]
         h, moe_input = self._attend(x)
         return h + self.mlp(moe_input)
 

@@ -46,6 +46,10 @@ class MoESpec:
     # (sparta.moe.overlapped_moe_block; dropless token choice). pipeline_degree="auto" weighs
     # 1, 2 and 4 itself, where the layout allows (parallel_config.overlap_refusal)
     overlap: int = 1
+    # node-deduplicated dispatch under it: a token crosses to each node holding one of its
+    # experts once, and that node sums its experts' weighted outputs before the one row goes
+    # back (DeepEP's inter-node dispatch; needs every ep group over nodes of equal ranks)
+    dedup: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline_degree, list):
@@ -60,11 +64,14 @@ class MoESpec:
             raise ConfigError(f"MoESpec.router={self.router!r} is unknown: choose one of {', '.join(ROUTERS)}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ConfigError(f"MoESpec.capacity_factor={self.capacity_factor} must be > 0, or None for dropless")
-        if self.overlap > 1 and (self.router in ("soft", "expert_choice") or self.capacity_factor is not None):
+        if not isinstance(self.dedup, bool):
+            raise ConfigError(f"MoESpec.dedup={self.dedup!r} must be True or False")
+        asked = self.overlap_asked
+        if asked and (self.router in ("soft", "expert_choice") or self.capacity_factor is not None):
             raise ConfigError(
-                f"MoESpec.overlap={self.overlap} cuts each block's batch into micro-batches, which routes as the whole "
-                f"batch only for dropless token choice (router {self.router!r}, capacity_factor "
-                f"{self.capacity_factor}): use topk, switch, sigmoid or xmoe without a capacity, or overlap=1"
+                f"MoESpec.{asked} runs each block through micro-batches, which route as the whole batch only for "
+                f"dropless token choice (router {self.router!r}, capacity_factor {self.capacity_factor}): use topk, "
+                "switch, sigmoid or xmoe without a capacity, or leave it off"
             )
         if isinstance(self.pipeline_degree, str):
             if self.pipeline_degree != AUTO:
@@ -77,16 +84,22 @@ class MoESpec:
                     "MoESpec.pipeline_degree='auto' tunes a token-choice router's exchange; router='soft' has none: "
                     "set a degree, or pick another router"
                 )
-            if self.overlap > 1:
+            if self.overlap_asked:
                 raise ConfigError(
-                    f"MoESpec.overlap={self.overlap} with pipeline_degree='auto', which tunes the blocks' "
-                    "micro-batches itself: leave overlap=1, or give a degree"
+                    f"MoESpec.{self.overlap_asked} with pipeline_degree='auto', which tunes the blocks' "
+                    "micro-batches and deduplication itself: leave them off, or give a degree"
                 )
         else:
             try:
                 PipelineDegrees.of(self.pipeline_degree)
             except ConfigError as exc:
                 raise ConfigError(f"MoESpec.pipeline_degree: {exc}") from None
+
+    @property
+    def overlap_asked(self) -> str:
+        """The block options set, as they read ("overlap=2", "dedup=True"), or "" for none."""
+        asked = [f"overlap={self.overlap}"] * (self.overlap > 1) + ["dedup=True"] * self.dedup
+        return " and ".join(asked)
 
     @property
     def auto(self) -> bool:
@@ -100,6 +113,7 @@ def moe_layers(
     ep: Communicator | None,
     exchange: HierarchicalAllToAll | None = None,
     tp: Communicator | None = None,
+    dedup: HierarchicalAllToAll | None = None,
 ) -> list[str]:
     """Turn the MLP of every ``spec.every``-th layer of ``module.layers`` into an MoELayer,
     in place, its experts split over ``ep`` (a layout's ``ep``; None: all on this rank); each
@@ -108,7 +122,8 @@ def moe_layers(
     all-to-all over ``ep`` (see `hierarchical_ep`), or None (flat). ``tp``: the layout's
     tensor-parallel group, over which each expert's hidden units are split when
     ``spec.expert_tp`` (`MoELayer.split_experts`; the whole experts are built first, so
-    the slices are the one-process model's)."""
+    the slices are the one-process model's). ``dedup``: the two-level all-to-all over
+    ``ep`` that ``spec.dedup`` sends tokens through (`Block.set_overlap`)."""
     replaced = []
     for key, layer in module.layers.items():  # type: ignore[union-attr, operator]
         if int(key) % spec.every:
@@ -132,13 +147,15 @@ def moe_layers(
             moe.set_exchange(exchange)
             if tp is not None and spec.expert_tp:
                 moe.split_experts(tp)
-        if spec.overlap > 1 and ep is not None:  # one process: nothing travels to overlap
+        if spec.overlap_asked and ep is not None:  # one process: nothing travels to overlap
             if not isinstance(layer, Block):
                 raise ConfigError(
-                    f"MoESpec.overlap={spec.overlap} runs a sparta.parallel.Decoder's Block over micro-batches; layer "
-                    f"{key} is a {type(layer).__name__}: set overlap=1"
+                    f"MoESpec.{spec.overlap_asked} runs a sparta.parallel.Decoder's Block over micro-batches; layer "
+                    f"{key} is a {type(layer).__name__}: leave it off"
                 )
-            layer.set_overlap(spec.overlap)
+            if spec.dedup and dedup is None:
+                raise ConfigError("MoESpec.dedup=True: pass moe_layers the two-level all-to-all over ep as dedup=")
+            layer.set_overlap(spec.overlap, dedup if spec.dedup else None)
         replaced += [f"layers.{key}.{p}" for p in paths]
     return replaced
 

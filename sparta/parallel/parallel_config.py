@@ -140,10 +140,10 @@ class ParallelConfig:
                 "MoESpec.pipeline_degree='auto' tunes the experts' row exchange, but ep=1 leaves every expert on its "
                 "rank (no exchange): set ep > 1, or pipeline_degree=1"
             )
-        if self.moe is not None and self.moe.overlap > 1:
+        if self.moe is not None and self.moe.overlap_asked:
             why = overlap_refusal(self, dims)
             if why is not None:
-                raise ConfigError(f"MoESpec.overlap={self.moe.overlap}: {why}; set overlap=1")
+                raise ConfigError(f"MoESpec.{self.moe.overlap_asked}: {why}; leave it off")
         stages = dims.pp * self.stages_per_rank
         body, first = self.body_stages(dims.pp), self.first_body(dims.pp)
         apart = [n for n in ("embedding_stages", "vocab_stages") if getattr(self, n)]

@@ -238,8 +238,8 @@ def parallelize(
     modules: list[nn.Module] = []
     moe_exchange = None
     if config.moe is not None and layout.ep is not None:
-        if config.moe.hierarchical or (config.moe.auto and two_level_pays(layout)):  # "auto": a candidate
-            moe_exchange = hierarchical_ep(layout)
+        if config.moe.hierarchical or config.moe.dedup or (config.moe.auto and two_level_pays(layout)):
+            moe_exchange = hierarchical_ep(layout)  # under "auto" a candidate
     # the layers start on it only when asked; under "auto" the tuner may move them to it
     layer_exchange = moe_exchange if config.moe is not None and config.moe.hierarchical else None
     head_stages: list[HeadStage] = []
@@ -261,7 +261,7 @@ def parallelize(
             table = model.get_submodule(parts.first[0])
             module.set_submodule(parts.first[0], TakenRows(table.weight.dtype))  # type: ignore[union-attr, arg-type]
         if config.moe is not None:
-            replaced = moe_layers(module, config.moe, layout.ep, layer_exchange, split_experts)
+            replaced = moe_layers(module, config.moe, layout.ep, layer_exchange, split_experts, moe_exchange)
             expert_tp += replaced if split_experts is not None else []
         if config.embedding == "sparse" and index == first:
             swap_embeddings(module, layout.dp)

@@ -369,19 +369,25 @@ def check_bad_input_on_one_rank_raises_on_every_rank(world: World) -> None:
 
 
 def check_overlapped_block_equals_the_plain_block(world: World) -> None:
-    """A block (a dense layer, then the MoE layer) over 2 and 3 micro-batches
+    """A block (a dense layer, then the MoE layer) over 1, 2 and 3 micro-batches
     (`overlapped_moe_block`) gives the plain block's outputs, input and parameter gradients,
-    aux loss (the balance term over the whole batch, weighted heavily here) and counts, for
-    every dropless token-choice router, flat and two-level; a layer that cannot overlap
-    raises ConfigError before any collective."""
-    exchanges: list[object] = [None]
-    if world.size == 4:  # posed as 2 nodes x 2 ranks
+    aux loss (the balance term over the whole batch, weighted heavily here), counts and
+    router state, for every dropless token-choice router, flat, two-level and node-
+    deduplicated; a layer that cannot overlap raises ConfigError before any collective."""
+    # (the layer's exchange, the node-deduplicating one): flat; then, posed as 2 nodes x 2
+    # ranks, two-level, deduplicated, and both; at 2 ranks, deduplicated over 2 nodes of 1
+    exchanges: list[tuple[HierarchicalAllToAll | None, HierarchicalAllToAll | None]] = [(None, None)]
+    if world.size == 4:
         intra = world.comm.split_groups([[0, 1], [2, 3]])
         inter = world.comm.split_groups([[0, 2], [1, 3]])
-        exchanges.append(HierarchicalAllToAll(world.comm, intra, inter))
+        hier = HierarchicalAllToAll(world.comm, intra, inter)
+        exchanges += [(hier, None), (None, hier), (hier, hier)]
+    else:
+        alone = world.comm.split_groups([[r] for r in range(world.size)])
+        exchanges.append((None, HierarchicalAllToAll(world.comm, alone, world.comm)))  # type: ignore[arg-type]
     dropless = [c for c in CASES if c["capacity_factor"] is None and c["router"] not in ("expert_choice", "soft")]
     for case in dropless:
-        for exchange in exchanges:
+        for exchange, dedup in exchanges:
             torch.manual_seed(0)
             layer = MoELayer(
                 D_MODEL, D_FF, EXPERTS, ep_size=world.size, comm=world.comm, aux_loss_coef=1.0, z_loss_coef=0.1, **case
@@ -399,24 +405,25 @@ def check_overlapped_block_equals_the_plain_block(world: World) -> None:
             up = torch.randn(x.shape, generator=gen)
             runs = []
             router_state = {k: v.clone() for k, v in layer.router.state_dict().items()}
-            for m in (1, 2, 3):
+            for m in (None, 1, 2, 3):  # None: the plain block
                 layer.router.load_state_dict(router_state)  # the sigmoid router's bias moves each forward
                 for p in params:
                     p.grad = None
                 leaf = x.clone().requires_grad_()
-                if m == 1:
+                if m is None:
                     h, moe_in = attend(leaf)
                     y = h + layer(moe_in)
                 else:
-                    y = overlapped_moe_block(layer, leaf, m, attend, params)
+                    y = overlapped_moe_block(layer, leaf, m, attend, params, dedup=dedup)
                 y.backward(up)
                 stats = layer.last_stats
                 assert stats is not None
                 moved = [v.clone() for v in layer.router.state_dict().values()]
                 runs.append((y.detach(), leaf.grad, [p.grad.clone() for p in params], layer.aux_loss, stats, moved))
             y1, g1, p1, aux1, stats1, moved1 = runs[0]
-            for m, (y, g, ps, aux, stats, moved) in zip((2, 3), runs[1:], strict=True):
-                where = f"{case['router']}, {'two-level' if exchange else 'flat'}, {m} micro-batches"
+            for m, (y, g, ps, aux, stats, moved) in zip((1, 2, 3), runs[1:], strict=True):
+                form = ("two-level" if exchange else "flat") + (", deduplicated" if dedup else "")
+                where = f"{case['router']}, {form}, {m} micro-batches"
                 torch.testing.assert_close(y, y1, **TOL, msg=lambda s, w=where: f"{w}: output: {s}")
                 torch.testing.assert_close(g, g1, **TOL, msg=lambda s, w=where: f"{w}: input gradient: {s}")
                 for p, a, b in zip(params, ps, p1, strict=True):

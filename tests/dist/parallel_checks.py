@@ -45,6 +45,8 @@ COSCHEDULED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degre
 AUTO = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, pipeline_degree="auto")
 # each block's batch cut into 2 micro-batches, one's attention beside the other's exchange
 OVERLAPPED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, overlap=2)
+# and each token sent to each node once, whose relay sums its experts' outputs (2 nodes of 2)
+DEDUPLICATED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, overlap=2, dedup=True)
 # under tp, whole experts on every tp rank (MOE splits their hidden units over tp)
 REPLICATED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, expert_tp=False)
 STEPS, BATCH, LR, TOL = 10, 4, 0.05, 1e-5  # BATCH: sequences per dp rank per step
@@ -170,12 +172,13 @@ def trained_losses(
         overlap = overlap_refusal(config, layout.dims) is None and config.data_parallel != "fsdp"
         assert len(pm.auto.overlaps) == (len(moe) if overlap else 0), (pm.auto.overlaps, config)
         assert len(set(pm.auto.overlaps.values())) <= 1, pm.auto.overlaps
-        assert ("blocks overlapped" in pm.auto.describe()) == overlap, pm.auto.describe()
+        assert ("; blocks: " in pm.auto.describe()) == overlap, pm.auto.describe()
         # two-level offered where every ep group spans nodes (2 nodes of 2 at dp4 x ep4), else flat alone
         assert (pm.auto.exchange is not None) == (layout.world.num_nodes > 1), (pm.auto.exchange, layout.world)
-    if config.moe is not None and config.moe.overlap > 1:  # every block of this rank overlaps
+    if config.moe is not None and config.moe.overlap_asked:  # every block of this rank overlaps
         blocks = [b for part in pm.parts for b in part.modules() if isinstance(b, Block)]
         assert blocks and all(b.overlap == config.moe.overlap for b in blocks), [b.overlap for b in blocks]
+        assert all((b.dedup is not None) == config.moe.dedup for b in blocks), [b.dedup for b in blocks]
     assert all(m.experts.w1.shape[-1] == MODEL.d_ff // (layout.dims.tp if split else 1) for m in moe), "experts' d_ff"
     assert (len(pm.plan.expert_tp) == len(moe)) if split else not pm.plan.expert_tp, pm.plan.expert_tp
     # the last stage's head: its vocabulary over tp, its loss on the shards (losses compared below)
@@ -261,6 +264,7 @@ def parity(
     check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
     check.__name__ += "_coscheduled" * (moe is COSCHEDULED) + "_experts_replicated" * (moe is REPLICATED)
     check.__name__ += "_auto_degrees" * (moe is AUTO) + "_overlapped" * (moe is OVERLAPPED)
+    check.__name__ += "_deduplicated" * (moe is DEDUPLICATED)
     check.__name__ += "".join(f"_recompute{i}" for i in recompute) + "".join(f"_len{n}" for n in lengths)
     check.__name__ += "_uneven" * uneven + "_vocab_stages" * vocab_stages + "_embedding_stages" * embedding_stages
     return check
@@ -429,6 +433,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("1F1B", 1, "sparta", moe=AUTO),
         parity("1F1B", 1, "sparta", moe=OVERLAPPED),
         parity("GPipe", 1, "fsdp", moe=OVERLAPPED),
+        parity("1F1B", 1, "sparta", moe=DEDUPLICATED),
     ],
     "vocab": VOCAB_STAGES,
     "quick": [parity("1F1B", 1, "sparta"), bad_inputs],

@@ -31,3 +31,25 @@ def test_a_layer_that_never_ran_is_named() -> None:
     auto = AutoSchedule({"layers.3.mlp": MoELayer(8, 16, 4, top_k=2)}, None)
     with pytest.raises(InputError, match=r"\['layers\.3\.mlp'\] did not run"):
         auto.tune()
+
+
+def test_blocks_are_recorded_and_their_overlap_described() -> None:
+    """The blocks the tuner may cut into micro-batches record their own first input beside
+    their MoE layers', must have run before `tune`, and `describe` says what they took."""
+    from sparta.parallel.decoder import Block, DecoderConfig
+
+    cfg = DecoderConfig(d_model=8, n_heads=2, d_ff=16)
+    block = Block(cfg)
+    block.mlp = MoELayer(8, 16, 4, top_k=2)
+    auto = AutoSchedule({"layers.0.mlp": block.mlp}, None, blocks={"layers.0": block})
+    x = torch.randn(2, 5, 8)
+    with auto.recording():
+        block(x)
+    assert torch.equal(auto.samples["layers.0"], x) and auto.samples["layers.0.mlp"].shape == x.shape
+    unrun = AutoSchedule({}, None, blocks={"layers.1": Block(cfg)})
+    with pytest.raises(InputError, match=r"\['layers\.1'\] did not run"):
+        unrun.tune()
+    auto.overlaps = {"layers.0": (2, True), "layers.1": (2, True), "layers.2": (1, False)}
+    assert auto.describe() == (
+        "co-scheduler tuned: not yet; blocks: whole (1 blocks); 2 micro-batches, deduplicated (2 blocks)"
+    )

@@ -111,7 +111,13 @@ def test_overrides_are_parsed_and_applied() -> None:
         (["parallel.moe.pipeline_degree=1", "parallel.moe.overlap=2", "parallel.ep=1"], r"overlap=2: ep=1 keeps every "
          r"expert on its rank"),
         (["parallel.moe.pipeline_degree=1", "parallel.moe.overlap=2", "parallel.moe.capacity_factor=1.25"],
-         r"routes as the whole batch only for dropless token choice \(router 'topk', capacity_factor 1\.25\)"),
+         r"overlap=2 runs each block through micro-batches, which route as the whole batch only for dropless token "
+         r"choice \(router 'topk', capacity_factor 1\.25\)"),
+        (["parallel.moe.dedup=yes"], r"parallel\.moe\.dedup='yes' must be true or false"),
+        (["parallel.moe.dedup=true"], r"dedup=True with pipeline_degree='auto', which tunes the blocks' micro-batches "
+         r"and deduplication itself"),
+        (["parallel.moe.pipeline_degree=1", "parallel.moe.dedup=true", "parallel.tp=1", "parallel.schedule=GPipe",
+          "parallel.recompute=[0]"], r"dedup=True: recompute=\[0\] would run the micro-batches' exchanges again"),
         (["model.n_heads=3"], r"d_model=64 must be divisible by n_heads=3"),
         (["parallel.schedule=Zigzag"], r"schedule='Zigzag' is unknown"),
         (["parallel.moe.num_experts=3", "parallel.moe.top_k=1"], r"num_experts=3 does not divide over ep=2"),
@@ -256,7 +262,7 @@ def test_block_overlap_is_refused_where_its_micro_batches_would_not_run_as_the_b
     dims = ParallelDims(pp=2, dp=2, ep=2)
     ParallelConfig(moe=spec, microbatches=2).check(dims)
     zero_bubble = ParallelConfig(moe=spec, schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=2)
-    with pytest.raises(ConfigError, match=r"overlap=2: schedule 'ZBVZeroBubble' splits each backward.*set overlap=1"):
+    with pytest.raises(ConfigError, match=r"overlap=2: schedule 'ZBVZeroBubble' splits each backward.*leave it off"):
         zero_bubble.check(dims)
     with pytest.raises(ConfigError, match=r"overlap=2: recompute=\[0\] would run the micro-batches' exchanges again"):
         ParallelConfig(moe=spec, microbatches=2, recompute=(0,)).check(dims)
