@@ -335,6 +335,11 @@ def cluster_worker(args: argparse.Namespace) -> None:
                     "r_bwd": choice.degrees.backward,
                     "hierarchical": choice.hierarchical,
                     "blocks": [{"microbatches": m, "dedup": d} for m, d in sorted(set(on.pm.auto.overlaps.values()))],
+                    # one block's forward and backward under each candidate the tuner timed
+                    "block_candidates_s": {
+                        f"{m} micro-batches{' dedup' if d else ''}": round(s, 4)
+                        for (m, d), s in next(iter(on.pm.auto.overlap_seconds.values()), {}).items()
+                    },
                 },
                 **common,
             }

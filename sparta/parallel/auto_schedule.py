@@ -66,6 +66,8 @@ class AutoSchedule:
         self.blocks = blocks or {}
         self.plans: dict[str, SchedulePlan] = {}  # layer path -> the plan it took
         self.overlaps: dict[str, tuple[int, bool]] = {}  # block path -> (micro-batches, deduplicated) it took
+        # block path -> each candidate's agreed (slowest-rank) median seconds, forward and backward
+        self.overlap_seconds: dict[str, dict[tuple[int, bool], float]] = {}
         self.samples: dict[str, Tensor] = {}  # layer or block path -> its input recorded for `tune`
 
     @property
@@ -104,15 +106,15 @@ class AutoSchedule:
                 by_shape[key] = tune_schedule(layer, sample, hierarchical=self.exchange, trials=self.trials)
             layer.apply_schedule(by_shape[key], hierarchical=self.exchange)
             self.plans[path] = by_shape[key]
-        by_block: dict[tuple[object, ...], tuple[int, bool]] = {}
+        by_block: dict[tuple[object, ...], tuple[tuple[int, bool], dict[tuple[int, bool], float]]] = {}
         for path, block in self.blocks.items():
             sample = self.samples[path]
             key = (_shape(block.mlp), tuple(sample.shape))  # type: ignore[arg-type]
             if key not in by_block:
                 by_block[key] = _tune_overlap(block, sample, self.trials, self.exchange)
-            microbatches, dedup = by_block[key]
+            (microbatches, dedup), self.overlap_seconds[path] = by_block[key]
             block.set_overlap(microbatches, self.exchange if dedup else None)
-            self.overlaps[path] = by_block[key]
+            self.overlaps[path] = (microbatches, dedup)
         self.samples.clear()
         return self.plans
 
@@ -134,13 +136,15 @@ class AutoSchedule:
         return f"co-scheduler tuned: {chosen or 'not yet'}" + (f"; blocks: {blocks}" if blocks else "")
 
 
-def _tune_overlap(block: Block, sample: Tensor, trials: int, dedup: HierarchicalAllToAll | None) -> tuple[int, bool]:
+def _tune_overlap(
+    block: Block, sample: Tensor, trials: int, dedup: HierarchicalAllToAll | None
+) -> tuple[tuple[int, bool], dict[tuple[int, bool], float]]:
     """The micro-batches (1, 2 or 4, at most the sample's sequences), and whether its
     tokens go through ``dedup`` (where given), that run ``block``'s forward and backward on
     ``sample`` fastest, timed round robin after one warm-up each, agreed over its MoE
     layer's group (slowest rank); (1, False), the block as it was, unless another is 3 %
-    faster. Leaves the parameters' gradients, the router's state and the RNG as they were.
-    Collective over the layer's ``comm``."""
+    faster. Returns it and every candidate's seconds. Leaves the parameters' gradients, the
+    router's state and the RNG as they were. Collective over the layer's ``comm``."""
     layer = block.mlp
     assert isinstance(layer, MoELayer) and layer.comm is not None
     counts = [m for m in (1, 2, 4) if m <= sample.shape[0]]
@@ -162,7 +166,7 @@ def _tune_overlap(block: Block, sample: Tensor, trials: int, dedup: Hierarchical
             tuner.observe(time.perf_counter() - begin)
     layer.router.load_state_dict(router_state)
     assert tuner.chosen is not None
-    return tuner.chosen
+    return tuner.chosen, tuner.measured
 
 
 def _shape(layer: MoELayer) -> tuple[object, ...]:
