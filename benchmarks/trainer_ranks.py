@@ -187,6 +187,7 @@ def sparta_worker(args: argparse.Namespace) -> None:
                 extra["floor"] = floor
                 extra["ratio_to_floor"] = round(statistics.median(seconds[name]) / statistics.median(seconds[floor]), 4)
             emit(timing_record(shape, spec, name, seconds[name], losses[name], **extra))
+    world.comm.barrier()  # no rank leaves while rank 0 still computes its oracle and writes the records
     world.shutdown()
 
 

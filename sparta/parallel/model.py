@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 
 from sparta.errors import InputError
@@ -119,23 +121,53 @@ class ParallelModel:
         gradient of the mean loss over the global batch (every dp rank's B sequences) and
         returns that loss, from the last stage, on every rank. Does not step an optimizer."""
         ids, targets = self._padded(ids, targets)
-        schedule = self._schedule(*ids.shape)
-        self._feed_heads(targets, inference=tuple(ids.shape) not in self._stepped)
-        self._stepped.add(tuple(ids.shape))  # type: ignore[arg-type]
         self.data_parallel.start()
         losses: list[Tensor] = []
-        args = (ids.to(self.layout.device),) if self.has_first else ()
-        kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
         tune = self.auto is not None and self.auto.pending
         with self._loss_context(), self.auto.recording() if tune else nullcontext():  # type: ignore[union-attr]
-            # no outputs back: the last stage would keep every micro-batch's logits alive and
-            # concatenate them (a copy of [B, T, vocab] a step) for a caller that reads losses only
-            schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
+            if self.one_stage:
+                self._step_one_stage(ids, targets, losses)
+            else:
+                schedule = self._schedule(*ids.shape)
+                self._feed_heads(targets, inference=tuple(ids.shape) not in self._stepped)
+                self._stepped.add(tuple(ids.shape))  # type: ignore[arg-type]
+                args = (ids.to(self.layout.device),) if self.has_first else ()
+                kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
+                # no outputs back: the last stage would keep every micro-batch's logits alive and
+                # concatenate them (a copy of [B, T, vocab] a step) for a caller that reads losses only
+                schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
         self._check_heads()
         self.data_parallel.finish()
         if tune:
             self.auto.tune()  # type: ignore[union-attr]
         return self._global_mean(losses)
+
+    @property
+    def one_stage(self) -> bool:
+        """The whole model is this rank's one stage (pp = 1, no vocabulary stages): `step`
+        runs it without a pipelining schedule."""
+        return self.layout.dims.pp == 1 and len(self.parts) == 1
+
+    def _step_one_stage(self, ids: Tensor, targets: Tensor, losses: list[Tensor]) -> None:
+        """Each micro-batch's forward and backward straight through the one stage (gradient
+        accumulation), as a schedule of one stage would run them but for the data-parallel
+        wrappers: torch's schedules turn FSDP2's gradient reduction off for every
+        micro-batch and run it after the step's last backward, unoverlapped
+        (`PipelineStage.perform_reduce_grad`); here FSDP2 reduce-scatters each unit's
+        gradients as the last micro-batch's backward leaves it, and DDP's buckets go as they
+        fill on the last one, as in a plain training loop (torchtitan's without pp)."""
+        (module,) = self.parts
+        m, device = self.config.microbatches, self.layout.device
+        pieces = zip(ids.to(device).tensor_split(m), targets.to(device).tensor_split(m), strict=True)
+        for i, (x, t) in enumerate(pieces):
+            last = i == m - 1
+            if isinstance(module, FSDPModule):
+                module.set_requires_gradient_sync(last)
+            quiet = module.no_sync() if isinstance(module, DistributedDataParallel) and not last else nullcontext()
+            with quiet:
+                loss = self._loss_fn(module(x), t)
+                loss.backward()
+            losses.append(loss.detach())
 
     @torch.no_grad()
     def evaluate(self, ids: Tensor, targets: Tensor) -> float:

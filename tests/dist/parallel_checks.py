@@ -194,7 +194,10 @@ def trained_losses(
     per = MODEL.vocab_size // (layout.dims.pp * (layout.dims.tp if tp_rows else 1))
     count = config.vocab_stages + config.embedding_stages
     assert len(rows) == count and all(m.weight.shape[0] == per and m.split_over_tp == tp_rows for m in rows), rows
-    if config.lengths:  # one schedule per batch shape the padded batches took
+    # one stage: micro-batches straight through it, no pipelining schedule (FSDP2 reduces as backward goes)
+    assert pm.one_stage == (layout.dims.pp == 1 and not config.vocab_stages and not config.embedding_stages)
+    assert not (pm.one_stage and pm.schedules), pm.schedules
+    if config.lengths and not pm.one_stage:  # one schedule per batch shape the padded batches took
         shift = layout.dp_rank if uneven else 0
         want = sorted({(BATCH, pm.padded_length(n - shift)) for n in LENGTHS_SEEN})
         assert sorted(pm.schedules) == want, pm.schedules
