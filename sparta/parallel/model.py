@@ -50,7 +50,8 @@ class ParallelModel:
 
     parts: this rank's stage modules (names as in the full model; possibly DDP/FSDP-wrapped).
     plan: the ParallelPlan (data). schedule: builds a torch pipelining schedule over fresh
-    stages of ``parts``; called once per batch shape (`schedules` holds them). heads: this
+    stages of ``parts``; called once per batch shape (`schedules` holds them), never where
+    the model is one stage (`one_stage`). heads: this
     rank's head stages under ``config.vocab_stages`` (unwrapped), fed each step's targets.
     auto: the MoE layers whose co-scheduler degrees the first step tunes
     (``MoESpec.pipeline_degree="auto"``; `auto.plans` holds what each layer took), or None.
@@ -162,7 +163,10 @@ class ParallelModel:
         for i, (x, t) in enumerate(pieces):
             last = i == m - 1
             if isinstance(module, FSDPModule):
+                # gathered from a backward to the next micro-batch's forward, reduced on the
+                # last: m + 1 gathers a unit, as under torch's schedules (and the planner's model)
                 module.set_requires_gradient_sync(last)
+                module.set_reshard_after_backward(last)
             quiet = module.no_sync() if isinstance(module, DistributedDataParallel) and not last else nullcontext()
             with quiet:
                 loss = self._loss_fn(module(x), t)
