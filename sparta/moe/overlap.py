@@ -24,6 +24,14 @@ tokens, is each micro-batch's share of it.
 Dropless token-choice routing only (a capacity would drop per micro-batch, not per batch;
 Soft MoE and expert choice mix tokens across the batch), on an expert-parallel layer without
 expert tensor parallelism (`overlap_problem` says which).
+
+Node-deduplicated dispatch (``dedup``, `_Dedup`) sends each token across to a node once, its
+k weights and the node's expert slots (small integers, exact in the rows' dtype: up to 256
+experts a node in bfloat16) in the same row, so that no message of its own queues behind the
+transfers in flight; the relay there sends one row per pair inside the node, and sums the
+weighted outputs before the one row goes back. Where the link is the bottleneck that pays
+(the emulated 2-node cluster at 100 Mbit/s: one block's step 0.73 -> 0.62 s); where the
+cores are, the relay's extra hop costs as much as it saves.
 """
 
 from __future__ import annotations
