@@ -153,7 +153,7 @@ def _tune_overlap(
     params = [p for p in block.parameters() if p.requires_grad]
     router_state = copy.deepcopy(layer.router.state_dict())
     device = sample.device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[]):  # the host's generator, as tune_schedule forks it
         while tuner.chosen is None:
             microbatches, deduplicated = tuner.current
             block.set_overlap(microbatches, dedup if deduplicated else None)
@@ -161,8 +161,7 @@ def _tune_overlap(
             begin = time.perf_counter()
             y = block(x)
             torch.autograd.grad(y, [x, *params], torch.ones_like(y))  # into no .grad
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            torch.get_device_module(device).synchronize(device)
             tuner.observe(time.perf_counter() - begin)
     layer.router.load_state_dict(router_state)
     assert tuner.chosen is not None
