@@ -13,8 +13,9 @@ two-level all-to-all against the flat one. The degrees never change a result, on
 numbers and every later one's equal the flat layers' (the trainer's parity checks).
 
 Then, where the layout lets blocks overlap micro-batches (`parallel_config.overlap_refusal`:
-ep > 1, no expert tensor parallelism, zero-bubble schedule or recomputation) and a
-layer's block is the Decoder's `Block`, the tuner times that whole block, forward and
+ep > 1, and no expert tensor parallelism, zero-bubble schedule or recomputation), the
+strategy is not FSDP2 (whose gathers would run in the timings) and a layer's block is the
+Decoder's `Block`, the tuner times that whole block, forward and
 backward on its recorded input, cut into 1, 2 and 4 micro-batches (`Block.set_overlap`:
 one micro-batch's attention computes while another's rows travel), each also with its
 tokens deduplicated per node where the two-level exchange is weighed, and keeps the fastest

@@ -425,6 +425,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
     "ddp": [
         parity("1F1B", 1, "ddp"),
         parity("1F1B", 1, "ddp", moe=OVERLAPPED),
+        parity("1F1B", 1, "ddp", moe=AUTO),  # the blocks timed beside DDP's hooks, which must not fire
         parity("GPipe", 1, "sparta", embedding="dense"),
         parity("1F1B", 1, "ddp", recompute=(0,)),
     ],
