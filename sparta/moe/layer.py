@@ -237,7 +237,7 @@ class MoELayer(nn.Module):
         ``most`` rows (N's bound from the input's shape alone): torch's pipelining infers
         stage shapes from uninitialised inputs, on which tp ranks route differently, and
         the collective must still match."""
-        stats = stats_vector(plan)
+        stats = stats_vector(plan.routed, plan.counts, plan.dropped)
         tp = self.tp
         if tp is not None:
             rows = all_reduce_backward(rows, tp, most)
@@ -295,8 +295,8 @@ class MoELayer(nn.Module):
         return carrier
 
     def record_counts(self, local: Tensor, summed: Tensor | None = None) -> None:
-        """Keep the counts behind ``last_stats`` (``stats_vector`` of a forward's plans,
-        summed) and feed the router its load, summed over ``stats_comm`` (one all-reduce):
+        """Keep the counts behind ``last_stats`` (``stats_vector``, summed over a forward's
+        dispatches) and feed the router its load, summed over ``stats_comm`` (one all-reduce):
         ``summed`` is their sum over ``comm`` from the counts exchange, enough when
         ``stats_comm`` is ``comm``."""
         if summed is not None and self.stats_comm is self.comm:
@@ -334,10 +334,11 @@ def _config_of(args: tuple[Any, ...], options: dict[str, Any]) -> MoEConfig:
         raise ConfigError(f"MoELayer: {err}; the fields are {known}") from None
 
 
-def stats_vector(plan: DispatchPlan) -> Tensor:
-    """A plan's counts as `MoELayer.record_counts` takes them: ``[routed (E), kept (E),
-    dropped (1)]`` int64, the counts behind ``last_stats``."""
-    return torch.cat([plan.routed, plan.counts, plan.dropped.reshape(1)])
+def stats_vector(routed: Tensor, kept: Tensor, dropped: Tensor) -> Tensor:
+    """Counts as `MoELayer.record_counts` takes them: ``[routed (E), kept (E), dropped (1)]``
+    int64, the pairs routed to and kept by each expert and those capacity dropped (0-dim),
+    the counts behind ``last_stats``."""
+    return torch.cat([routed, kept, dropped.reshape(1)])
 
 
 def _stats_len(num_experts: int) -> int:

@@ -47,7 +47,7 @@ from torch import Tensor
 from sparta.comm import HierarchicalAllToAll, all_to_all
 from sparta.errors import ConfigError
 from sparta.moe.dispatch import DispatchPlan, combine, gather_rows, plan_dispatch
-from sparta.moe.layer import MoELayer
+from sparta.moe.layer import MoELayer, stats_vector
 from sparta.moe.routers.base import RouterOutput, router_z_loss
 from sparta.scheduling.microbatch import Routed, overlapped_block
 from sparta.scheduling.pipeline import exchange_counts
@@ -143,7 +143,7 @@ def overlapped_moe_block(
         out = layer.router(tokens)
         assert out.expert_idx is not None and out.weight is not None
         routed = torch.bincount(out.expert_idx, minlength=cfg.num_experts)
-        stats.append(torch.cat([routed, routed, routed.new_zeros(1)]))  # dropless: kept = routed
+        stats.append(stats_vector(routed, routed, routed.new_zeros(())))  # dropless: all kept
         batch.counts += routed.float()
         probs_sum, z_sum = out.probs.float().sum(0), router_z_loss(out.logits) * tokens.shape[0]
         batch.probs += probs_sum.detach()
