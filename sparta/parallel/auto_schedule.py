@@ -47,6 +47,10 @@ from sparta.parallel.decoder import Block
 from sparta.scheduling.cost_model import SchedulePlan
 from sparta.scheduling.tuner import OnlineTuner
 
+# the micro-batches a block is timed in (at most its sequences), each also deduplicated where
+# the two-level exchange exists; the planner's simulator weighs the same counts
+BLOCK_MICROBATCHES = (1, 2, 4)
+
 
 class AutoSchedule:
     """The "auto" MoE layers of this rank, untuned until `tune` runs once.
@@ -148,7 +152,7 @@ def _tune_overlap(
     router's state and the RNG as they were. Collective over the layer's ``comm``."""
     layer = block.mlp
     assert isinstance(layer, MoELayer) and layer.comm is not None
-    counts = [m for m in (1, 2, 4) if m <= sample.shape[0]]
+    counts = [m for m in BLOCK_MICROBATCHES if m <= sample.shape[0]]
     candidates = [(m, False) for m in counts] + [(m, True) for m in counts if dedup is not None]
     tuner = OnlineTuner(layer.comm, candidates, trials=trials, baseline=(1, False), margin=0.03, warmup=1)
     params = [p for p in block.parameters() if p.requires_grad]

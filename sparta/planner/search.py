@@ -7,7 +7,8 @@ product is the world (pp up to the layers, tp dividing the heads and the MLP wid
 dividing dp and the experts), every schedule with one stage per rank and with two (looped
 or V), every micro-batch count dividing a dp rank's batch, and data parallelism by the
 "sparta" strategy (replicated, bucketed) or "fsdp" (sharded, for memory; only over dp > 1:
-see FSDP_ALONE). Each candidate's
+see FSDP_ALONE), and for an MoE model its blocks whole or over 2 or 4 micro-batches
+(``MoESpec.overlap``) where the layout lets them overlap. Each candidate's
 stages are balanced on the predicted per-layer cost (the exact split of
 `pipeline.split_by_cost`, counting embedding and head), then checked by the trainer's own
 `ParallelConfig.check`; what it refuses is rejected with its message. A plan over the
@@ -29,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from sparta.errors import ConfigError
+from sparta.parallel.auto_schedule import BLOCK_MICROBATCHES
 from sparta.parallel.dims import ParallelDims
-from sparta.parallel.parallel_config import ParallelConfig
+from sparta.parallel.parallel_config import ParallelConfig, overlap_refusal
 from sparta.parallel.pipeline import SCHEDULES, ZERO_BUBBLE, ModelParts, split_by_cost, stage_ids
 
 from .costs import ModelCosts, model_fingerprint
@@ -50,7 +52,9 @@ class Space:
     the largest count tried (None: every divisor of a dp rank's batch); max_tp: the largest
     tp (e.g. the devices of one node: tp across nodes never pays); strategies: the
     data-parallel strategies tried; vocab_stages: also the head as pipeline stages of its own
-    (and, on looped schedules, the token embedding too, at 3 stages per rank). A narrower
+    (and, on looped schedules, the token embedding too, at 3 stages per rank); overlaps: the
+    micro-batch counts an MoE model's blocks are tried in (``MoESpec.overlap``), where the
+    layout lets them overlap and the run leaves them to the search. A narrower
     space is what makes 1,024-device searches quick: torch builds an interleaved table of 64
     ranks x 512 micro-batches in ~15 s."""
 
@@ -59,6 +63,7 @@ class Space:
     max_tp: int | None = None
     strategies: tuple[str, ...] = STRATEGIES
     vocab_stages: bool = True
+    overlaps: tuple[int, ...] = BLOCK_MICROBATCHES
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.schedules or () if s not in SCHEDULES]
@@ -70,6 +75,8 @@ class Space:
                 raise ConfigError(f"Space.{name}={value!r} must be a positive integer or None")
         if not self.strategies or any(s not in STRATEGIES for s in self.strategies):
             raise ConfigError(f"Space.strategies={self.strategies!r}: choose from {STRATEGIES}")
+        if any(not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in self.overlaps):
+            raise ConfigError(f"Space.overlaps={self.overlaps!r} must be positive integers (MoESpec.overlap)")
 
 
 @dataclass(frozen=True)
@@ -175,6 +182,7 @@ def search(
     fits: list[Ranked] = []
     over: list[Ranked] = []
     rejected: Counter[str] = Counter()
+    overlaps = _searched_overlaps(base, space)
     for dims in layouts(world, work, space.max_tp):
         per_dp = work.global_batch // dims.dp if work.global_batch % dims.dp == 0 else 0
         if not per_dp:
@@ -203,14 +211,46 @@ def search(
                             vocab_stages=heads,
                             embedding_stages=tables,
                         )
-                        ranked = _fitted(costs, work, Plan(dims, config), memory_bytes)
                     except ConfigError as exc:
                         rejected[_reason(str(exc))] += 1
                         continue
-                    (fits if ranked.prediction.max_peak_bytes <= memory_bytes else over).append(ranked)
+                    for tried in _block_variants(config, dims, per_dp // mb, overlaps):
+                        try:
+                            ranked = _fitted(costs, work, Plan(dims, tried), memory_bytes)
+                        except ConfigError as exc:
+                            rejected[_reason(str(exc))] += 1
+                            continue
+                        (fits if ranked.prediction.max_peak_bytes <= memory_bytes else over).append(ranked)
     fits.sort(key=lambda r: r.prediction.step_s)
     over.sort(key=lambda r: r.prediction.max_peak_bytes)
     return SearchResult(fits, over, dict(rejected.most_common()))
+
+
+def _searched_overlaps(base: ParallelConfig, space: Space) -> tuple[int, ...]:
+    """The blocks' micro-batch counts to try beyond the run's own: ``space.overlaps`` where
+    the run leaves them to the search (an MoE run whose spec can overlap, with neither
+    ``overlap`` nor ``dedup`` set nor ``pipeline_degree="auto"``, whose tuner picks them)."""
+    moe = base.moe
+    if moe is None or moe.auto or moe.overlap_asked:
+        return ()
+    try:
+        dataclasses.replace(moe, overlap=2)
+    except ConfigError:  # a router or capacity whose routing spans the batch
+        return ()
+    return tuple(m for m in space.overlaps if m > 1)
+
+
+def _block_variants(
+    config: ParallelConfig, dims: ParallelDims, sequences: int, overlaps: tuple[int, ...]
+) -> Iterator[ParallelConfig]:
+    """``config`` as it is, then with its MoE blocks over each of ``overlaps`` micro-batches
+    where the layout lets them overlap and a pipeline micro-batch has that many sequences."""
+    yield config
+    if config.moe is None or overlap_refusal(config, dims) is not None:
+        return
+    for m in overlaps:
+        if m <= sequences:
+            yield dataclasses.replace(config, moe=dataclasses.replace(config.moe, overlap=m))
 
 
 @functools.lru_cache(maxsize=256)
@@ -230,9 +270,11 @@ def _fitted(costs: ModelCosts, work: Workload, plan: Plan, memory_bytes: float) 
     """The plan as it is, or, when it exceeds the budget, with stage-aware recomputation
     (Merak): first only the stages of the pipeline ranks over budget, then every stage.
     Not under zero-bubble schedules: torch 2.13's weight pass recomputes a block once per
-    parameter group (1 + 8 forwards for a Decoder block), which no plan gains from."""
+    parameter group (1 + 8 forwards for a Decoder block), which no plan gains from; nor with
+    its MoE blocks over micro-batches, which would run their exchanges again."""
     prediction = simulate(costs, work, plan)
-    if prediction.max_peak_bytes <= memory_bytes or plan.config.schedule in ZERO_BUBBLE:
+    overlapped = plan.config.moe is not None and plan.config.moe.overlap > 1  # the trainer refuses both
+    if prediction.max_peak_bytes <= memory_bytes or plan.config.schedule in ZERO_BUBBLE or overlapped:
         return Ranked(plan, prediction)
     dims, spr = plan.dims, plan.config.stages_per_rank
     # the vocabulary stages have no layers to recompute
@@ -271,6 +313,8 @@ PLAN_FIELDS = (
 )  # fmt: skip
 # written by later versions only: a plan file without them still reads (as their default)
 _LATER_FIELDS = frozenset({"vocab_stages", "embedding_stages"})
+# an MoE plan's [parallel.moe] fields (written after the rest, as ``moe.overlap = 2``)
+PLAN_MOE_FIELDS = ("overlap",)
 
 
 def write_plan(path: str | Path, ranked: Ranked, work: Workload, world: int, costs: ModelCosts) -> None:
@@ -291,6 +335,7 @@ def write_plan(path: str | Path, ranked: Ranked, work: Workload, world: int, cos
         "",
         "[parallel]",
         *(f"{k} = {_toml_value(fields[k])}" for k in PLAN_FIELDS),
+        *(f"moe.{k} = {_toml_value(getattr(plan.config.moe, k))}" for k in PLAN_MOE_FIELDS if plan.config.moe),
     ]
     Path(path).write_text("\n".join(lines) + "\n")
 
@@ -303,13 +348,22 @@ def plan_overrides(path: str | Path, work: Workload) -> list[str]:
 
     tree = read_file(path)
     meta, parallel = tree.get("plan"), tree.get("parallel")
-    missing = set(PLAN_FIELDS) - set(parallel) if isinstance(parallel, dict) else set()
-    if not isinstance(meta, dict) or not isinstance(parallel, dict) or set(parallel) - set(PLAN_FIELDS) or (
-        missing - _LATER_FIELDS
+    parallel = dict(parallel) if isinstance(parallel, dict) else None
+    moe = parallel.pop("moe", {}) if parallel is not None else {}
+    missing = set(PLAN_FIELDS) - set(parallel) if parallel is not None else set()
+    if (
+        not isinstance(meta, dict)
+        or parallel is None
+        or set(parallel) - set(PLAN_FIELDS)
+        or missing - _LATER_FIELDS
+        or not isinstance(moe, dict)
+        or set(moe) - set(PLAN_MOE_FIELDS)
     ):
         raise ConfigError(f"{path} is not a plan file written by `sparta plan` (sections [plan] and [parallel])")
     want = model_fingerprint(work.model, work.moe)
     if meta.get("model") != want:
         diff = {k: (meta.get("model", {}).get(k), v) for k, v in want.items() if meta.get("model", {}).get(k) != v}
         raise ConfigError(f"{path} was made for another model: {diff} (plan, run); run `sparta plan` for this one")
-    return [f"parallel.{k}={_toml_value(v)}" for k, v in parallel.items()]
+    return [f"parallel.{k}={_toml_value(v)}" for k, v in parallel.items()] + [
+        f"parallel.moe.{k}={_toml_value(v)}" for k, v in moe.items()
+    ]

@@ -37,9 +37,24 @@ time divided by tp (routing is replicated, and counted split: it is small) plus 
 all-reduce of its tokens x top_k rows per pass. With ``expert_tp=False`` they run
 replicated.
 
+Blocks over micro-batches (``MoESpec.overlap`` = m, `sparta.moe.overlapped_moe_block`): an
+MoE block's attention and MoE layer are priced as above at tokens / m, and
+`sparta.scheduling.timeline` replays the block's pipeline on the rank's thread and the
+link: forward, a micro-batch's attention computes while another's rows travel; backward,
+its attention's backward takes the rows as they return. The block computes m micro-batches'
+worth; what the replay leaves of its exchanges exposed counts as the action's collectives.
+Under ``pipeline_degree="auto"`` each of the tuner's block candidates (`block_overlaps`) is
+priced and the fastest taken, as the tuner takes it. Not modelled: ``dedup`` (priced as the
+exchange it stands in for; its saving across nodes is the tuner's to measure) and the
+co-scheduler's chunks (``pipeline_degree``).
+
 After the last action the rank's gradient sync runs: the dense gradients' all-reduce over
 dp, which the bucketed strategies overlap with the last micro-batch's backward (only what
-sticks out past it counts), the experts' over their replicas; then AdamW.
+sticks out past it counts), the experts' over their replicas; then AdamW. Under fsdp the
+reduction waits after the last action (torch's schedules hold it to the end, and gloo
+reduce-scatters inside the backward), but for a one-stage plan on CUDA (no schedule:
+`ParallelModel.one_stage`), whose reduce-scatters run on their own stream as the last
+backward goes, as the buckets do.
 
 Under fsdp each of FSDP2's units (the trainer's `fsdp_units`: every layer, the token table,
 the stage module's own rest, the norm and head together; a vocabulary stage's rows, which
@@ -124,6 +139,8 @@ class Plan:
             + (" embedding-stages" if c.embedding_stages else "")
             + (" vocab-stages" if c.vocab_stages else "")
             + (f" recompute{list(c.recompute)}" if c.recompute else "")
+            + (f" overlap{c.moe.overlap}" if c.moe is not None and c.moe.overlap > 1 else "")
+            + (" dedup" if c.moe is not None and c.moe.dedup else "")
             + (f" split@{where}" if where else "")
         )
 
@@ -198,6 +215,10 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
         unshard = {i: (gathers(st, True), gathers(st, False)) for i, st in enumerate(stages)}
     spans, finish, peak = _replay(actions, stages, owner, hop, zero_bubble, unshard, trace, share)
 
+    # FSDP2's reduce-scatters overlap the last backward where they run on a stream of their
+    # own (CUDA) and the step runs without a schedule (one stage; torch's schedules hold them
+    # to the end); on gloo they wait in the backward
+    streamed = len(stages) == 1 and costs.hardware.get("device_type") == "cuda"
     step = pipeline_s = sync_s = opt_s = 0.0
     peak_bytes: dict[int, float] = {}
     for rank in range(dims.pp):
@@ -205,13 +226,14 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
         dense = sum(s.dense_params for s in mine)
         expert = sum(s.expert_params for s in mine)
         held = sum(s.params for s in mine)
-        if config.data_parallel == "fsdp":  # its gathers ran inside the actions
-            sync = costs.collective("all_reduce", dims.dp, dense * grad, dims.tp)
-            held = held - dense + dense / dims.dp
+        reduce = costs.collective("all_reduce", dims.dp, dense * grad, dims.tp)
+        if config.data_parallel == "fsdp" and not streamed:  # its gathers ran inside the actions
+            sync = reduce
         else:
-            reduce = costs.collective("all_reduce", dims.dp, dense * grad, dims.tp)
             last_bwd = sum(s.bwd + s.bwd_comm for s in mine)  # the last micro-batch's backward: the buckets overlap it
             sync = max(reduce - last_bwd, reduce / 4) if reduce else 0.0
+        if config.data_parallel == "fsdp":
+            held = held - dense + dense / dims.dp
         sync += costs.collective("all_reduce", dims.dp // dims.ep, expert * grad, dims.tp * dims.ep)
         # the clip's norm and the reported loss: one scalar all-reduce over the world each
         opt = costs.optimizer(held) * max(1.0, dims.pp / share)  # every rank steps at once

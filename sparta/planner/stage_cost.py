@@ -7,8 +7,14 @@ vocabulary stages, recomputation) are in `simulate.py`'s module docstring.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from sparta.errors import ConfigError
+from sparta.parallel.auto_schedule import BLOCK_MICROBATCHES
+from sparta.parallel.parallel_config import overlap_refusal
+from sparta.scheduling.timeline import timeline
 
 from .costs import ModelCosts
 
@@ -53,24 +59,33 @@ def stage_cost(
     units: list[tuple[float, bool]] = []
 
     def add(
-        into: list[float], part: str, split: int, comm: float = 0.0, group: int = dims.tp, saved_split: int = 0
+        into: list[float],
+        part: str,
+        split: int,
+        comm: float = 0.0,
+        group: int = dims.tp,
+        saved_split: int = 0,
+        at: float = tokens,
+        waits: list[float] | None = None,
     ) -> None:
         # a part's fixed cost per call (launches, Python) is every tp rank's, whole; its
         # per-token cost is split, and so are its saved activations unless saved_split says
-        # otherwise
+        # otherwise. ``at``: the tokens of one call (a block's micro-batch under overlap);
+        # ``waits``: where its collectives' seconds go (the stage's by default)
         p = costs.parts[part]
+        into_comms = comms if waits is None else waits
         # a part that waits inside (a tp half's all-reduces, an ep MoE layer's exchanges):
         # its busy share is compute, the rest waiting, which was measured on its group's
         # share of the host (group / slots) and is not slowed by the host's other ranks: it
         # joins the unshared collectives
         waited = (1.0 - p.busy) * max(1.0, group / costs.slots)
         for i, f in enumerate((p.fwd, p.bwd, p.bwd_input)):
-            seconds = f.alpha + f.beta * tokens / split
+            seconds = f.alpha + f.beta * at / split
             into[i] += p.busy * seconds * (p.zero_bubble if i == 2 else 1.0)
-            comms[i] += comm + waited * seconds
+            into_comms[i] += comm + waited * seconds
             if i == 1:
                 into[4] += p.busy * seconds * p.zero_bubble
-        into[3] += p.saved_bytes_per_token * tokens / (saved_split or split)
+        into[3] += p.saved_bytes_per_token * at / (saved_split or split)
 
     first, body = plan.config.first_body(dims.pp), plan.config.body_stages(dims.pp)
     # vocabulary stages' rows: 1/pp of the table each, cut over tp too as the tp head is
@@ -92,43 +107,77 @@ def stage_cost(
         units += [(table, True)] if plan.config.embedding != "sparse" else []
         units.append((costs.parts["embed"].params - table, True))
 
-    def add_dense(part: str) -> None:
+    def add_dense(part: str, into: list[float], at: float = tokens, waits: list[float] | None = None) -> None:
         measured = f"{part}/tp{dims.tp}"  # timed under tp, its all-reduces inside (costs.py)
         if dims.tp > 1 and measured in costs.parts:
-            add(blocks, measured, 1)
+            add(into, measured, 1, at=at, waits=waits)
         else:
-            add(blocks, part, dims.tp, costs.collective("all_reduce", dims.tp, act))
+            reduced = at * cfg.d_model * costs.element_bytes  # the activations' all-reduce
+            add(into, part, dims.tp, costs.collective("all_reduce", dims.tp, reduced), at=at, waits=waits)
 
+    def add_moe(into: list[float], at: float = tokens, waits: list[float] | None = None) -> None:
+        # tokens x top_k rows out and back; under tp the experts' hidden units split over
+        # it (MoESpec.expert_tp: the layer's per-token time divided, its rows all-reduced
+        # once each way) or replicated
+        assert moe is not None
+        split = dims.tp if moe.expert_tp else 1
+        measured = f"moe/ep{dims.ep}"  # timed over ep groups of adjacent ranks, flat exchange
+        split_measured = f"moe/tp{dims.tp}"  # timed with its experts split over adjacent ranks
+        both_measured = f"moe/ep{dims.ep}tp{dims.tp}"  # both, ep groups tp apart as in the mesh
+        if dims.ep > 1 and dims.tp == 1 and not moe.hierarchical and measured in costs.parts:
+            add(into, measured, 1, group=dims.ep, at=at, waits=waits)
+        elif dims.ep == 1 and split > 1 and split_measured in costs.parts:
+            add(into, split_measured, 1, at=at, waits=waits)
+        elif dims.ep > 1 and split > 1 and not moe.hierarchical and both_measured in costs.parts:
+            add(into, both_measured, 1, group=dims.ep * dims.tp, at=at, waits=waits)
+        else:
+            rows = at * cfg.d_model * costs.element_bytes * moe.top_k
+            comm = 2 * costs.collective("all_to_all", dims.ep, rows, stride=dims.tp)
+            if split > 1:
+                comm += costs.collective("all_reduce", split, rows)
+            # the rows it saves are whole on every tp rank, only the hidden units split:
+            # counted whole (the budget errs safe)
+            add(into, "moe", split, comm, saved_split=1, at=at, waits=waits)
+
+    def moe_block(m: int) -> tuple[list[float], list[float]]:
+        # an MoE block over m micro-batches: its compute ([fwd, bwd, bwd_input, saved,
+        # zb_bwd], summed over them) and each pass's seconds end to end. Over several,
+        # `timeline` replays overlapped_block's order: forward, one's attention computes
+        # while another's rows travel; backward, the attention's backward takes the rows
+        # that return. The waits it leaves exposed join the action's collectives
+        attention, experts = [0.0] * 5, [0.0] * 5
+        attention_waits, exchange = [0.0] * 3, [0.0] * 3
+        add_dense("attention", attention, tokens / m, attention_waits)
+        add_moe(experts, tokens / m, exchange)
+        compute = [m * (a + e) for a, e in zip(attention, experts, strict=True)]
+        if m == 1:
+            return compute, [compute[i] + attention_waits[i] + exchange[i] for i in range(3)]
+        ends = []
+        for i in range(3):
+            dense_s = attention[i] + attention_waits[i]
+            where = {"before_s": dense_s} if i == 0 else {"after_s": dense_s}
+            ends.append(timeline([exchange[i] / 2] * m, [experts[i]] * m, **where).end_s)
+        return compute, ends
+
+    counts = block_overlaps(plan, tokens / cfg.seq_len)
     for layer in layers:
         before, dense_before = blocks[3], dense
-        add_dense("attention")
+        if moe is not None and layer % moe.every == 0:
+            compute, ends = min((moe_block(m) for m in counts), key=lambda b: b[1][0] + b[1][1])
+            for i in range(5):
+                blocks[i] += compute[i]
+            for i in range(3):
+                comms[i] += ends[i] - compute[i]
+        else:
+            add_dense("attention", blocks)
+            add_dense("mlp", blocks)
         dense += costs.parts["attention"].params / dims.tp
         if moe is not None and layer % moe.every == 0:
-            # tokens x top_k rows out and back; under tp the experts' hidden units split over
-            # it (MoESpec.expert_tp: the layer's per-token time divided, its rows all-reduced
-            # once each way) or replicated
             split = dims.tp if moe.expert_tp else 1
-            measured = f"moe/ep{dims.ep}"  # timed over ep groups of adjacent ranks, flat exchange
-            split_measured = f"moe/tp{dims.tp}"  # timed with its experts split over adjacent ranks
-            both_measured = f"moe/ep{dims.ep}tp{dims.tp}"  # both, ep groups tp apart as in the mesh
-            if dims.ep > 1 and dims.tp == 1 and not moe.hierarchical and measured in costs.parts:
-                add(blocks, measured, 1, group=dims.ep)
-            elif dims.ep == 1 and split > 1 and split_measured in costs.parts:
-                add(blocks, split_measured, 1)
-            elif dims.ep > 1 and split > 1 and not moe.hierarchical and both_measured in costs.parts:
-                add(blocks, both_measured, 1, group=dims.ep * dims.tp)
-            else:
-                comm = 2 * costs.collective("all_to_all", dims.ep, act * moe.top_k, stride=dims.tp)
-                if split > 1:
-                    comm += costs.collective("all_reduce", split, act * moe.top_k)
-                # the rows it saves are whole on every tp rank, only the hidden units split:
-                # counted whole (the budget errs safe)
-                add(blocks, "moe", split, comm, saved_split=1)
             router = cfg.d_model * moe.num_experts
             expert += (costs.parts["moe"].params - router) / (dims.ep * split)
             dense += router
         else:
-            add_dense("mlp")
             dense += costs.parts["mlp"].params / dims.tp
         largest_block = max(largest_block, blocks[3] - before)
         units.append((dense - dense_before, True))
@@ -164,3 +213,24 @@ def stage_cost(
     fwd, bwd, bwd_input, saved, zb_bwd = (b + e for b, e in zip(blocks, extras, strict=True))
     held = tuple((float(n), again) for n, again in units if n > 0)  # a module without parameters is no unit
     return StageCost(fwd, bwd, bwd_input, zb_bwd, *comms, saved, transient, dense + expert, dense, expert, held)
+
+
+def block_overlaps(plan: Plan, sequences: float) -> Sequence[int]:
+    """The micro-batch counts ``plan``'s MoE blocks may run in at ``sequences`` per pipeline
+    micro-batch: ``MoESpec.overlap`` as set; under ``pipeline_degree="auto"`` the tuner's
+    candidates where the trainer tunes blocks (`BLOCK_MICROBATCHES` up to the sequences; not
+    over fsdp or where `overlap_refusal` says no), of which the simulator takes the fastest
+    block, as the tuner does. ConfigError for an overlap past the sequences."""
+    spec, config = plan.config.moe, plan.config
+    if spec is None:
+        return (1,)
+    if spec.auto:
+        if overlap_refusal(config, plan.dims) is None and config.data_parallel != "fsdp":
+            return tuple(m for m in BLOCK_MICROBATCHES if m <= sequences)
+        return (1,)
+    if spec.overlap > sequences:
+        raise ConfigError(
+            f"MoESpec.overlap={spec.overlap} cuts each block's batch into whole sequences, but a pipeline "
+            f"micro-batch holds {sequences:g}: lower overlap or microbatches"
+        )
+    return (spec.overlap,)

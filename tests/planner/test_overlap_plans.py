@@ -1,0 +1,165 @@
+"""The planner and the trainer's MoE blocks over micro-batches (`MoESpec.overlap`), and
+FSDP2's reduction on CUDA without a schedule, on hand-made cost tables (one process): the
+simulator replays an overlapped block to the second a hand computation gives, the search
+tries the counts the layout allows, and plan files carry the choice into `sparta train`."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from sparta.errors import ConfigError
+from sparta.parallel import DecoderConfig, MoESpec, ParallelConfig, ParallelDims
+from sparta.parallel.config_file import load_config
+from sparta.planner import GIB, ModelCosts, PartCost, Plan, Space, Workload, model_fingerprint, search, simulate
+from sparta.planner.search import SearchResult, plan_overrides, write_plan
+from sparta.scheduling.profiler import LinearFit
+
+MODEL = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=4, d_ff=32)
+MOE = MoESpec(num_experts=4, top_k=2)
+WORK = Workload(MODEL, MOE, global_batch=8)
+ROW_BYTES = MODEL.d_model * 4 * MOE.top_k  # what one token sends: top_k float32 rows
+
+
+def per_32_tokens(seconds: float) -> LinearFit:
+    return LinearFit(0.0, seconds / 32, 0.0, ())
+
+
+def part(fwd: float, bwd: float, params: int = 1000) -> PartCost:
+    """Seconds per 32 tokens (four sequences: a dp rank's batch at dp 2); 1 byte saved per token."""
+    return PartCost(per_32_tokens(fwd), per_32_tokens(bwd), per_32_tokens(bwd / 2), 1.0, params)
+
+
+def costs(exchange_s: float = 1.0, device_type: str = "cpu", all_reduce: LinearFit | None = None) -> ModelCosts:
+    """Attention and the MoE layer each 1 s forward and 2 s backward at 32 tokens; an
+    all-to-all of 32 tokens' rows ``exchange_s``, in proportion to its bytes; nothing else
+    costs (the all-reduces: ``all_reduce``, else nothing)."""
+    zero = LinearFit(0.0, 0.0, 0.0, ())
+    comm = {f"all_to_all/g{g}": LinearFit(0.0, exchange_s / (32 * ROW_BYTES), 0.0, ()) for g in (2, 4)}
+    comm |= {f"{op}/g{g}": all_reduce or zero for g in (2, 4) for op in ("all_reduce", "all_gather")}
+    comm["p2p"] = zero
+    return ModelCosts(
+        parts={
+            "embed": part(0.0, 0.0, params=0),
+            "attention": part(1.0, 2.0),
+            "mlp": part(1.0, 2.0),
+            "moe": part(1.0, 2.0),
+            "head": part(0.0, 0.0, params=0),
+        },
+        comm=comm,
+        optimizer=zero,
+        model=model_fingerprint(MODEL, MOE),
+        hardware={"device": "test", "device_type": device_type, "torch": "x"},
+        world=4,
+    )
+
+
+def moe_plan(overlap: int = 1, pp: int = 1, data_parallel: str = "sparta", **fields: object) -> Plan:
+    moe = dataclasses.replace(MOE, overlap=overlap, **fields)
+    split = ("layers.2",) if pp == 2 else ()
+    config = ParallelConfig(moe=moe, microbatches=pp, split_points=split, data_parallel=data_parallel)
+    return Plan(ParallelDims(pp=pp, dp=2, ep=2), config)
+
+
+def test_blocks_over_micro_batches_replay_the_overlapped_pipeline() -> None:
+    c = costs()
+    # 32 tokens a rank. Whole, a block is attention 1 s, the MoE layer 1 s and its two
+    # all-to-alls 1 s each forward (4 s); 2 + 2 + 1 + 1 s backward (6 s): 4 blocks, 40 s
+    whole = simulate(c, WORK, moe_plan())
+    assert whole.step_s == pytest.approx(40.0)
+    # Over 2 micro-batches (attention 0.5 s, experts 0.5 s, 0.5 s each way), forward:
+    #   thread:  attn0 0-0.5, attn1 0.5-1, experts0 1-1.5, experts1 1.5-2
+    #   link:    out0 0.5-1, out1 1-1.5, back0 1.5-2, back1 2-2.5            -> 2.5 s
+    # backward (experts 1 s each, the attention's backward 1 s after its rows return):
+    #   thread:  experts0 0.5-1.5, experts1 1.5-2.5, attn0 2.5-3.5, attn1 3.5-4.5
+    #   link:    out0 0-0.5, out1 0.5-1, back0 1.5-2, back1 2.5-3               -> 4.5 s
+    two = simulate(c, WORK, moe_plan(2), trace=True)
+    assert two.step_s == pytest.approx(4 * (2.5 + 4.5))
+    assert [s.name for s in two.spans[0]][:2] == ["0F0", "0B0"]
+    # the same activations and parameters: micro-batches change when, not what, is saved
+    assert two.peak_bytes == pytest.approx(whole.peak_bytes)
+    # an exchange too cheap to hide pays m fixed costs and gains nothing: never below the compute
+    free = simulate(costs(exchange_s=0.0), WORK, moe_plan(4))
+    assert free.step_s == pytest.approx(4 * (2.0 + 4.0))
+    # "auto": the tuner's counts (1, 2, 4 up to the 4 sequences) each priced, the fastest taken
+    four = simulate(c, WORK, moe_plan(4))
+    auto = simulate(c, WORK, moe_plan(pipeline_degree="auto"))
+    assert auto.step_s == pytest.approx(min(whole.step_s, two.step_s, four.step_s))
+    assert auto.step_s < whole.step_s
+    # ... except where the trainer leaves blocks whole: under fsdp, and over one ep rank
+    assert simulate(c, WORK, moe_plan(pipeline_degree="auto", data_parallel="fsdp")).step_s == pytest.approx(
+        simulate(c, WORK, moe_plan(data_parallel="fsdp")).step_s
+    )
+    assert "overlap2" in moe_plan(2).describe() and "overlap" not in moe_plan().describe()
+
+
+def test_overlap_the_trainer_refuses_is_refused_by_name() -> None:
+    c = costs()
+    with pytest.raises(ConfigError, match=r"overlap=8 cuts each block's batch into whole sequences, but a pipeline "):
+        simulate(c, WORK, moe_plan(8))
+    with pytest.raises(ConfigError, match=r"MoESpec.overlap=2: ep=1 keeps every expert on its rank"):
+        simulate(c, WORK, dataclasses.replace(moe_plan(2), dims=ParallelDims(dp=2)))
+
+
+def test_the_search_tries_block_counts_where_the_layout_lets_blocks_overlap(tmp_path: Path) -> None:
+    # exchanges dear enough that hiding them wins: the fastest plan with ep > 1 overlaps
+    # (those without an exchange win here: every rank computes all its tokens' rows anyway)
+    c = costs(exchange_s=4.0)
+    base = ParallelConfig(moe=MOE)
+    result = search(c, WORK, 4, GIB, base)
+    best = next(r for r in result.fits if r.plan.dims.ep > 1)
+    assert best.plan.config.moe.overlap > 1, best.plan.describe()
+    whole = next(r for r in result.fits if r.plan.dims.ep > 1 and r.plan.config.moe.overlap == 1)
+    assert best.prediction.step_s < whole.prediction.step_s
+    overlapped = [r.plan for r in result.fits + result.over_budget if r.plan.config.moe.overlap > 1]
+    assert overlapped and all(p.dims.ep > 1 and not p.config.recompute for p in overlapped)
+    sequences = {p.describe(): WORK.global_batch // (p.dims.dp * p.config.microbatches) for p in overlapped}
+    assert all(p.config.moe.overlap <= sequences[p.describe()] for p in overlapped)
+    # not searched: when the space says so, a router whose routing spans the batch, "auto"
+    # (the tuner's), or an overlap the run sets itself (kept, and refused where it cannot run)
+    assert not _overlapped(search(c, WORK, 4, GIB, base, Space(overlaps=(1,))))
+    capacity = dataclasses.replace(MOE, capacity_factor=1.25)
+    assert not _overlapped(search(c, dataclasses.replace(WORK, moe=capacity), 4, GIB, ParallelConfig(moe=capacity)))
+    auto = dataclasses.replace(MOE, pipeline_degree="auto")
+    assert not _overlapped(search(c, WORK, 4, GIB, ParallelConfig(moe=auto)))
+    fixed = search(c, WORK, 4, GIB, ParallelConfig(moe=dataclasses.replace(MOE, overlap=2)))
+    assert {r.plan.config.moe.overlap for r in fixed.fits} == {2}
+    assert any(reason.startswith("MoESpec.overlap=2") for reason in fixed.rejected), fixed.rejected
+    with pytest.raises(ConfigError, match=r"Space.overlaps=\(0,\) must be positive integers"):
+        Space(overlaps=(0,))
+
+    # the plan file carries the count into the run
+    path = tmp_path / "plan.toml"
+    write_plan(path, best, WORK, 4, c)
+    assert f"moe.overlap = {best.plan.config.moe.overlap}" in path.read_text()
+    run = tmp_path / "run.toml"
+    run.write_text(
+        "[model]\nvocab_size = 64\nseq_len = 8\nd_model = 16\nn_layers = 4\nn_heads = 4\nd_ff = 32\n"
+        "[parallel.moe]\nnum_experts = 4\ntop_k = 2\n[train]\nglobal_batch = 8\n[data]\nsource = 'random'\n"
+    )
+    config = load_config(run, plan_overrides(path, WORK))
+    assert config.parallel.moe.overlap == best.plan.config.moe.overlap
+    assert config.dims == best.plan.dims
+    path.write_text(path.read_text().replace("moe.overlap", "moe.top_k"))
+    with pytest.raises(ConfigError, match="not a plan file written by `sparta plan`"):
+        plan_overrides(path, WORK)
+
+
+def _overlapped(result: SearchResult) -> list[Plan]:
+    return [r.plan for r in result.fits + result.over_budget if r.plan.config.moe.overlap > 1]
+
+
+def test_fsdp_reduces_during_the_last_backward_on_cuda_when_one_stage_runs_without_a_schedule() -> None:
+    reduce_s = 40.0  # every all-reduce: longer than the last backward, so part of it sticks out
+    slow = LinearFit(reduce_s, 0.0, 0.0, ())
+
+    def sync(device_type: str, pp: int) -> float:
+        c = costs(device_type=device_type, all_reduce=slow)
+        return simulate(c, WORK, moe_plan(pp=pp, data_parallel="fsdp")).sync_s
+
+    last_backward = 4 * (2.0 + 2.0 + 2.0)  # one micro-batch: 4 blocks of attention, experts, exchanges
+    assert sync("cpu", 1) == pytest.approx(reduce_s)  # gloo: inside the backward, after it
+    assert sync("cuda", 1) == pytest.approx(reduce_s - last_backward)  # on its stream, beside it
+    assert sync("cuda", 2) == pytest.approx(reduce_s)  # a schedule holds it to the end
