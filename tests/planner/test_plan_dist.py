@@ -15,8 +15,9 @@ from launch import free_port, run_killing_on_timeout
 
 from sparta.parallel import Decoder, moe_layers
 from sparta.parallel.config_file import load_config, read_file
-from sparta.planner import ModelCosts
+from sparta.planner import GIB, ModelCosts, search, workload
 from sparta.planner.parts import saved_activation_bytes
+from sparta.planner.search import write_plan
 
 PY = sys.executable
 RUN = """
@@ -108,11 +109,22 @@ def test_a_measured_plan_trains_like_one_process(tmp_path: Path) -> None:
         _run([*launcher, *cli, "train", "--config", str(run), "--set", f"output.metrics={metrics}", *extra], name)
         return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
+    def single(plan: Path) -> list[float]:
+        # one process on the global batch in the plan's dp x micro-batch chunks (routing and
+        # the MoE aux loss are per chunk), as the trainer's parity tests compare; blocks over
+        # micro-batches route as their whole chunk
+        chosen = read_file(plan)["parallel"]
+        chunks = chosen["dp"] * chosen["microbatches"]
+        return losses([PY], f"single{chunks}", "--set", f"parallel.microbatches={chunks}")
+
     planned = losses(_torchrun(4), "planned", "--plan", str(plan_path))
-    # one process on the global batch in the plan's dp x micro-batch chunks (routing and the
-    # MoE aux loss are per chunk), as the trainer's parity tests compare
-    chosen = read_file(plan_path)["parallel"]
-    chunks = chosen["dp"] * chosen["microbatches"]
-    single = losses([PY], "single", "--set", f"parallel.microbatches={chunks}")
     assert len(planned) == 3
-    assert planned == pytest.approx(single, abs=1e-5), (planned, single, plan_path.read_text())
+    assert planned == pytest.approx(single(plan_path), abs=1e-5), (planned, plan_path.read_text())
+    # the fastest plan the search found with its MoE blocks over micro-batches, as its file says
+    work = workload(config)
+    found = search(costs, work, 4, GIB, config.parallel).fits
+    overlapped = next(r for r in found if r.plan.config.moe is not None and r.plan.config.moe.overlap > 1)
+    overlapped_path = tmp_path / "overlapped.toml"
+    write_plan(overlapped_path, overlapped, work, 4, costs)
+    trained = losses(_torchrun(4), "overlapped", "--plan", str(overlapped_path))
+    assert trained == pytest.approx(single(overlapped_path), abs=1e-5), overlapped_path.read_text()
