@@ -95,6 +95,16 @@ def test_blocks_over_micro_batches_replay_the_overlapped_pipeline() -> None:
     assert "overlap2" in moe_plan(2).describe() and "overlap" not in moe_plan().describe()
 
 
+def test_ranks_sharing_a_hosts_cores_hide_no_exchange_within_it() -> None:
+    # 4 ranks, 2 a host, 1 core a host: an exchange inside a host runs on its cores
+    shared = dataclasses.replace(costs(), slots=1, ranks_per_host=2)
+    # dp2 ep2: each ep group inside a host; over 2 micro-batches the same work in turn
+    assert simulate(shared, WORK, moe_plan(2)).step_s == pytest.approx(simulate(shared, WORK, moe_plan()).step_s)
+    # dp4 ep4: the group crosses the hosts, whose link the micro-batches' compute hides
+    across = {m: dataclasses.replace(moe_plan(m), dims=ParallelDims(dp=4, ep=4)) for m in (1, 2)}
+    assert simulate(shared, WORK, across[2]).step_s < simulate(shared, WORK, across[1]).step_s
+
+
 def test_overlap_the_trainer_refuses_is_refused_by_name() -> None:
     c = costs()
     with pytest.raises(ConfigError, match=r"overlap=8 cuts each block's batch into whole sequences, but a pipeline "):
