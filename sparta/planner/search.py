@@ -8,7 +8,8 @@ dividing dp and the experts), every schedule with one stage per rank and with tw
 or V), every micro-batch count dividing a dp rank's batch, and data parallelism by the
 "sparta" strategy (replicated, bucketed) or "fsdp" (sharded, for memory; only over dp > 1:
 see FSDP_ALONE), and for an MoE model its blocks whole or over 2 or 4 micro-batches
-(``MoESpec.overlap``) where the layout lets them overlap. Each candidate's
+(``MoESpec.overlap``) where the layout lets them overlap and the exchange can hide
+(`exchange_hides`: not within a host whose ranks share its cores). Each candidate's
 stages are balanced on the predicted per-layer cost (the exact split of
 `pipeline.split_by_cost`, counting embedding and head), then checked by the trainer's own
 `ParallelConfig.check`; what it refuses is rejected with its message. A plan over the
@@ -37,6 +38,7 @@ from sparta.parallel.pipeline import SCHEDULES, ZERO_BUBBLE, ModelParts, split_b
 
 from .costs import ModelCosts, model_fingerprint
 from .simulate import Plan, Prediction, Workload, simulate
+from .stage_cost import exchange_hides
 
 STRATEGIES = ("sparta", "fsdp")
 # Over one dp rank FSDP shards nothing (the memory of "sparta") and still unshards and
@@ -214,7 +216,8 @@ def search(
                     except ConfigError as exc:
                         rejected[_reason(str(exc))] += 1
                         continue
-                    for tried in _block_variants(config, dims, per_dp // mb, overlaps):
+                    hidden = overlaps if exchange_hides(costs, dims) else ()
+                    for tried in _block_variants(config, dims, per_dp // mb, hidden):
                         try:
                             ranked = _fitted(costs, work, Plan(dims, tried), memory_bytes)
                         except ConfigError as exc:

@@ -103,6 +103,9 @@ def test_ranks_sharing_a_hosts_cores_hide_no_exchange_within_it() -> None:
     # dp4 ep4: the group crosses the hosts, whose link the micro-batches' compute hides
     across = {m: dataclasses.replace(moe_plan(m), dims=ParallelDims(dp=4, ep=4)) for m in (1, 2)}
     assert simulate(shared, WORK, across[2]).step_s < simulate(shared, WORK, across[1]).step_s
+    # so the search tries blocks over micro-batches only where the group crosses the hosts
+    tried = _overlapped(search(shared, WORK, 4, GIB, ParallelConfig(moe=MOE)))
+    assert tried and all(p.dims.ep * p.dims.tp > 2 for p in tried), [p.describe() for p in tried]
 
 
 def test_overlap_the_trainer_refuses_is_refused_by_name() -> None:
