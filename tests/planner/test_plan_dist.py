@@ -4,6 +4,7 @@ whose losses equal one process training the same run on the global batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -15,9 +16,10 @@ from launch import free_port, run_killing_on_timeout
 
 from sparta.parallel import Decoder, moe_layers
 from sparta.parallel.config_file import load_config, read_file
-from sparta.planner import GIB, ModelCosts, search, workload
+from sparta.parallel.parallel_config import overlap_refusal
+from sparta.planner import GIB, ModelCosts, Plan, Workload, search, simulate, workload
 from sparta.planner.parts import saved_activation_bytes
-from sparta.planner.search import write_plan
+from sparta.planner.search import Ranked, write_plan
 
 PY = sys.executable
 RUN = """
@@ -50,6 +52,11 @@ def _run(cmd: list[str], what: str, timeout: float = 300) -> str:
     code, out = run_killing_on_timeout(cmd, env, timeout, what)
     assert code == 0, f"{what} exited with {code}; output tail:\n{out[-4000:]}"
     return out
+
+
+def _sequences(plan: Plan, work: Workload) -> int:
+    """Sequences in one pipeline micro-batch of a dp rank under ``plan``."""
+    return work.global_batch // (plan.dims.dp * plan.config.microbatches)
 
 
 def _torchrun(n: int) -> list[str]:
@@ -120,11 +127,19 @@ def test_a_measured_plan_trains_like_one_process(tmp_path: Path) -> None:
     planned = losses(_torchrun(4), "planned", "--plan", str(plan_path))
     assert len(planned) == 3
     assert planned == pytest.approx(single(plan_path), abs=1e-5), (planned, plan_path.read_text())
-    # the fastest plan the search found with its MoE blocks over micro-batches, as its file says
+    # the fastest plan found that can run its MoE blocks over 2 micro-batches, so set in its
+    # file (the search leaves them whole here: 4 ranks share 2 cores, where nothing hides)
     work = workload(config)
     found = search(costs, work, 4, GIB, config.parallel).fits
-    overlapped = next(r for r in found if r.plan.config.moe is not None and r.plan.config.moe.overlap > 1)
+    base = next(
+        r.plan
+        for r in found
+        if overlap_refusal(r.plan.config, r.plan.dims) is None and _sequences(r.plan, work) >= 2
+    )
+    moe = dataclasses.replace(base.config.moe, overlap=2)
+    plan = Plan(base.dims, dataclasses.replace(base.config, moe=moe))
     overlapped_path = tmp_path / "overlapped.toml"
-    write_plan(overlapped_path, overlapped, work, 4, costs)
+    write_plan(overlapped_path, Ranked(plan, simulate(costs, work, plan)), work, 4, costs)
+    assert "moe.overlap = 2" in overlapped_path.read_text()
     trained = losses(_torchrun(4), "overlapped", "--plan", str(overlapped_path))
     assert trained == pytest.approx(single(overlapped_path), abs=1e-5), overlapped_path.read_text()
