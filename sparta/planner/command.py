@@ -96,7 +96,7 @@ def _measure(config: RunConfig, path: str) -> int:
             config.parallel.moe,
             _device(config),
             max_sequences=config.train.global_batch,
-            ranks_per_host=world.local_size,
+            ranks_per_node=detect().local_size,  # the launcher's node, behind one link
         )
         if world.rank == 0:
             costs.save(path)

@@ -95,8 +95,11 @@ class ModelCosts:
     element_bytes: bytes of one activation or gradient element (4: float32, as measured);
     slots: how many ranks of one host compute at full speed at once (its cores over each
     rank's threads; a GPU per rank: as many as there are ranks); ranks_per_host: how many
-    ranks a host runs. Ranks beyond the slots share them (see simulate.py): parts are timed
-    on one rank alone for that reason.
+    ranks share a host's cores. Ranks beyond the slots share them (see simulate.py): parts
+    are timed on one rank alone for that reason. ranks_per_node: how many consecutive ranks
+    sit behind one network link (the launcher's local size): an ep group wider than that
+    crosses the link. The two differ on the emulated cluster, whose nodes share this
+    machine's cores unpinned: 8 ranks on one host, 4 behind each link.
     """
 
     parts: dict[str, PartCost]
@@ -108,6 +111,7 @@ class ModelCosts:
     element_bytes: int = FLOAT_BYTES
     slots: int = 1 << 30
     ranks_per_host: int = 1
+    ranks_per_node: int = 1
 
     def collective(self, op: str, group: int, nbytes: float, stride: int = 1) -> float:
         """Seconds of ``op`` ("all_reduce", "all_gather", "all_to_all", "p2p") over ``group``
@@ -195,6 +199,7 @@ class ModelCosts:
                 element_bytes=raw.get("element_bytes", FLOAT_BYTES),
                 slots=raw.get("slots", 1 << 30),
                 ranks_per_host=raw.get("ranks_per_host", 1),
+                ranks_per_node=raw.get("ranks_per_node", raw.get("ranks_per_host", 1)),
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{path} is not a costs file written by sparta plan --measure: {exc}") from exc

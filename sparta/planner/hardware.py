@@ -120,6 +120,7 @@ def analytic_costs(hw: Hardware, model: DecoderConfig, moe: MoESpec | None, worl
         element_bytes=e,
         slots=hw.devices_per_node,
         ranks_per_host=hw.devices_per_node,
+        ranks_per_node=hw.devices_per_node,
     )
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import statistics
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +55,7 @@ def measure_costs(
     group_sizes: tuple[int, ...] | None = None,
     config: ProfileConfig | None = None,
     max_sequences: int = 4,
-    ranks_per_host: int | None = None,
+    ranks_per_node: int | None = None,
 ) -> ModelCosts:
     """Time every part, every collective over groups of each size in ``group_sizes`` (default:
     every divisor of ``comm.size`` above 1: the group sizes a layout of it can have) at every
@@ -61,9 +63,11 @@ def measure_costs(
     stride, and AdamW's step. Parts are timed at 1, max_sequences / 4 and
     max_sequences sequences (the largest micro-batch a plan can give one rank: the global
     batch), or at ``config.rows`` tokens (whole sequences). Collective over ``comm``: every
-    rank calls it and gets the same result."""
+    rank calls it and gets the same result. ``ranks_per_node``: ranks behind one network link
+    (the launcher's local size; default: the world); the ranks sharing one host's cores are
+    found here (`sharing_cores`)."""
     device = torch.device(device)
-    ranks_per_host = ranks_per_host or comm.size
+    ranks_per_host = sharing_cores(comm)
     slots = host_slots(device, ranks_per_host)
     seq = model.seq_len
     # token counts from one sequence to the largest micro-batch a plan can give a rank
@@ -144,6 +148,7 @@ def measure_costs(
         world=comm.size,
         slots=slots,
         ranks_per_host=ranks_per_host,
+        ranks_per_node=ranks_per_node or comm.size,
     )
 
 
@@ -254,6 +259,17 @@ def _backward_fresh(m: nn.Module, x: torch.Tensor) -> Callable[[], object]:
         out.backward(torch.ones_like(out))
 
     return run
+
+
+def sharing_cores(comm: Communicator) -> int:
+    """The most ranks of ``comm`` that share one set of cores: the same host name and CPU
+    affinity. The emulated cluster's unpinned nodes are one machine's namespaces, of one
+    host name and the same CPUs; pinned nodes, and real ones, have cores of their own.
+    Collective; the same on every rank (it decides which ranks time the parts)."""
+    mine = f"{socket.gethostname()}|{sorted(os.sched_getaffinity(0))}".encode()
+    gathered = comm.all_gather(torch.tensor([zlib.crc32(mine)], dtype=torch.int64))
+    keys = [int(t.item()) for t in gathered]  # type: ignore[union-attr]
+    return max(keys.count(k) for k in keys)
 
 
 def host_slots(device: torch.device, ranks_per_host: int) -> int:

@@ -44,8 +44,9 @@ link: forward, a micro-batch's attention computes while another's rows travel; b
 its attention's backward takes the rows as they return. The block computes m micro-batches'
 worth; what the replay leaves of its exchanges exposed counts as the action's collectives.
 That needs the exchange to wait on a resource of its own: a compute slot per rank (GPUs),
-or an ep group that crosses hosts. Ranks sharing a host's cores move rows within it on
-those cores, so there the micro-batches are priced one after another.
+or an ep group that crosses a node's link (`exchange_hides`). Ranks sharing a host's cores
+move rows within a node on those cores, so there the micro-batches are priced one after
+another.
 Under ``pipeline_degree="auto"`` each of the tuner's block candidates (`block_overlaps`) is
 priced and the fastest taken, as the tuner takes it. Not modelled: ``dedup`` (priced as the
 exchange it stands in for; its saving across nodes is the tuner's to measure) and the

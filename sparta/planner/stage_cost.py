@@ -242,10 +242,10 @@ def block_overlaps(plan: Plan, sequences: float) -> Sequence[int]:
 def exchange_hides(costs: ModelCosts, dims: ParallelDims) -> bool:
     """Whether an MoE exchange under ``dims`` waits on a resource of its own (the link, a
     GPU's copy engines), which a micro-batch's compute can hide: where each rank has a
-    compute slot, or where its ep group crosses hosts. Ranks sharing a host's cores move
-    their rows within it on those cores: on 8 ranks over 2 cores, a pp4 dp2 ep2 plan's blocks
-    over 2 micro-batches ran 0.56 s a step against 0.39 s predicted as if they hid it, and
-    0.60 s against 0.46 s whole."""
+    compute slot, or where its ep group crosses a network link (wider than a node). Ranks
+    sharing a host's cores move their rows within a node on those cores: on 8 ranks over 2
+    cores, a pp4 dp2 ep2 plan's blocks over 2 micro-batches ran 0.56 s a step against 0.39 s
+    predicted as if they hid it, and 0.60 s against 0.46 s whole."""
     span = dims.ep * dims.tp  # an ep group: ep ranks tp apart, aligned to their span
-    host = costs.ranks_per_host
-    return costs.slots >= host or span > host or host % span != 0
+    node = costs.ranks_per_node
+    return costs.slots >= costs.ranks_per_host or span > node or node % span != 0

@@ -76,6 +76,8 @@ def test_a_measured_plan_trains_like_one_process(tmp_path: Path) -> None:
     parts = {"embed", "attention", "mlp", "moe", "head", "attention/tp2", "mlp/tp2", "moe/tp2", "moe/ep2", "moe/ep4"}
     parts |= {"moe/ep2tp2"}
     assert set(costs.parts) == parts and costs.world == 4
+    # one host whose 2 cores the 4 ranks share (found by host name and CPU affinity), one node
+    assert (costs.ranks_per_host, costs.ranks_per_node, costs.slots) == (4, 4, len(os.sched_getaffinity(0)))
     # every group shape a layout of 4 ranks has: 2 consecutive, 2 ranks 2 apart (dp under tp2), 4
     assert {"all_reduce/g2", "all_reduce/g2s2", "all_reduce/g4", "all_to_all/g4", "all_gather/g2s2"} <= set(costs.comm)
     assert {"p2p", "p2p/s2"} <= set(costs.comm)
