@@ -200,7 +200,10 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
     layers = stage_layers(plan, work.model.n_layers)
     stages = [stage_cost(costs, work, plan, i, ls, tokens) for i, ls in enumerate(layers)]
     owner = {s: r for r in range(dims.pp) for s in stage_ids(config.schedule, dims.pp, r, config.stages_per_rank)}
-    hop = costs.collective("p2p", dims.pp, tokens * work.model.d_model * costs.element_bytes, dims.tp * dims.dp)
+    # the hops between the pipeline ranks of consecutive stages, either way
+    replicas, nbytes = dims.dp * dims.tp, tokens * work.model.d_model * costs.element_bytes
+    pairs = {(owner[s], owner[s + 1]) for s in range(len(stages) - 1)}
+    hop = {(a, b): costs.hop(nbytes, a * replicas, b * replicas, replicas) for p in pairs for a, b in (p, p[::-1])}
     actions = _actions(config.schedule, dims.pp, config.microbatches, config.stages_per_rank)
     # pipeline ranks that compute at full speed at once: the hosts' slots over each one's replicas
     share = costs.slots * (dims.world_size / costs.ranks_per_host) / (dims.dp * dims.tp)
@@ -263,7 +266,7 @@ def _replay(
     actions: Mapping[int, list[str]],
     stages: list[StageCost],
     owner: Mapping[int, int],
-    hop: float,
+    hop: Mapping[tuple[int, int], float],
     zero_bubble: bool,
     unshard: Mapping[int, tuple[float, float]],
     trace: bool,
@@ -313,7 +316,7 @@ def _replay(
         for key in inputs(stage, kind, mb):
             if key not in done:
                 return None
-            at = max(at, done[key] + (hop if owner[key[0]] != rank else 0.0))
+            at = max(at, done[key] + (hop[owner[key[0]], rank] if owner[key[0]] != rank else 0.0))
         return at
 
     now = 0.0
