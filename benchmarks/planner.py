@@ -291,6 +291,7 @@ def main() -> None:
     parser.add_argument("--only-cluster", action="store_true", help="only the cluster predictions (no launches)")
     parser.add_argument("--nodes", type=int, default=1, help="> 1: an emulated cluster of this many nodes (root)")
     parser.add_argument("--rate", default="1gbit", help="with --nodes: each node's link rate, in tc's units")
+    parser.add_argument("--keep", type=Path, help="keep the run files, costs, plans and metrics in this folder")
     a = parser.parse_args()
     if a.nodes < 1 or a.world % a.nodes:
         parser.error(f"--nodes {a.nodes} must be >= 1 and divide --world {a.world}")
@@ -312,7 +313,10 @@ def main() -> None:
         bench_cluster()
     if a.only_cluster:
         return
-    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+    with ExitStack() as stack:
+        if a.keep is not None:
+            a.keep.mkdir(parents=True, exist_ok=True)
+        tmp = str(a.keep) if a.keep is not None else stack.enter_context(tempfile.TemporaryDirectory())
         cluster = None
         if a.nodes > 1:
             # unpinned: all ranks share this machine's cores, as the costs (measured in the same

@@ -144,13 +144,20 @@ class ModelCosts:
         across its 100 Mbit/s link took the loopback pairs' figure, and a pp4 plan ran 0.39 s
         a step against 0.26 s predicted."""
         node = self.ranks_per_node
-        crosses = any((first + j) // node != (second + j) // node for j in range(replicas))
         measured = {f"p2p/s{s}" for s in range(1, self.world)} & {*self.comm, *("p2p/s1",) * ("p2p" in self.comm)}
         across = [s for s in range(node, self.world, node) if f"p2p/s{s}" in measured]
-        if not crosses or not across:
+        if self.link(first, second, replicas) is None or not across:
             return self.collective("p2p", 2, nbytes, replicas)
         share = min(replicas, node) / node  # of the measurement's pairs on one link
         return self.collective("p2p", 2, nbytes * share, across[0])
+
+    def link(self, first: int, second: int, replicas: int) -> tuple[int, int] | None:
+        """The nodes (from, to) whose link the sends of `hop` cross, or None within a node."""
+        node = self.ranks_per_node
+        for j in range(replicas):
+            if (first + j) // node != (second + j) // node:
+                return (first + j) // node, (second + j) // node
+        return None
 
     def check(self, model: DecoderConfig, moe: MoESpec | None, hardware: dict[str, Any] | None = None) -> None:
         """ConfigError if these costs were measured for another model shape or (when

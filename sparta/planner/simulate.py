@@ -11,6 +11,9 @@ its rank is free and its inputs have arrived:
     B/I(s, m)     after F(s, m), and B/I(s+1, m) plus the hop (the last stage: after its F)
     W(s, m)       after I(s, m)
 
+A hop across a node's link (`ModelCosts.hop`, `ModelCosts.link`) waits for the sends queued
+on that link before it, one direction of it at a time.
+
 Under zero-bubble schedules I is a part's plain input gradient and W the rest of its
 backward, both times its ``zero_bubble`` factor: torch's split of one backward into the two
 costs more than the backward (zero_bubble.py measures it through torch's schedules).
@@ -203,7 +206,10 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
     # the hops between the pipeline ranks of consecutive stages, either way
     replicas, nbytes = dims.dp * dims.tp, tokens * work.model.d_model * costs.element_bytes
     pairs = {(owner[s], owner[s + 1]) for s in range(len(stages) - 1)}
-    hop = {(a, b): costs.hop(nbytes, a * replicas, b * replicas, replicas) for p in pairs for a, b in (p, p[::-1])}
+    hop: dict[tuple[int, int], tuple[float, tuple[int, int] | None]] = {}
+    for a, b in (ends for p in pairs for ends in (p, p[::-1])):
+        first, second = a * replicas, b * replicas
+        hop[a, b] = costs.hop(nbytes, first, second, replicas), costs.link(first, second, replicas)
     actions = _actions(config.schedule, dims.pp, config.microbatches, config.stages_per_rank)
     # pipeline ranks that compute at full speed at once: the hosts' slots over each one's replicas
     share = costs.slots * (dims.world_size / costs.ranks_per_host) / (dims.dp * dims.tp)
@@ -266,7 +272,7 @@ def _replay(
     actions: Mapping[int, list[str]],
     stages: list[StageCost],
     owner: Mapping[int, int],
-    hop: Mapping[tuple[int, int], float],
+    hop: Mapping[tuple[int, int], tuple[float, tuple[int, int] | None]],
     zero_bubble: bool,
     unshard: Mapping[int, tuple[float, float]],
     trace: bool,
@@ -290,6 +296,8 @@ def _replay(
     live = dict.fromkeys(queues, 0.0)
     peak = dict.fromkeys(queues, 0.0)
     done: dict[tuple[int, str, int], float] = {}
+    arrival: dict[tuple[tuple[int, str, int], int], float] = {}  # (output, rank) -> when it reaches that rank
+    link_free: dict[tuple[int, int], float] = {}
     spans: dict[int, list[Span]] = {r: [] for r in queues}
     running: dict[int, list[float]] = {}  # rank -> [compute left, collectives left, start]
     n_stages = len(stages)
@@ -316,7 +324,7 @@ def _replay(
         for key in inputs(stage, kind, mb):
             if key not in done:
                 return None
-            at = max(at, done[key] + (hop[owner[key[0]], rank] if owner[key[0]] != rank else 0.0))
+            at = max(at, arrival[key, rank] if owner[key[0]] != rank else done[key])
         return at
 
     now = 0.0
@@ -364,7 +372,17 @@ def _replay(
             del running[rank]
             stage, kind, mb = queues[rank][pos[rank]]
             st = stages[stage]
-            free[rank] = done[(stage, "G" if kind in "BI" else kind, mb)] = now
+            output = (stage, "G" if kind in "BI" else kind, mb)
+            free[rank] = done[output] = now
+            # where the output goes (F: the next stage, B/I: the one before), and when it gets
+            # there: sends across a node's link queue on it, one after another
+            to = stage + 1 if kind == "F" else stage - 1 if kind in "BI" else -1
+            if 0 <= to < n_stages and owner[to] != rank:
+                seconds, link = hop[rank, owner[to]]
+                begin = now if link is None else max(now, link_free.get(link, 0.0))
+                arrival[output, owner[to]] = begin + seconds
+                if link is not None:
+                    link_free[link] = begin + seconds
             if trace:
                 spans[rank].append(Span(f"{stage}{kind}{mb}", "compute", entry[2], now))
             if kind == "B" or (kind == "W" and zero_bubble):

@@ -17,14 +17,14 @@ def const(seconds: float) -> LinearFit:
     return LinearFit(seconds, 0.0, 0.0, ())
 
 
-def costs(ranks_per_node: int) -> ModelCosts:
+def costs(ranks_per_node: int, across_s: float = 0.5) -> ModelCosts:
     """A layer: 1 s forward, 2 s backward; a send between neighbours 0 s, between ranks 2
-    apart (across 2-rank nodes) 0.5 s; nothing else costs."""
+    apart (across 2-rank nodes) ``across_s``; nothing else costs."""
     part = PartCost(const(0.5), const(1.0), const(0.5), 1.0, 1000)
     free = PartCost(const(0.0), const(0.0), const(0.0), 0.0, 0)
     zero = const(0.0)
     comm = {f"{op}/g{g}": zero for g in (2, 4) for op in ("all_reduce", "all_gather", "all_to_all")}
-    comm |= {"p2p": zero, "p2p/s2": const(0.5)}
+    comm |= {"p2p": zero, "p2p/s2": const(across_s)}
     return ModelCosts(
         parts={"embed": free, "attention": part, "mlp": part, "head": free},
         comm=comm,
@@ -49,3 +49,13 @@ def test_a_pipeline_hop_across_a_nodes_link_is_priced_on_a_pair_that_crosses_it(
     assert c.hop(64.0, 0, 2, 2) == pytest.approx(0.5) and c.hop(64.0, 0, 1, 1) == 0.0
     # 2 layers a stage: 2 s on each stage forward and 4 s backward, a hop each way between
     assert simulate(c, WORK, dp2).step_s == pytest.approx(2 * 2.0 + 0.5 + 2 * 4.0 + 0.5)
+
+
+def test_sends_across_a_link_queue_on_it() -> None:
+    # pp2 dp2 over two nodes, 2 micro-batches: a stage takes 2 s forward, 4 s backward, and a
+    # hop across the link 3 s, longer than the stage, so the second waits for the first:
+    #   stage 0: F0 0-2, F1 2-4; the link: F0 2-5, F1 5-8 (not 4-7)
+    #   stage 1: F0 5-7, F1 8-10, B0 10-14, B1 14-18; the link back: 14-17, 18-21
+    #   stage 0: B0 17-21, B1 21-25
+    plan = Plan(ParallelDims(pp=2, dp=2), ParallelConfig(schedule="GPipe", microbatches=2, split_points=("layers.2",)))
+    assert simulate(costs(ranks_per_node=2, across_s=3.0), WORK, plan).step_s == pytest.approx(25.0)

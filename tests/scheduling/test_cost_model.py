@@ -53,6 +53,10 @@ def test_interpolation_reads_the_samples_the_fit_misses() -> None:
     # beyond the samples, along the fit's slope from the nearest; never below 0
     assert fit.interpolate(2 * 4194304) == pytest.approx(0.2286 + fit.beta * 4194304)
     assert fit.interpolate(0) == pytest.approx(max(0.0105 - fit.beta * 65536, 0.0))
+    # below the smallest size, never under that size's time in proportion (a steep slope
+    # would take it to 0): a send across a slow link
+    link = LinearFit.fit([(65536, 0.0079), (262144, 0.0439), (1048576, 0.2634)])
+    assert link.interpolate(16384) == pytest.approx(0.0079 / 4)
     assert LinearFit(1.0, 2.0, 0.0, ()).interpolate(3) == 7.0  # no samples (published figures): the line
 
 
