@@ -9,7 +9,7 @@ or V), every micro-batch count dividing a dp rank's batch, and data parallelism 
 "sparta" strategy (replicated, bucketed) or "fsdp" (sharded, for memory; only over dp > 1:
 see FSDP_ALONE), and for an MoE model its blocks whole or over 2 or 4 micro-batches
 (``MoESpec.overlap``) where the layout lets them overlap and the exchange can hide
-(`exchange_hides`: not within a host whose ranks share its cores). Each candidate's
+(`exchange_hides`: not where ranks share a host's cores). Each candidate's
 stages are balanced on the predicted per-layer cost (the exact split of
 `pipeline.split_by_cost`, counting embedding and head), then checked by the trainer's own
 `ParallelConfig.check`; what it refuses is rejected with its message. A plan over the
@@ -184,7 +184,7 @@ def search(
     fits: list[Ranked] = []
     over: list[Ranked] = []
     rejected: Counter[str] = Counter()
-    overlaps = _searched_overlaps(base, space)
+    overlaps = _searched_overlaps(base, space) if exchange_hides(costs) else ()
     for dims in layouts(world, work, space.max_tp):
         per_dp = work.global_batch // dims.dp if work.global_batch % dims.dp == 0 else 0
         if not per_dp:
@@ -216,8 +216,7 @@ def search(
                     except ConfigError as exc:
                         rejected[_reason(str(exc))] += 1
                         continue
-                    hidden = overlaps if exchange_hides(costs, dims) else ()
-                    for tried in _block_variants(config, dims, per_dp // mb, hidden):
+                    for tried in _block_variants(config, dims, per_dp // mb, overlaps):
                         try:
                             ranked = _fitted(costs, work, Plan(dims, tried), memory_bytes)
                         except ConfigError as exc:

@@ -46,10 +46,9 @@ MoE block's attention and MoE layer are priced as above at tokens / m, and
 link: forward, a micro-batch's attention computes while another's rows travel; backward,
 its attention's backward takes the rows as they return. The block computes m micro-batches'
 worth; what the replay leaves of its exchanges exposed counts as the action's collectives.
-That needs the exchange to wait on a resource of its own: a compute slot per rank (GPUs),
-or an ep group that crosses a node's link (`exchange_hides`). Ranks sharing a host's cores
-move rows within a node on those cores, so there the micro-batches are priced one after
-another.
+That needs the exchange to wait on a resource of its own, which it does where each rank has
+a compute slot (GPUs; `exchange_hides`). Ranks sharing a host's cores move rows on those
+cores, across a link or not, so there the micro-batches are priced one after another.
 Under ``pipeline_degree="auto"`` each of the tuner's block candidates (`block_overlaps`) is
 priced and the fastest taken, as the tuner takes it. Not modelled: ``dedup`` (priced as the
 exchange it stands in for; its saving across nodes is the tuner's to measure) and the
