@@ -33,9 +33,9 @@ measurement per stride says what that costs. ``p2p`` and ``p2p/s{s}`` are a send
 rank to the one 1 or s ranks on (what a pipeline stage hands its neighbour), timed on the
 pairs {0, s}, {1, 1 + s}, ... of the world: a pipeline of more than two stages also has hops
 that these pairs do not cover, so a hop across a node's link is read off a stride whose
-pairs all cross one (`ModelCosts.hop`). ``optimizer`` is what the trainer does per parameter after
-the backward: the gradient-norm clip's pass over the gradients and AdamW's step, seconds vs
-parameters.
+pairs all cross one (`ModelCosts.hop`). ``optimizer`` is what the trainer does per
+parameter after the backward: the gradient-norm clip's pass over the gradients and AdamW's
+step, seconds vs parameters.
 
 `sparta.planner.measure.measure_costs` measures them on the hardware at hand;
 `sparta.planner.hardware.analytic_costs` derives them from published figures.
@@ -98,9 +98,9 @@ class ModelCosts:
     rank's threads; a GPU per rank: as many as there are ranks); ranks_per_host: how many
     ranks share a host's cores. Ranks beyond the slots share them (see simulate.py): parts
     are timed on one rank alone for that reason. ranks_per_node: how many consecutive ranks
-    sit behind one network link (the launcher's local size): an ep group wider than that
-    crosses the link. The two differ on the emulated cluster, whose nodes share this
-    machine's cores unpinned: 8 ranks on one host, 4 behind each link.
+    sit behind one network link (the launcher's local size): a pipeline hop between ranks of
+    two nodes crosses it (`hop`). The two differ on the emulated cluster, whose nodes share
+    this machine's cores unpinned: 8 ranks on one host, 4 behind each link.
     """
 
     parts: dict[str, PartCost]
@@ -144,8 +144,11 @@ class ModelCosts:
         across its 100 Mbit/s link took the loopback pairs' figure, and a pp4 plan ran 0.39 s
         a step against 0.26 s predicted."""
         node = self.ranks_per_node
-        measured = {f"p2p/s{s}" for s in range(1, self.world)} & {*self.comm, *("p2p/s1",) * ("p2p" in self.comm)}
-        across = [s for s in range(node, self.world, node) if f"p2p/s{s}" in measured]
+
+        def measured(stride: int) -> bool:
+            return f"p2p/s{stride}" in self.comm or (stride == 1 and "p2p" in self.comm)
+
+        across = [s for s in range(node, self.world, node) if measured(s)]
         if self.link(first, second, replicas) is None or not across:
             return self.collective("p2p", 2, nbytes, replicas)
         share = min(replicas, node) / node  # of the measurement's pairs on one link

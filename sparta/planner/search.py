@@ -56,7 +56,8 @@ class Space:
     data-parallel strategies tried; vocab_stages: also the head as pipeline stages of its own
     (and, on looped schedules, the token embedding too, at 3 stages per rank); overlaps: the
     micro-batch counts an MoE model's blocks are tried in (``MoESpec.overlap``), where the
-    layout lets them overlap and the run leaves them to the search. A narrower
+    layout lets them overlap, the exchange can hide and the run leaves them to the search.
+    A narrower
     space is what makes 1,024-device searches quick: torch builds an interleaved table of 64
     ranks x 512 micro-batches in ~15 s."""
 
