@@ -201,3 +201,10 @@ def overlap_refusal(config: ParallelConfig, dims: ParallelDims) -> str | None:
     if config.recompute:
         return f"recompute={list(config.recompute)} would run the micro-batches' exchanges again in backward"
     return None
+
+
+def tunes_blocks(config: ParallelConfig, dims: ParallelDims) -> bool:
+    """Whether ``pipeline_degree="auto"`` also times the MoE blocks over micro-batches: where
+    they can overlap at all, and not under fsdp, where timing a block would run its unit's
+    gathers outside the step. Pure."""
+    return overlap_refusal(config, dims) is None and config.data_parallel != "fsdp"

@@ -49,7 +49,7 @@ from sparta.parallel.decoder import Block
 from sparta.parallel.dims import Layout
 from sparta.parallel.experts import check_expert_tp, hierarchical_ep, moe_layers, two_level_pays
 from sparta.parallel.model import VOCAB_STYLE, ParallelModel, loss_fn
-from sparta.parallel.parallel_config import ParallelConfig, overlap_refusal
+from sparta.parallel.parallel_config import ParallelConfig, tunes_blocks
 from sparta.parallel.pipeline import (
     ZERO_BUBBLE,
     ModelParts,
@@ -288,9 +288,7 @@ def parallelize(
     if config.moe is not None and config.moe.auto:
         named = [(n, m) for module in modules for n, m in module.named_modules()]
         layers = {n: m for n, m in named if isinstance(m, MoELayer)}
-        # blocks the tuner may cut into micro-batches: timing one under FSDP2 would run its
-        # unit's gathers outside the step, so those keep the chunked exchange alone
-        overlap = overlap_refusal(config, dims) is None and config.data_parallel != "fsdp"
+        overlap = tunes_blocks(config, dims)  # else the layers keep the chunked exchange alone
         blocks = {n: m for n, m in named if overlap and isinstance(m, Block) and isinstance(m.mlp, MoELayer)}
         auto = AutoSchedule(layers, moe_exchange, blocks=blocks)
     return ParallelModel(layout, config, modules, schedule, data_parallel, plan, has_first=0 in mine,

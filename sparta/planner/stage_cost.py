@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from sparta.errors import ConfigError
 from sparta.parallel.auto_schedule import BLOCK_MICROBATCHES
-from sparta.parallel.parallel_config import overlap_refusal
+from sparta.parallel.parallel_config import tunes_blocks
 from sparta.scheduling.timeline import timeline
 
 from .costs import ModelCosts
@@ -219,14 +219,14 @@ def stage_cost(
 def block_overlaps(plan: Plan, sequences: float) -> Sequence[int]:
     """The micro-batch counts ``plan``'s MoE blocks may run in at ``sequences`` per pipeline
     micro-batch: ``MoESpec.overlap`` as set; under ``pipeline_degree="auto"`` the tuner's
-    candidates where the trainer tunes blocks (`BLOCK_MICROBATCHES` up to the sequences; not
-    over fsdp or where `overlap_refusal` says no), of which the simulator takes the fastest
-    block, as the tuner does. ConfigError for an overlap past the sequences."""
+    candidates where the trainer tunes blocks (`BLOCK_MICROBATCHES` up to the sequences, where
+    `tunes_blocks`), of which the simulator takes the fastest block, as the tuner does.
+    ConfigError for an overlap past the sequences."""
     spec, config = plan.config.moe, plan.config
     if spec is None:
         return (1,)
     if spec.auto:
-        if overlap_refusal(config, plan.dims) is None and config.data_parallel != "fsdp":
+        if tunes_blocks(config, plan.dims):
             return tuple(m for m in BLOCK_MICROBATCHES if m <= sequences)
         return (1,)
     if spec.overlap > sequences:
