@@ -3,6 +3,7 @@ any layout builds the same experts as one process, and the co-scheduler's exchan
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -172,18 +173,44 @@ def check_expert_tp(module: nn.Module, tp: int) -> None:
                 raise ConfigError(f"{path}: {exc}") from None
 
 
-def _ep_by_node(layout: Layout) -> list[list[list[int]]]:
-    """Each expert-parallel group's ranks, split by the world's nodes (the nodes it touches)."""
-    nodes = layout.world.node_ranks
-    groups = layout.dims.ep_groups()
+def _ep_by_node(groups: list[list[int]], nodes: Sequence[Sequence[int]]) -> list[list[list[int]]]:
+    """Each expert-parallel group's ranks, split by ``nodes`` (the nodes it touches)."""
     return [[ranks for node in nodes if (ranks := [r for r in group if r in node])] for group in groups]
+
+
+@dataclass(frozen=True)
+class EpGrid:
+    """How every expert-parallel group lies over the nodes: ``nodes`` of them with ``local``
+    ranks on each, ``local_stride`` world ranks apart within a node and ``node_stride``
+    apart from one node's rank to the next node's of the same local index (the inter-node
+    group of a two-level all-to-all)."""
+
+    nodes: int
+    local: int
+    local_stride: int
+    node_stride: int
+
+
+def ep_grid(groups: list[list[int]], nodes: Sequence[Sequence[int]]) -> EpGrid | None:
+    """The grid every group of ``groups`` (`ParallelDims.ep_groups`) forms over ``nodes``
+    (each node's world ranks), or None where a group has unequal ranks on its nodes, or
+    the groups lie differently. Pure."""
+    grids = set()
+    for by_node in _ep_by_node(groups, nodes):
+        if len({len(ranks) for ranks in by_node}) != 1:
+            return None
+        first = by_node[0]
+        local_stride = first[1] - first[0] if len(first) > 1 else 1
+        node_stride = by_node[1][0] - first[0] if len(by_node) > 1 else 1
+        grids.add(EpGrid(len(by_node), len(first), local_stride, node_stride))
+    return grids.pop() if len(grids) == 1 else None
 
 
 def two_level_pays(layout: Layout) -> bool:
     """Whether a two-level all-to-all can serve the expert-parallel groups and might pay:
     every group spans more than one node, with as many of its ranks on each. Pure."""
-    groups = _ep_by_node(layout)
-    return layout.dims.ep > 1 and all(len(g) > 1 and len({len(r) for r in g}) == 1 for g in groups)
+    grid = ep_grid(layout.dims.ep_groups(), layout.world.node_ranks)
+    return layout.dims.ep > 1 and grid is not None and grid.nodes > 1
 
 
 def hierarchical_ep(layout: Layout) -> HierarchicalAllToAll:
@@ -191,7 +218,8 @@ def hierarchical_ep(layout: Layout) -> HierarchicalAllToAll:
     Collective over the world (every rank builds its group's)."""
     world = layout.world
     intra_groups, inter_groups = [], []
-    for group, by_node in zip(layout.dims.ep_groups(), _ep_by_node(layout), strict=True):
+    groups = layout.dims.ep_groups()
+    for group, by_node in zip(groups, _ep_by_node(groups, world.node_ranks), strict=True):
         if len({len(ranks) for ranks in by_node}) != 1:
             raise ConfigError(
                 f"MoESpec.hierarchical: the expert-parallel group {group} has {[len(r) for r in by_node]} ranks on its "

@@ -9,7 +9,8 @@ or V), every micro-batch count dividing a dp rank's batch, and data parallelism 
 "sparta" strategy (replicated, bucketed) or "fsdp" (sharded, for memory; only over dp > 1:
 see FSDP_ALONE), and for an MoE model its blocks whole or over 2 or 4 micro-batches
 (``MoESpec.overlap``) where the layout lets them overlap and the exchange can hide
-(`exchange_hides`: not where ranks share a host's cores). Each candidate's
+(`exchange_hides`: not where ranks share a host's cores), each also with its tokens
+deduplicated per node (``MoESpec.dedup``) where the ep groups span nodes. Each candidate's
 stages are balanced on the predicted per-layer cost (the exact split of
 `pipeline.split_by_cost`, counting embedding and head), then checked by the trainer's own
 `ParallelConfig.check`; what it refuses is rejected with its message. A plan over the
@@ -38,7 +39,7 @@ from sparta.parallel.pipeline import SCHEDULES, ZERO_BUBBLE, ModelParts, split_b
 
 from .costs import ModelCosts, model_fingerprint
 from .simulate import Plan, Prediction, Workload, simulate
-from .stage_cost import exchange_hides
+from .stage_cost import exchange_hides, spans_nodes
 
 STRATEGIES = ("sparta", "fsdp")
 # Over one dp rank FSDP shards nothing (the memory of "sparta") and still unshards and
@@ -56,7 +57,9 @@ class Space:
     data-parallel strategies tried; vocab_stages: also the head as pipeline stages of its own
     (and, on looped schedules, the token embedding too, at 3 stages per rank); overlaps: the
     micro-batch counts an MoE model's blocks are tried in (``MoESpec.overlap``), where the
-    layout lets them overlap, the exchange can hide and the run leaves them to the search.
+    layout lets them overlap, the exchange can hide and the run leaves them to the search;
+    dedup: also those blocks (and whole ones) with their tokens deduplicated per node
+    (``MoESpec.dedup``), where the ep groups span nodes evenly.
     A narrower
     space is what makes 1,024-device searches quick: torch builds an interleaved table of 64
     ranks x 512 micro-batches in ~15 s."""
@@ -67,6 +70,7 @@ class Space:
     strategies: tuple[str, ...] = STRATEGIES
     vocab_stages: bool = True
     overlaps: tuple[int, ...] = BLOCK_MICROBATCHES
+    dedup: bool = True
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.schedules or () if s not in SCHEDULES]
@@ -80,6 +84,8 @@ class Space:
             raise ConfigError(f"Space.strategies={self.strategies!r}: choose from {STRATEGIES}")
         if any(not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in self.overlaps):
             raise ConfigError(f"Space.overlaps={self.overlaps!r} must be positive integers (MoESpec.overlap)")
+        if not isinstance(self.dedup, bool):
+            raise ConfigError(f"Space.dedup={self.dedup!r} must be True or False")
 
 
 @dataclass(frozen=True)
@@ -185,7 +191,7 @@ def search(
     fits: list[Ranked] = []
     over: list[Ranked] = []
     rejected: Counter[str] = Counter()
-    overlaps = _searched_overlaps(base, space) if exchange_hides(costs) else ()
+    blocks = _searched_blocks(base, space, exchange_hides(costs))
     for dims in layouts(world, work, space.max_tp):
         per_dp = work.global_batch // dims.dp if work.global_batch % dims.dp == 0 else 0
         if not per_dp:
@@ -217,7 +223,7 @@ def search(
                     except ConfigError as exc:
                         rejected[_reason(str(exc))] += 1
                         continue
-                    for tried in _block_variants(config, dims, per_dp // mb, overlaps):
+                    for tried in _block_variants(config, dims, per_dp // mb, blocks, spans_nodes(dims, costs)):
                         try:
                             ranked = _fitted(costs, work, Plan(dims, tried), memory_bytes)
                         except ConfigError as exc:
@@ -229,10 +235,13 @@ def search(
     return SearchResult(fits, over, dict(rejected.most_common()))
 
 
-def _searched_overlaps(base: ParallelConfig, space: Space) -> tuple[int, ...]:
-    """The blocks' micro-batch counts to try beyond the run's own: ``space.overlaps`` where
-    the run leaves them to the search (an MoE run whose spec can overlap, with neither
-    ``overlap`` nor ``dedup`` set nor ``pipeline_degree="auto"``, whose tuner picks them)."""
+def _searched_blocks(base: ParallelConfig, space: Space, hides: bool) -> tuple[tuple[int, bool], ...]:
+    """The ways (micro-batches, deduplicated) to run the MoE blocks that the search tries
+    beyond the run's own, where the run leaves them to it (an MoE run whose spec can
+    overlap, with neither ``overlap`` nor ``dedup`` set nor ``pipeline_degree="auto"``, whose
+    tuner picks them): ``space.overlaps`` where the exchange can hide (``hides``), and under
+    ``space.dedup`` each count deduplicated (`_block_variants` keeps those to layouts whose
+    groups span nodes)."""
     moe = base.moe
     if moe is None or moe.auto or moe.overlap_asked:
         return ()
@@ -240,20 +249,23 @@ def _searched_overlaps(base: ParallelConfig, space: Space) -> tuple[int, ...]:
         dataclasses.replace(moe, overlap=2)
     except ConfigError:  # a router or capacity whose routing spans the batch
         return ()
-    return tuple(m for m in space.overlaps if m > 1)
+    counts = tuple(m for m in space.overlaps if m > 1) if hides else ()
+    deduplicated = tuple((m, True) for m in (1, *counts)) if space.dedup else ()
+    return tuple((m, False) for m in counts) + deduplicated
 
 
 def _block_variants(
-    config: ParallelConfig, dims: ParallelDims, sequences: int, overlaps: tuple[int, ...]
+    config: ParallelConfig, dims: ParallelDims, sequences: int, blocks: tuple[tuple[int, bool], ...], spans: bool
 ) -> Iterator[ParallelConfig]:
-    """``config`` as it is, then with its MoE blocks over each of ``overlaps`` micro-batches
-    where the layout lets them overlap and a pipeline micro-batch has that many sequences."""
+    """``config`` as it is, then with its MoE blocks each way of ``blocks`` where the layout
+    lets them overlap, a pipeline micro-batch has that many sequences and, for a
+    deduplicated one, the ep groups span nodes evenly (``spans``)."""
     yield config
     if config.moe is None or overlap_refusal(config, dims) is not None:
         return
-    for m in overlaps:
-        if m <= sequences:
-            yield dataclasses.replace(config, moe=dataclasses.replace(config.moe, overlap=m))
+    for m, dedup in blocks:
+        if m <= sequences and (spans or not dedup):
+            yield dataclasses.replace(config, moe=dataclasses.replace(config.moe, overlap=m, dedup=dedup))
 
 
 @functools.lru_cache(maxsize=256)
@@ -276,7 +288,7 @@ def _fitted(costs: ModelCosts, work: Workload, plan: Plan, memory_bytes: float) 
     parameter group (1 + 8 forwards for a Decoder block), which no plan gains from; nor with
     its MoE blocks over micro-batches, which would run their exchanges again."""
     prediction = simulate(costs, work, plan)
-    overlapped = plan.config.moe is not None and plan.config.moe.overlap > 1  # the trainer refuses both
+    overlapped = plan.config.moe is not None and bool(plan.config.moe.overlap_asked)  # the trainer refuses both
     if prediction.max_peak_bytes <= memory_bytes or plan.config.schedule in ZERO_BUBBLE or overlapped:
         return Ranked(plan, prediction)
     dims, spr = plan.dims, plan.config.stages_per_rank
@@ -317,7 +329,7 @@ PLAN_FIELDS = (
 # written by later versions only: a plan file without them still reads (as their default)
 _LATER_FIELDS = frozenset({"vocab_stages", "embedding_stages"})
 # an MoE plan's [parallel.moe] fields (written after the rest, as ``moe.overlap = 2``)
-PLAN_MOE_FIELDS = ("overlap",)
+PLAN_MOE_FIELDS = ("overlap", "dedup")
 
 
 def write_plan(path: str | Path, ranked: Ranked, work: Workload, world: int, costs: ModelCosts) -> None:

@@ -49,10 +49,15 @@ worth; what the replay leaves of its exchanges exposed counts as the action's co
 That needs the exchange to wait on a resource of its own, which it does where each rank has
 a compute slot (GPUs; `exchange_hides`). Ranks sharing a host's cores move rows on those
 cores, across a link or not, so there the micro-batches are priced one after another.
-Under ``pipeline_degree="auto"`` each of the tuner's block candidates (`block_overlaps`) is
-priced and the fastest taken, as the tuner takes it. Not modelled: ``dedup`` (priced as the
-exchange it stands in for; its saving across nodes is the tuner's to measure) and the
-co-scheduler's chunks (``pipeline_degree``).
+
+Two-level exchanges (`ep_exchange`, over the ep groups' grid of nodes, `ep_grid_of`):
+``MoESpec.hierarchical`` moves each all-to-all's rows inside the node, then across;
+``dedup`` crosses once per token and node it needs (`distinct_nodes`, under uniform
+routing) and moves a row per pair inside the node; both on the plain layer.
+Under ``pipeline_degree="auto"`` each of the tuner's block candidates (`block_candidates`:
+1, 2 and 4 micro-batches, each deduplicated too where the groups span nodes) is priced and
+the fastest taken, as the tuner takes it. Not modelled: the co-scheduler's chunks
+(``pipeline_degree``) and its choice between the flat and the two-level exchange.
 
 After the last action the rank's gradient sync runs: the dense gradients' all-reduce over
 dp, which the bucketed strategies overlap with the last micro-batch's backward (only what

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import comb
 from typing import TYPE_CHECKING
 
 from sparta.errors import ConfigError
 from sparta.parallel.auto_schedule import BLOCK_MICROBATCHES
+from sparta.parallel.dims import ParallelDims
+from sparta.parallel.experts import EpGrid, MoESpec, ep_grid
 from sparta.parallel.parallel_config import tunes_blocks
 from sparta.scheduling.timeline import timeline
 
@@ -115,7 +118,7 @@ def stage_cost(
             reduced = at * cfg.d_model * costs.element_bytes  # the activations' all-reduce
             add(into, part, dims.tp, costs.collective("all_reduce", dims.tp, reduced), at=at, waits=waits)
 
-    def add_moe(into: list[float], at: float = tokens, waits: list[float] | None = None) -> None:
+    def add_moe(into: list[float], at: float = tokens, waits: list[float] | None = None, dedup: bool = False) -> None:
         # tokens x top_k rows out and back; under tp the experts' hidden units split over
         # it (MoESpec.expert_tp: the layer's per-token time divided, its rows all-reduced
         # once each way) or replicated
@@ -124,31 +127,37 @@ def stage_cost(
         measured = f"moe/ep{dims.ep}"  # timed over ep groups of adjacent ranks, flat exchange
         split_measured = f"moe/tp{dims.tp}"  # timed with its experts split over adjacent ranks
         both_measured = f"moe/ep{dims.ep}tp{dims.tp}"  # both, ep groups tp apart as in the mesh
-        if dims.ep > 1 and dims.tp == 1 and not moe.hierarchical and measured in costs.parts:
+        spec = plan.config.moe  # the run's exchange (work.moe: the model's experts)
+        two_level = dims.ep > 1 and (dedup or (spec is not None and spec.hierarchical))
+        if dims.ep > 1 and dims.tp == 1 and not two_level and measured in costs.parts:
             add(into, measured, 1, group=dims.ep, at=at, waits=waits)
         elif dims.ep == 1 and split > 1 and split_measured in costs.parts:
             add(into, split_measured, 1, at=at, waits=waits)
-        elif dims.ep > 1 and split > 1 and not moe.hierarchical and both_measured in costs.parts:
+        elif dims.ep > 1 and split > 1 and not two_level and both_measured in costs.parts:
             add(into, both_measured, 1, group=dims.ep * dims.tp, at=at, waits=waits)
         else:
             rows = at * cfg.d_model * costs.element_bytes * moe.top_k
-            comm = 2 * costs.collective("all_to_all", dims.ep, rows, stride=dims.tp)
+            if two_level:
+                comm = ep_exchange(costs, moe, cfg.d_model, at, ep_grid_of(dims, costs), dedup)
+            else:
+                comm = 2 * costs.collective("all_to_all", dims.ep, rows, stride=dims.tp)
             if split > 1:
                 comm += costs.collective("all_reduce", split, rows)
             # the rows it saves are whole on every tp rank, only the hidden units split:
             # counted whole (the budget errs safe)
             add(into, "moe", split, comm, saved_split=1, at=at, waits=waits)
 
-    def moe_block(m: int) -> tuple[list[float], list[float]]:
-        # an MoE block over m micro-batches: its compute ([fwd, bwd, bwd_input, saved,
-        # zb_bwd], summed over them) and each pass's seconds end to end. Over several,
-        # `timeline` replays overlapped_block's order: forward, one's attention computes
-        # while another's rows travel; backward, the attention's backward takes the rows
-        # that return. The waits it leaves exposed join the action's collectives
+    def moe_block(m: int, dedup: bool) -> tuple[list[float], list[float]]:
+        # an MoE block over m micro-batches, its tokens deduplicated per node or not: its
+        # compute ([fwd, bwd, bwd_input, saved, zb_bwd], summed over them) and each pass's
+        # seconds end to end. Over several, `timeline` replays overlapped_block's order:
+        # forward, one's attention computes while another's rows travel; backward, the
+        # attention's backward takes the rows that return. The waits it leaves exposed join
+        # the action's collectives
         attention, experts = [0.0] * 5, [0.0] * 5
         attention_waits, exchange = [0.0] * 3, [0.0] * 3
         add_dense("attention", attention, tokens / m, attention_waits)
-        add_moe(experts, tokens / m, exchange)
+        add_moe(experts, tokens / m, exchange, dedup)
         compute = [m * (a + e) for a, e in zip(attention, experts, strict=True)]
         if m == 1 or not hides:
             return compute, [compute[i] + m * (attention_waits[i] + exchange[i]) for i in range(3)]
@@ -159,12 +168,12 @@ def stage_cost(
             ends.append(timeline([exchange[i] / 2] * m, [experts[i]] * m, **where).end_s)
         return compute, ends
 
-    counts = block_overlaps(plan, tokens / cfg.seq_len)
+    candidates = block_candidates(plan, tokens / cfg.seq_len, ep_grid_of(dims, costs))
     hides = exchange_hides(costs)
     for layer in layers:
         before, dense_before = blocks[3], dense
         if moe is not None and layer % moe.every == 0:
-            compute, ends = min((moe_block(m) for m in counts), key=lambda b: b[1][0] + b[1][1])
+            compute, ends = min((moe_block(*c) for c in candidates), key=lambda b: b[1][0] + b[1][1])
             for i in range(5):
                 blocks[i] += compute[i]
             for i in range(3):
@@ -216,25 +225,81 @@ def stage_cost(
     return StageCost(fwd, bwd, bwd_input, zb_bwd, *comms, saved, transient, dense + expert, dense, expert, held)
 
 
-def block_overlaps(plan: Plan, sequences: float) -> Sequence[int]:
-    """The micro-batch counts ``plan``'s MoE blocks may run in at ``sequences`` per pipeline
-    micro-batch: ``MoESpec.overlap`` as set; under ``pipeline_degree="auto"`` the tuner's
+def block_candidates(plan: Plan, sequences: float, grid: EpGrid | None) -> Sequence[tuple[int, bool]]:
+    """The (micro-batches, deduplicated) ways ``plan``'s MoE blocks may run at ``sequences``
+    per pipeline micro-batch, ``grid`` being its ep groups over the nodes (`ep_grid_of`):
+    ``MoESpec.overlap`` and ``dedup`` as set; under ``pipeline_degree="auto"`` the tuner's
     candidates where the trainer tunes blocks (`BLOCK_MICROBATCHES` up to the sequences, where
-    `tunes_blocks`), of which the simulator takes the fastest block, as the tuner does.
-    ConfigError for an overlap past the sequences."""
+    `tunes_blocks`, each also deduplicated where the groups span nodes evenly), of which the
+    simulator takes the fastest block, as the tuner does. ConfigError for an overlap past
+    the sequences, or a two-level exchange (hierarchical, dedup) over groups that lie
+    unevenly on the nodes, as the trainer refuses it."""
     spec, config = plan.config.moe, plan.config
     if spec is None:
-        return (1,)
+        return ((1, False),)
+    if (spec.hierarchical or spec.dedup) and plan.dims.ep > 1 and grid is None:
+        raise ConfigError(
+            f"MoESpec.{'dedup' if spec.dedup else 'hierarchical'}: the expert-parallel groups of {plan.dims.ep} ranks "
+            "do not lie evenly over the nodes; the two-level all-to-all needs as many ranks on each (launch equal "
+            "ranks per node, or set it False)"
+        )
     if spec.auto:
         if tunes_blocks(config, plan.dims):
-            return tuple(m for m in BLOCK_MICROBATCHES if m <= sequences)
-        return (1,)
+            counts = [m for m in BLOCK_MICROBATCHES if m <= sequences]
+            spans = grid is not None and grid.nodes > 1  # as spans_nodes
+            return [(m, False) for m in counts] + [(m, True) for m in counts if spans]
+        return ((1, False),)
     if spec.overlap > sequences:
         raise ConfigError(
             f"MoESpec.overlap={spec.overlap} cuts each block's batch into whole sequences, but a pipeline "
             f"micro-batch holds {sequences:g}: lower overlap or microbatches"
         )
-    return (spec.overlap,)
+    return ((spec.overlap, spec.dedup),)
+
+
+def ep_grid_of(dims: ParallelDims, costs: ModelCosts) -> EpGrid | None:
+    """How the expert-parallel groups of ``dims`` lie over nodes of ``costs.ranks_per_node``
+    consecutive ranks (`experts.ep_grid`)."""
+    world, node = dims.world_size, costs.ranks_per_node
+    return ep_grid(dims.ep_groups(), [range(r, min(r + node, world)) for r in range(0, world, node)])
+
+
+def spans_nodes(dims: ParallelDims, costs: ModelCosts) -> bool:
+    """Whether every expert-parallel group of ``dims`` spans several nodes evenly, where
+    the trainer weighs the two-level exchange (`experts.two_level_pays`)."""
+    grid = ep_grid_of(dims, costs)
+    return dims.ep > 1 and grid is not None and grid.nodes > 1
+
+
+def distinct_nodes(num_experts: int, top_k: int, nodes: int) -> float:
+    """The nodes a token's top_k distinct experts lie on, expected under uniform routing
+    with the experts spread evenly over ``nodes``: nodes x (1 - C(E - E/nodes, k) / C(E, k))."""
+    return nodes * (1 - comb(num_experts - num_experts // nodes, top_k) / comb(num_experts, top_k))
+
+
+def ep_exchange(
+    costs: ModelCosts, moe: MoESpec, d_model: int, tokens: float, grid: EpGrid | None, dedup: bool
+) -> float:
+    """Seconds of one pass's two-level exchanges (`sparta.comm.HierarchicalAllToAll`) over
+    ``grid`` for ``tokens`` tokens, rows out and back. Plain (``MoESpec.hierarchical``): each
+    all-to-all moves the tokens x top_k rows inside the node, then across. Deduplicated
+    (``dedup``, `sparta.moe.overlapped_moe_block`): across, one row per token and node it
+    needs (`distinct_nodes`), its k weights and k expert slots beside it out and the summed
+    row back; inside, one row per pair each way."""
+    assert grid is not None
+    row = d_model * costs.element_bytes
+    pairs = tokens * moe.top_k * row
+
+    def inside(nbytes: float) -> float:
+        return costs.collective("all_to_all", grid.local, nbytes, stride=grid.local_stride)
+
+    def across(nbytes: float) -> float:
+        return costs.collective("all_to_all", grid.nodes, nbytes, stride=grid.node_stride)
+
+    if not dedup:
+        return 2 * (inside(pairs) + across(pairs))
+    needed = tokens * distinct_nodes(moe.num_experts, moe.top_k, grid.nodes)
+    return across(needed * (row + 2 * moe.top_k * costs.element_bytes)) + across(needed * row) + 2 * inside(pairs)
 
 
 def exchange_hides(costs: ModelCosts) -> bool:
