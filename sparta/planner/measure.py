@@ -195,7 +195,7 @@ def _part(
     fwd = _fit(profiler, rows, lambda n: _call(module, make(n)), active)
     # the backward as a step runs it: on a fresh graph, which it frees as it goes (timed with
     # its forward, less the forward). Repeated on one retained graph it missed that: the MoE
-    # layer's (d 128, 256 tokens, one thread) took 3.0-3.4 ms fresh against 2.4-2.6 retained
+    # layer's (d 128, 256 tokens, one thread) took 3.9-4.1 ms fresh against 3.0-3.4 retained
     both = _fit(profiler, rows, lambda n: _backward_fresh(module, make(n)), active)
     forward = dict(fwd.samples)
     bwd = LinearFit.fit([(n, max(0.0, t - forward[n])) for n, t in both.samples])
