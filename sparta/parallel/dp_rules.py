@@ -13,6 +13,7 @@ from sparta.embedding import SparseEmbedding, VocabParallelHead
 from sparta.errors import ConfigError
 from sparta.moe import MoELayer
 from sparta.parallel.dims import Layout
+from sparta.parallel.vocab_stages import VocabShard
 
 STRATEGIES = ("ddp", "fsdp", "horovod", "sparta")
 
@@ -30,10 +31,12 @@ def fsdp_units(module: nn.Module, ignored: set[nn.Parameter]) -> list[tuple[list
     final norm and output head one together, kept gathered from forward to backward (backward
     needs them first: resharding would only gather them again at once, unoverlapped). A tied
     head stays in the module's own unit. Children whose every parameter is ``ignored``
-    (shards, experts) are no unit."""
+    (shards, experts) are no unit, nor a vocabulary stage's rows (`VocabShard`): the
+    embedding stages read their weight in their own forward, which would find it sharded
+    (a unit is gathered when its own forward runs), so they stay in the stage's unit."""
 
     def owned(*children: nn.Module | None) -> list[nn.Module]:
-        kept = [c for c in children if isinstance(c, nn.Module)]
+        kept = [c for c in children if isinstance(c, nn.Module) and not isinstance(c, VocabShard)]
         mine = [p for c in kept for p in c.parameters() if p not in ignored]
         return kept if mine else []
 

@@ -394,11 +394,14 @@ def _bind(check: Callable[[Layout], None], layout: Layout) -> Callable[[sparta.W
 
 # the head split over the pipeline ranks: under zero-bubble (its W gradients by autograd.grad)
 # with the shards replicated over tp; looped, one schedule (and shape inference) per length;
-# and with the token embedding's stages in front (3 stages per rank), its layers recomputed
+# and with the token embedding's stages in front (3 stages per rank), its layers recomputed,
+# or sharded by FSDP2
 VOCAB_STAGES = [
     parity("ZBVZeroBubble", 2, "sparta", vocab_stages=True),
     parity("Interleaved1F1B", 2, "sparta", ragged=True, lengths=(5, MODEL.seq_len), uneven=True, vocab_stages=True),
     parity("Interleaved1F1B", 3, "sparta", vocab_stages=True, embedding_stages=True, recompute=(2,)),
+    # under FSDP2: the embedding stages read their rows' weight in their own forward
+    parity("LoopedBFS", 3, "fsdp", vocab_stages=True, embedding_stages=True),
 ]
 
 CHECKS: dict[str, list[Callable[[Layout], None]]] = {

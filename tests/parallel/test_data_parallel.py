@@ -56,9 +56,11 @@ def test_queued_table_rows_and_a_step_that_never_looks_it_up() -> None:
 def test_fsdp_units_follow_the_decoder() -> None:
     """FSDP2's units under "fsdp": the token embedding, each layer, then the final norm and
     head together (kept gathered from forward to backward); a tied head stays with the root,
-    and a sharded table (its weight ignored by FSDP) is no unit."""
+    and a sharded table (its weight ignored by FSDP) or a vocabulary stage's rows is no unit."""
     from sparta.parallel import Decoder, DecoderConfig
     from sparta.parallel.dp_rules import fsdp_units
+    from sparta.parallel.pipeline import ModelParts
+    from sparta.parallel.vocab_stages import embedding_stage, head_stage
 
     model = Decoder(DecoderConfig(vocab_size=32, seq_len=8, d_model=8, n_layers=2, n_heads=2, d_ff=16))
     units = fsdp_units(model, set())
@@ -69,5 +71,10 @@ def test_fsdp_units_follow_the_decoder() -> None:
         ([model.norm, model.output], False),
     ]
     assert fsdp_units(model, {model.tok_emb.weight})[0] == ([model.layers["0"]], True)
+    # a vocabulary stage's rows stay in the stage's own unit: an embedding stage reads their
+    # weight in its own forward, so a unit of theirs would be found sharded
+    parts = ModelParts(("tok_emb",), ("layers.0", "layers.1"), ("norm", "output"), ())
+    for stage in (embedding_stage(model, parts, 0, 2), head_stage(model, parts, 0, 2), head_stage(model, parts, 1, 2)):
+        assert fsdp_units(stage, set()) == [], stage
     model.output.weight = model.tok_emb.weight
     assert fsdp_units(model, set()) == [([model.layers["0"]], True), ([model.layers["1"]], True)]
