@@ -190,6 +190,11 @@ class EpGrid:
     local_stride: int
     node_stride: int
 
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the groups cross nodes: where a two-level all-to-all might pay."""
+        return self.nodes > 1
+
 
 def ep_grid(groups: list[list[int]], nodes: Sequence[Sequence[int]]) -> EpGrid | None:
     """The grid every group of ``groups`` (`ParallelDims.ep_groups`) forms over ``nodes``
@@ -210,7 +215,7 @@ def two_level_pays(layout: Layout) -> bool:
     """Whether a two-level all-to-all can serve the expert-parallel groups and might pay:
     every group spans more than one node, with as many of its ranks on each. Pure."""
     grid = ep_grid(layout.dims.ep_groups(), layout.world.node_ranks)
-    return layout.dims.ep > 1 and grid is not None and grid.nodes > 1
+    return grid is not None and grid.spans_nodes
 
 
 def hierarchical_ep(layout: Layout) -> HierarchicalAllToAll:

@@ -59,6 +59,7 @@ def stage_cost(
     # (embedding, head), and the collectives' seconds inside fwd, bwd and bwd_input
     blocks, extras, comms = [0.0] * 5, [0.0] * 5, [0.0] * 3
     largest_block = dense = expert = 0.0
+    grid = ep_grid_of(dims, costs)  # the ep groups over the nodes, for two-level exchanges
     units: list[tuple[float, bool]] = []
 
     def add(
@@ -138,7 +139,7 @@ def stage_cost(
         else:
             rows = at * cfg.d_model * costs.element_bytes * moe.top_k
             if two_level:
-                comm = ep_exchange(costs, moe, cfg.d_model, at, ep_grid_of(dims, costs), dedup)
+                comm = ep_exchange(costs, moe, cfg.d_model, at, grid, dedup)
             else:
                 comm = 2 * costs.collective("all_to_all", dims.ep, rows, stride=dims.tp)
             if split > 1:
@@ -168,7 +169,7 @@ def stage_cost(
             ends.append(timeline([exchange[i] / 2] * m, [experts[i]] * m, **where).end_s)
         return compute, ends
 
-    candidates = block_candidates(plan, tokens / cfg.seq_len, ep_grid_of(dims, costs))
+    candidates = block_candidates(plan, tokens / cfg.seq_len, grid)
     hides = exchange_hides(costs)
     for layer in layers:
         before, dense_before = blocks[3], dense
@@ -246,7 +247,7 @@ def block_candidates(plan: Plan, sequences: float, grid: EpGrid | None) -> Seque
     if spec.auto:
         if tunes_blocks(config, plan.dims):
             counts = [m for m in BLOCK_MICROBATCHES if m <= sequences]
-            spans = grid is not None and grid.nodes > 1  # as spans_nodes
+            spans = grid is not None and grid.spans_nodes
             return [(m, False) for m in counts] + [(m, True) for m in counts if spans]
         return ((1, False),)
     if spec.overlap > sequences:
@@ -268,7 +269,7 @@ def spans_nodes(dims: ParallelDims, costs: ModelCosts) -> bool:
     """Whether every expert-parallel group of ``dims`` spans several nodes evenly, where
     the trainer weighs the two-level exchange (`experts.two_level_pays`)."""
     grid = ep_grid_of(dims, costs)
-    return dims.ep > 1 and grid is not None and grid.nodes > 1
+    return grid is not None and grid.spans_nodes
 
 
 def distinct_nodes(num_experts: int, top_k: int, nodes: int) -> float:
