@@ -64,9 +64,9 @@ dp, which the bucketed strategies overlap with the last micro-batch's backward (
 sticks out past it counts), the experts' over their replicas; then AdamW. Under fsdp the
 reduction is one reduce-scatter per unit (`_reduce_scatter`: an all-reduce of its gradients
 on gloo, which runs it so, an all-gather's bytes on NCCL), and waits after the last action
-(torch's schedules hold it to the end, and gloo reduce-scatters inside the backward), but for a one-stage plan on CUDA (no schedule:
-`ParallelModel.one_stage`), whose reduce-scatters run on their own stream as the last
-backward goes, as the buckets do.
+(torch's schedules hold it to the end, and gloo reduce-scatters inside the backward), but
+for a one-stage plan on CUDA (no schedule: `ParallelModel.one_stage`), whose reduce-scatters
+run on their own stream as the last backward goes, as the buckets do.
 
 Under fsdp each of FSDP2's units (the trainer's `fsdp_units`: every layer, the token table,
 the stage module's own rest, the norm and head together; a vocabulary stage's rows, which
