@@ -186,8 +186,12 @@ def stage_cost(
         if moe is not None and layer % moe.every == 0:
             split = dims.tp if moe.expert_tp else 1
             router = cfg.d_model * moe.num_experts
-            expert += (costs.parts["moe"].params - router) / (dims.ep * split)
-            dense += router
+            experts = (costs.parts["moe"].params - router) / (dims.ep * split)
+            # over ep the experts are reduced over their replicas alone; at ep1 they are the
+            # layer's own dense parameters (no expert group: `dp_rules.expert_parameters`
+            # finds none), in its FSDP2 unit and the dense buckets
+            expert += experts if dims.ep > 1 else 0.0
+            dense += router + (0.0 if dims.ep > 1 else experts)
         else:
             dense += costs.parts["mlp"].params / dims.tp
         largest_block = max(largest_block, blocks[3] - before)

@@ -28,6 +28,7 @@ from sparta.planner import (
 )
 from sparta.planner.parts import saved_activation_bytes
 from sparta.planner.search import FSDP_ALONE, plan_overrides, write_plan
+from sparta.planner.stage_cost import StageCost, stage_cost
 from sparta.scheduling.profiler import LinearFit
 
 MODEL = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=4, d_ff=32)
@@ -225,6 +226,27 @@ def test_a_tp_halfs_waiting_is_not_slowed_by_the_hosts_other_ranks() -> None:
         half = PartCost(const(1.0), zero, zero, 1.0, 1000, busy)
         c.parts.update({"attention/tp2": half, "mlp/tp2": half})
         assert simulate(c, WORK, plan(1, "1F1B", 1, (), dp=4, tp=2)).step_s == pytest.approx(8 * per_half), busy
+
+
+def test_experts_are_dense_parameters_without_expert_parallelism() -> None:
+    # at ep1 the trainer finds no expert group (`dp_rules.expert_parameters`): the experts are
+    # their layer's own parameters, in its FSDP2 unit and the dense gradients' reduction; over
+    # ep they are reduced over their replicas alone, in no unit
+    moe = MoESpec(num_experts=4, top_k=2, every=1)
+    work = Workload(MODEL, moe, 8)
+    c = costs(moe=moe)
+    experts = c.parts["moe"].params - MODEL.d_model * moe.num_experts  # all but the router
+
+    def stage(ep: int) -> StageCost:
+        plan = Plan(ParallelDims(dp=2, ep=ep), ParallelConfig(moe=moe, split_points=(), data_parallel="fsdp"))
+        return stage_cost(c, work, plan, 0, list(range(MODEL.n_layers)), 32.0)
+
+    alone, spread = stage(1), stage(2)
+    assert alone.expert_params == 0 and spread.expert_params == MODEL.n_layers * experts / 2
+    assert alone.dense_params == spread.dense_params + MODEL.n_layers * experts
+    layer_units = [n for n, _ in alone.units if n > 1000]  # attention's 1000 and the MoE layer's
+    assert layer_units == [1000 + c.parts["moe"].params] * MODEL.n_layers
+    assert [n for n, _ in spread.units if n > 1000] == [1000 + c.parts["moe"].params - experts] * MODEL.n_layers
 
 
 def test_an_moe_layer_measured_under_ep_replaces_its_modelled_all_to_alls() -> None:
