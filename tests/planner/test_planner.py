@@ -155,8 +155,13 @@ def test_collectives_enter_where_the_layout_puts_them() -> None:
     # step's two scalar all-reduces over the world (the clip's norm, the loss)
     tp = simulate(c, WORK, plan(1, "1F1B", 1, (), tp=2)).step_s
     assert tp == pytest.approx(4 * (1.0 + 2 * 0.25) + 4 * (2.0 + 2 * 0.25) + 0.25 + 2 * 0.25)
-    # dp2: the gradient all-reduce overlaps the backward; a quarter of it always shows
-    assert simulate(c, WORK, plan(1, "1F1B", 1, (), dp=2)).sync_s == pytest.approx(0.25 / 4)
+    # dp2: the gradients fill one 25 MiB bucket, sent once the backward has made it: all of
+    # the all-reduce shows. In buckets of a quarter of them the backward (16 s) hides all but
+    # the last one's share
+    assert simulate(c, WORK, plan(1, "1F1B", 1, (), dp=2)).sync_s == pytest.approx(0.25)
+    quarter_mib = 4 * 2 * 1000 * 4 / 4 / 2**20  # 4 blocks of two 1000-parameter halves, float32
+    quarter = Plan(ParallelDims(dp=2), ParallelConfig(schedule="1F1B", split_points=(), bucket_mb=quarter_mib))
+    assert simulate(c, WORK, quarter).sync_s == pytest.approx(0.25 / 4)
 
 
 def test_fsdp_gathers_each_unit_where_a_traced_step_does() -> None:
@@ -259,13 +264,13 @@ def test_an_moe_layer_measured_under_ep_replaces_its_modelled_all_to_alls() -> N
         return simulate(c, work, Plan(ParallelDims(dp=2, ep=2, **dims), config)).step_s
 
     # 32 tokens a rank; 4 blocks: attention 0.5 s + MoE 0.5 s forward with 2 all-to-alls,
-    # 1 + 1 s backward with 2; the step's two scalar all-reduces; a quarter of the dp
-    # all-reduce sticks out
-    assert step(c) == pytest.approx(4 * (1.0 + 2 * 0.25) + 4 * (2.0 + 2 * 0.25) + 2 * 0.25 + 0.25 / 4)
+    # 1 + 1 s backward with 2; the step's two scalar all-reduces; the dp all-reduce of its
+    # one bucket after the backward
+    assert step(c) == pytest.approx(4 * (1.0 + 2 * 0.25) + 4 * (2.0 + 2 * 0.25) + 2 * 0.25 + 0.25)
     # measured with its experts over 2 ranks, its exchanges inside: 3 s forward, nothing else
     zero = const(0.0)
     measured = dataclasses.replace(c, parts={**c.parts, "moe/ep2": PartCost(const(3.0), zero, zero, 1.0, 1000)})
-    assert step(measured) == pytest.approx(4 * (0.5 + 3.0) + 4 * 1.0 + 2 * 0.25 + 0.25 / 4)
+    assert step(measured) == pytest.approx(4 * (0.5 + 3.0) + 4 * 1.0 + 2 * 0.25 + 0.25)
     # under tp the layer's ep group spans ranks tp apart, not the adjacent ones it was timed on
     wide = dataclasses.replace(measured, world=4)
     assert step(wide, tp=2) == pytest.approx(step(dataclasses.replace(c, world=4), tp=2))
