@@ -80,7 +80,9 @@ GPipe over m micro-batches gathers each unit m + 1 times, a zero-bubble schedule
 which is what a traced step shows (``FSDP::all_gather`` per unit).
 
 Memory per pipeline rank: parameters, gradients and AdamW's two moments (16 bytes per
-float32 parameter; fsdp divides them by dp), plus the activations of the micro-batches in
+float32 parameter; fsdp divides them by dp, and adds its units' whole parameters and
+gradients: all of the rank's under a schedule, which holds them to the step's reduction,
+the largest in one stage), plus the activations of the micro-batches in
 flight, tracked through the replay (saved at F, freed at B, or at W under zero-bubble).
 Stages in ``config.recompute`` keep only each block's input (tokens x d_model) and run the
 blocks' forward again before their backward (B, or I under zero-bubble), one block's
@@ -252,8 +254,15 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
             sync = reduce
         else:  # the last micro-batch's backward hides what its pieces sent before it ended
             sync = _exposed(reduce, sum(s.bwd + s.bwd_comm for s in mine), pieces)
+        gathered = 0.0
         if config.data_parallel == "fsdp":
             held = held - dense + dense / dims.dp
+            # FSDP2's units whole, parameters and gradients: under torch's schedules every
+            # unit of the rank from its first gather to the step's reduction (their backward
+            # turns resharding and reducing off but for the last micro-batch), without one
+            # (one stage) the largest unit at a time
+            whole = [n for s in mine for n, _ in s.units]
+            gathered = 2 * FLOAT_BYTES * (max(whole, default=0.0) if len(stages) == 1 else sum(whole))
         sync += costs.collective("all_reduce", dims.dp // dims.ep, expert * grad, dims.tp * dims.ep)
         # the clip's norm and the reported loss: one scalar all-reduce over the world each
         opt = costs.optimizer(held) * max(1.0, dims.pp / share)  # every rank steps at once
@@ -262,7 +271,7 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
         if trace:
             spans[rank].append(Span("grad sync", "comm", finish[rank], finish[rank] + sync))
             spans[rank].append(Span("optimizer", "compute", finish[rank] + sync, total))
-        peak_bytes[rank] = held * ADAMW_BYTES + peak[rank]
+        peak_bytes[rank] = held * ADAMW_BYTES + gathered + peak[rank]
         if total > step:
             step, pipeline_s, sync_s, opt_s = total, finish[rank], sync, opt
     return Prediction(step, pipeline_s, sync_s, opt_s, peak_bytes, spans if trace else {})

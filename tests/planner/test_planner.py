@@ -196,6 +196,24 @@ def test_fsdp_gathers_each_unit_where_a_traced_step_does() -> None:
     assert extra("GPipe", 2)[0] < extra("GPipe", 1)[0]
 
 
+def test_fsdp_holds_its_units_whole_where_a_schedule_defers_their_reduction() -> None:
+    # 4 layer units of 2000 parameters (two 1000-parameter halves). Under fsdp over dp2 the
+    # AdamW state halves (16 bytes a parameter over dp), but torch's schedules keep every
+    # unit gathered and its gradient whole until the step's reduction: 8 bytes a parameter
+    # more. Without a schedule (one stage) only the unit at hand is whole
+    c = costs()
+    layers = 4 * 2000
+
+    def peak(strategy: str, pp: int) -> float:
+        split = ("layers.2",) if pp == 2 else ()
+        config = ParallelConfig(schedule="GPipe", microbatches=2, split_points=split, data_parallel=strategy)
+        return simulate(c, WORK, Plan(ParallelDims(pp=pp, dp=2), config)).peak_bytes[0]
+
+    per_rank = layers / 2  # pp2: two layers a pipeline rank
+    assert peak("sparta", 2) - peak("fsdp", 2) == pytest.approx(16 * per_rank / 2 - 8 * per_rank)
+    assert peak("sparta", 1) - peak("fsdp", 1) == pytest.approx(16 * layers / 2 - 8 * 2000)
+
+
 def test_a_parts_fixed_cost_is_not_split_over_tp() -> None:
     # every part 1 s per forward call whatever its tokens, nothing else: tp2 halves no second
     # (launch and Python overheads are every tp rank's, whole)
