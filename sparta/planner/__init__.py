@@ -14,8 +14,9 @@ zero_bubble.py (what torch's split of a backward into its I and W passes costs, 
 through torch's schedules),
 hardware.py (costs of clusters we do not have, from published figures), stage_cost.py (what
 one stage costs per micro-batch), simulate.py (a plan priced on the costs: step time, peak
-memory, timeline), replay.py (its schedule's actions run on the stages' costs), search.py (the plans the trainer
-can run, ranked under a memory budget; plan files), command.py (`sparta plan`). Variable
+memory, timeline), replay.py (its schedule's actions run on the stages' costs), search.py
+(the plans the trainer can run, ranked under a memory budget; plan files), command.py
+(`sparta plan`). Variable
 lengths (DynaPipe) are sparta.scheduling.varlen's; `length_cost` gives them the measured cost.
 It sits above sparta.parallel: it plans for the trainer and imports it, never the reverse.
 """

@@ -239,11 +239,11 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
         dense = sum(s.dense_params for s in mine)
         expert = sum(s.expert_params for s in mine)
         held = sum(s.params for s in mine)
+        units = [params for s in mine for params, _ in s.units]  # FSDP2's, on this rank
         if config.data_parallel == "fsdp":
             # one reduce-scatter per unit, as it gathers: a traced pp2 dp4 step on 8 CPU
             # ranks spent 62 ms in rank 0's seven, where one all-reduce of all their
             # gradients is priced 21 ms
-            units = [params for s in mine for params, _ in s.units]
             reduce, pieces = sum(_reduce_scatter(costs, dims, n * grad) for n in units), len(units)
         else:
             reduce = costs.collective("all_reduce", dims.dp, dense * grad, dims.tp)
@@ -261,8 +261,7 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
             # unit of the rank from its first gather to the step's reduction (their backward
             # turns resharding and reducing off but for the last micro-batch), without one
             # (one stage) the largest unit at a time
-            whole = [n for s in mine for n, _ in s.units]
-            gathered = 2 * FLOAT_BYTES * (max(whole, default=0.0) if len(stages) == 1 else sum(whole))
+            gathered = 2 * FLOAT_BYTES * (max(units, default=0.0) if len(stages) == 1 else sum(units))
         sync += costs.collective("all_reduce", dims.dp // dims.ep, expert * grad, dims.tp * dims.ep)
         # the clip's norm and the reported loss: one scalar all-reduce over the world each
         opt = costs.optimizer(held) * max(1.0, dims.pp / share)  # every rank steps at once
