@@ -114,6 +114,7 @@ from .replay import replay, schedule_table
 from .stage_cost import StageCost, stage_cost
 
 ADAMW_BYTES = 4 * FLOAT_BYTES  # parameter, gradient, two moments
+DDP_BUCKET_MB = 25.0  # DistributedDataParallel's bucket_cap_mb default
 
 
 @dataclass(frozen=True)
@@ -247,9 +248,10 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
             reduce, pieces = sum(_reduce_scatter(costs, dims, n * grad) for n in units), len(units)
         else:
             reduce = costs.collective("all_reduce", dims.dp, dense * grad, dims.tp)
-            # horovod reduces at the step's end in one go; sparta's and DDP's buckets (25 MiB
-            # by default, both) are sent as backward fills each
-            pieces = 1 if config.data_parallel == "horovod" else ceil(dense * grad / (config.bucket_mb * 2**20))
+            # horovod reduces at the step's end in one go; sparta's buckets (bucket_mb) and
+            # DDP's (torch's 25 MiB: the trainer sets none) are sent as backward fills each
+            bucket_mb = config.bucket_mb if config.data_parallel == "sparta" else DDP_BUCKET_MB
+            pieces = 1 if config.data_parallel == "horovod" else ceil(dense * grad / (bucket_mb * 2**20))
         if config.data_parallel == "fsdp" and not streamed:  # gloo: each ran inside the backward
             sync = reduce
         else:  # the last micro-batch's backward hides what its pieces sent before it ended

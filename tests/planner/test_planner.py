@@ -162,6 +162,9 @@ def test_collectives_enter_where_the_layout_puts_them() -> None:
     quarter_mib = 4 * 2 * 1000 * 4 / 4 / 2**20  # 4 blocks of two 1000-parameter halves, float32
     quarter = Plan(ParallelDims(dp=2), ParallelConfig(schedule="1F1B", split_points=(), bucket_mb=quarter_mib))
     assert simulate(c, WORK, quarter).sync_s == pytest.approx(0.25 / 4)
+    # DDP takes torch's own 25 MiB buckets whatever bucket_mb says: one bucket here
+    ddp = Plan(quarter.dims, dataclasses.replace(quarter.config, data_parallel="ddp"))
+    assert simulate(c, WORK, ddp).sync_s == pytest.approx(0.25)
 
 
 def test_fsdp_gathers_each_unit_where_a_traced_step_does() -> None:
