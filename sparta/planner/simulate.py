@@ -26,7 +26,10 @@ attention and dense MLPs as timed under the plan's tp degree where the costs hav
 (``attention/tp2``: DTensor's dispatch and the all-reduces inside), else their per-token
 cost split over tp plus two tp all-reduces of the activations per block forward and two
 backward; the embedding on the first stage and the head on the last (its vocabulary split
-over tp where tp divides it, with one all-reduce of its input gradient).
+over tp where tp divides it, with one all-reduce of its input gradient). Under
+``embedding="sparse"`` the first stage's tables are row-sharded over dp: each rank holds
+1/dp of their rows, which neither the dp reduction nor FSDP2 takes, and their forward
+exchanges the ids and rows, their backward the rows' gradients (`sparse_rows_exchange`).
 
 MoE layers: where the costs have the layer timed with its experts over the plan's ep
 (``moe/ep4``: the counts exchange, the rows out and back and the busiest rank's experts

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from sparta.errors import ConfigError
 from sparta.parallel.auto_schedule import BLOCK_MICROBATCHES
+from sparta.parallel.decoder import DecoderConfig
 from sparta.parallel.dims import ParallelDims
 from sparta.parallel.experts import EpGrid, MoESpec, ep_grid
 from sparta.parallel.parallel_config import tunes_blocks
@@ -42,7 +43,7 @@ class StageCost:
     transient: float  # bytes briefly live during backward (a recomputed block's activations)
     params: float  # float32 parameters this rank holds for the stage
     dense_params: float  # of which reduced over dp
-    expert_params: float  # of which reduced over the expert's replicas
+    expert_params: float  # of which reduced over the expert's replicas (the rest: sparse tables' shards)
     # FSDP2's units under "fsdp" (dp_rules.fsdp_units): each one's parameters on this
     # rank before dp shards them, and whether it reshards after forward (the head does not)
     units: tuple[tuple[float, bool], ...] = ()
@@ -58,7 +59,7 @@ def stage_cost(
     # [fwd, bwd, bwd_input, saved, zb_bwd] of the stage's blocks and of its extras
     # (embedding, head), and the collectives' seconds inside fwd, bwd and bwd_input
     blocks, extras, comms = [0.0] * 5, [0.0] * 5, [0.0] * 3
-    largest_block = dense = expert = 0.0
+    largest_block = dense = expert = sharded = 0.0
     grid = ep_grid_of(dims, costs)  # the ep groups over the nodes, for two-level exchanges
     units: list[tuple[float, bool]] = []
 
@@ -104,12 +105,20 @@ def stage_cost(
         units.append((costs.parts["embed"].params / (dims.pp * rows_tp), True))  # the stage module's own
     elif index == 0:
         add(extras, "embed", 1)
-        dense += costs.parts["embed"].params / (dims.dp if plan.config.embedding == "sparse" else 1)
-        # the token table a unit of its own (a SparseEmbedding's shards are no unit), the
-        # position table left to the stage module's own
-        table = min(cfg.vocab_size * cfg.d_model, costs.parts["embed"].params)
-        units += [(table, True)] if plan.config.embedding != "sparse" else []
-        units.append((costs.parts["embed"].params - table, True))
+        tables = costs.parts["embed"].params
+        if plan.config.embedding == "sparse":
+            # both tables row-sharded over dp (swap_embeddings): no reduction and no FSDP2
+            # unit takes the shards; their rows travel instead (`sparse_rows_exchange`)
+            sharded += tables / dims.dp
+            forward, backward = sparse_rows_exchange(costs, cfg, dims, tokens)
+            comms[0] += forward
+            comms[1] += backward
+        else:
+            dense += tables
+            # the token table a unit of its own, the position table left to the stage
+            # module's own
+            table = min(cfg.vocab_size * cfg.d_model, tables)
+            units += [(table, True), (tables - table, True)]
 
     def add_dense(part: str, into: list[float], at: float = tokens, waits: list[float] | None = None) -> None:
         measured = f"{part}/tp{dims.tp}"  # timed under tp, its all-reduces inside (costs.py)
@@ -227,7 +236,8 @@ def stage_cost(
         comms[2] += comms[0]
     fwd, bwd, bwd_input, saved, zb_bwd = (b + e for b, e in zip(blocks, extras, strict=True))
     held = tuple((float(n), again) for n, again in units if n > 0)  # a module without parameters is no unit
-    return StageCost(fwd, bwd, bwd_input, zb_bwd, *comms, saved, transient, dense + expert, dense, expert, held)
+    params = dense + expert + sharded
+    return StageCost(fwd, bwd, bwd_input, zb_bwd, *comms, saved, transient, params, dense, expert, held)
 
 
 def block_candidates(plan: Plan, sequences: float, grid: EpGrid | None) -> Sequence[tuple[int, bool]]:
@@ -315,3 +325,26 @@ def exchange_hides(costs: ModelCosts) -> bool:
     within a node) at 0.60 s a step against 0.46 s whole, and a dp8 ep8 plan (across the
     emulated cluster's 300 Mbit/s link) at 1.35 s against 0.89 s whole."""
     return costs.slots >= costs.ranks_per_host
+
+
+def sparse_rows_exchange(
+    costs: ModelCosts, cfg: DecoderConfig, dims: ParallelDims, tokens: float
+) -> tuple[float, float]:
+    """Seconds of a micro-batch's row exchanges of the first stage's row-sharded tables (each
+    an `nn.Embedding` of the model made a SparseEmbedding over dp; `sparta.embedding.lookup`),
+    forward and backward, for ``tokens`` ids a rank. Per table, forward: the id counts, the
+    unique ids (int64) and their rows; backward: the rows' gradients. Unique ids are counted at
+    their most, one per token up to the table's rows (the ids' skew is not in the workload)."""
+    row = cfg.d_model * costs.element_bytes
+    table = min(cfg.vocab_size * cfg.d_model, costs.parts["embed"].params)
+    positions = (costs.parts["embed"].params - table) / cfg.d_model  # the decoder's learned positions
+    forward = backward = 0.0
+    for rows in (table / cfg.d_model, positions):
+        if rows <= 0:
+            continue
+        unique = min(tokens, rows)
+        forward += costs.collective("all_to_all", dims.dp, dims.dp * 8, dims.tp)
+        forward += costs.collective("all_to_all", dims.dp, unique * 8, dims.tp)
+        forward += costs.collective("all_to_all", dims.dp, unique * row, dims.tp)
+        backward += costs.collective("all_to_all", dims.dp, unique * row, dims.tp)
+    return forward, backward

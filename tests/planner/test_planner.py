@@ -275,6 +275,36 @@ def test_experts_are_dense_parameters_without_expert_parallelism() -> None:
     assert [n for n, _ in spread.units if n > 1000] == [1000 + c.parts["moe"].params - experts] * MODEL.n_layers
 
 
+def test_sparse_tables_are_held_in_shards_and_exchange_their_rows() -> None:
+    # embedding="sparse" row-shards the token and position tables over dp (swap_embeddings):
+    # a rank holds 1/dp of them, outside the dense reduction and FSDP2's units, and each
+    # table's forward exchanges counts, ids and rows, its backward the rows' gradients
+    c = costs(comm_s=0.25)
+    tables = (MODEL.vocab_size + MODEL.seq_len) * MODEL.d_model
+    c.parts["embed"] = dataclasses.replace(c.parts["embed"], params=tables)
+
+    def first(embedding: str, strategy: str = "sparta") -> StageCost:
+        config = ParallelConfig(split_points=("layers.2",), embedding=embedding, data_parallel=strategy)
+        return stage_cost(c, WORK, Plan(ParallelDims(pp=2, dp=2), config), 0, [0, 1], 32.0)
+
+    dense, sparse = first("dense"), first("sparse")
+    assert dense.dense_params - sparse.dense_params == tables
+    assert sparse.params == sparse.dense_params + tables / 2 and sparse.expert_params == 0
+    assert sparse.fwd_comm - dense.fwd_comm == pytest.approx(2 * 3 * 0.25)
+    assert sparse.bwd_comm - dense.bwd_comm == pytest.approx(2 * 0.25)
+    assert sum(n for n, _ in dense.units) - sum(n for n, _ in first("sparse", "fsdp").units) == tables
+    # a rank's memory: the shards' 16 bytes a row parameter once (fsdp divides them no second
+    # time); the dense tables' half more replicated, or under fsdp gathered whole with gradients
+    for strategy in ("sparta", "fsdp"):
+        peak = {}
+        for embedding in ("dense", "sparse"):
+            config = ParallelConfig(
+                microbatches=2, split_points=("layers.2",), embedding=embedding, data_parallel=strategy
+            )
+            peak[embedding] = simulate(c, WORK, Plan(ParallelDims(pp=2, dp=2), config)).peak_bytes[0]
+        assert peak["dense"] - peak["sparse"] == pytest.approx(8 * tables), strategy
+
+
 def test_an_moe_layer_measured_under_ep_replaces_its_modelled_all_to_alls() -> None:
     moe = MoESpec(num_experts=4, top_k=2, every=1)
     work = Workload(MODEL, moe, 8)
