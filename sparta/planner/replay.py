@@ -10,8 +10,12 @@ processor-sharing one, each busy pipeline rank (with its dp x tp replicas) runni
 has slots, so a pipeline's bubble leaves the others faster. The collectives inside an action
 are not shared: they were measured with every rank at them at once; nor is what a part timed
 under its group (a tp half, an ep MoE layer) spent waiting in its own collectives
-(``PartCost.busy``). With a device per rank (GPUs) nothing is shared and the replay is
-exact event timing.
+(``PartCost.busy``). On one node those collectives run on the host's cores too (gloo over
+loopback: the kernel's copies were 21 % of the machine's time in a traced 8-rank pp2 dp4 ep4
+step on 2 cores, 50 ms of each rank's 234 ms of CPU a step), so a pipeline rank inside one
+counts among the busy ones that the others share the host with (``waits_compete``); across
+nodes a collective waits on the link, and the cores are the others'. With a device per rank
+(GPUs) nothing is shared and the replay is exact event timing.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def replay(
     unshard: Mapping[int, tuple[float, float]],
     trace: bool,
     share: float,
+    waits_compete: bool = False,
 ) -> tuple[dict[int, list[Span]], dict[int, float], dict[int, float]]:
     """Run every rank's actions in order; returns the spans, each rank's finish time and its
     peak activation bytes. ``unshard``: per stage under fsdp, the seconds its units that
@@ -55,7 +60,9 @@ def replay(
     host's cores see. An action computes its speed-one seconds, then waits its collectives'
     seconds, which are not shared: they were measured with every rank of the launch
     running collectives at once, so the contention is in them already (sharing them again
-    doubled the tp4 plans' predictions on 8 ranks over 2 cores)."""
+    doubled the tp4 plans' predictions on 8 ranks over 2 cores). ``waits_compete``: a rank
+    waiting in its collectives still counts among the busy ones that the computing ranks
+    share the host with (one node: loopback collectives take the cores, module docstring)."""
     queues = {
         r: [(int(m[1]), m[2], int(m[3])) for a in acts for m in _ACTION.finditer(a)] for r, acts in actions.items()
     }
@@ -124,7 +131,8 @@ def replay(
             break
         eps = 1e-12 * max(1.0, now)
         computing = sum(1 for e in running.values() if e[0] > eps)
-        rate = min(1.0, share / computing) if computing else 1.0
+        busy = len(running) if waits_compete else computing
+        rate = min(1.0, share / busy) if computing else 1.0
         step = min(
             [e[0] / rate if e[0] > eps else e[1] for e in running.values()] + [at - now for at in waits.values()]
         )

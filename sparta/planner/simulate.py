@@ -230,7 +230,9 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
             )
 
         unshard = {i: (gathers(st, True), gathers(st, False)) for i, st in enumerate(stages)}
-    spans, finish, peak = replay(actions, stages, owner, hop, zero_bubble, unshard, trace, share)
+    # on one node every collective is the host's cores' work (replay.py)
+    one_node = costs.ranks_per_node >= dims.world_size
+    spans, finish, peak = replay(actions, stages, owner, hop, zero_bubble, unshard, trace, share, one_node)
 
     # FSDP2's reduce-scatters overlap the last backward where they run on a stream of their
     # own (CUDA) and the step runs without a schedule (one stage; torch's schedules hold them

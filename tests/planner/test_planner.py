@@ -27,6 +27,7 @@ from sparta.planner import (
     stage_layers,
 )
 from sparta.planner.parts import saved_activation_bytes
+from sparta.planner.replay import replay
 from sparta.planner.search import FSDP_ALONE, plan_overrides, write_plan
 from sparta.planner.stage_cost import StageCost, stage_cost
 from sparta.scheduling.profiler import LinearFit
@@ -144,6 +145,36 @@ def test_ranks_sharing_a_host_share_its_speed() -> None:
     # vocabulary split over tp), then the two scalar all-reduces over the world
     tp_shared = dataclasses.replace(costs(comm_s=0.25), slots=1, ranks_per_host=2)
     assert simulate(tp_shared, WORK, plan(1, "1F1B", 1, (), tp=2)).step_s == pytest.approx(28.0 + 0.25 + 0.5)
+
+
+def test_a_rank_in_its_collectives_shares_a_node_with_the_computing_ones() -> None:
+    # GPipe, 2 stages on 2 ranks of a host that computes one at full speed, 2 micro-batches.
+    # Stage 0: F 2 s of compute then 2 s in its collectives, B 2 s; stage 1: F 6 s, B 2 s.
+    # Worked by hand: r0 F0 computes 0-2, waits 2-4; r0 F1 and r1 F0 compute together at half
+    # speed 4-8 (r1 has 4 s left); r0 F1 waits 8-10.
+    #   across nodes (the wait is the link's): r1 alone 8-12, F1 12-18, B0 18-20; both B at
+    #   half 20-24; r0 B1 24-26.
+    #   on one node (the wait takes the cores too): r1 at half 8-10, alone 10-13, F1 13-19,
+    #   B0 19-21; both B 21-25; r0 B1 25-27.
+    def stage(fwd: float, comm: float) -> StageCost:
+        return StageCost(fwd, 2.0, 2.0, 2.0, comm, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def finish(one_node: bool) -> float:
+        _, free, _ = replay(
+            schedule_actions("GPipe", 2, 2),
+            [stage(2.0, 2.0), stage(6.0, 0.0)],
+            {0: 0, 1: 1},
+            {(0, 1): (0.0, None), (1, 0): (0.0, None)},
+            zero_bubble=False,
+            unshard={},
+            trace=False,
+            share=1.0,
+            waits_compete=one_node,
+        )
+        return max(free.values())
+
+    assert finish(False) == pytest.approx(26.0)
+    assert finish(True) == pytest.approx(27.0)
 
 
 def test_collectives_enter_where_the_layout_puts_them() -> None:
