@@ -164,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--hardware", default="", help="instead of --costs: published figures of H100 or A100 clusters")
     plan.add_argument("--schedules", default="", help="comma-separated schedules to search (default: all)")
     plan.add_argument("--max-microbatches", type=int, default=0, help="largest micro-batch count to search")
+    plan.add_argument(
+        "--embeddings",
+        default="",
+        help="comma-separated embeddings to search: dense (replicated), sparse (row-sharded over dp); default both",
+    )
     plan.add_argument("--world", type=int, default=0, help="ranks to plan for")
     plan.add_argument("--memory", type=float, default=0.0, help="memory budget per rank, GiB")
     plan.add_argument("--out", default="", help="write the best plan here (for `sparta train --plan`)")

@@ -22,6 +22,7 @@ import torch
 from sparta.errors import ConfigError
 from sparta.parallel.config import RunConfig
 from sparta.parallel.config_file import load_config
+from sparta.parallel.parallel_config import EMBEDDINGS
 from sparta.scheduling.trace import write_chrome_trace
 
 from .costs import ModelCosts, hardware_fingerprint
@@ -61,6 +62,7 @@ def main(args: argparse.Namespace) -> int:
             schedules=tuple(args.schedules.split(",")) if args.schedules else None,
             max_microbatches=args.max_microbatches or None,
             max_tp=max_tp,
+            embeddings=tuple(args.embeddings.split(",")) if args.embeddings else EMBEDDINGS,
         )
         result = search(costs, work, args.world, args.memory * GIB, config.parallel, space)
         _report(result, args.top)

@@ -7,7 +7,9 @@ product is the world (pp up to the layers, tp dividing the heads and the MLP wid
 dividing dp and the experts), every schedule with one stage per rank and with two (looped
 or V), every micro-batch count dividing a dp rank's batch, and data parallelism by the
 "sparta" strategy (replicated, bucketed) or "fsdp" (sharded, for memory; only over dp > 1:
-see FSDP_ALONE), and for an MoE model its blocks whole or over 2 or 4 micro-batches
+see FSDP_ALONE), the embedding tables replicated or row-sharded over dp (``embedding``
+"dense" or "sparse"; sparse only over dp > 1 and without embedding stages: see
+SPARSE_ALONE, SPARSE_STAGES), and for an MoE model its blocks whole or over 2 or 4 micro-batches
 (``MoESpec.overlap``) where the layout lets them overlap and the exchange can hide
 (`exchange_hides`: not where ranks share a host's cores), each also with its tokens
 deduplicated per node (``MoESpec.dedup``) where the ep groups span nodes. Each candidate's
@@ -34,7 +36,7 @@ from typing import Any
 from sparta.errors import ConfigError
 from sparta.parallel.auto_schedule import BLOCK_MICROBATCHES
 from sparta.parallel.dims import ParallelDims
-from sparta.parallel.parallel_config import ParallelConfig, overlap_refusal
+from sparta.parallel.parallel_config import EMBEDDINGS, ParallelConfig, overlap_refusal
 from sparta.parallel.pipeline import SCHEDULES, ZERO_BUBBLE, ModelParts, split_by_cost, stage_ids
 
 from .costs import ModelCosts, model_fingerprint
@@ -46,6 +48,10 @@ STRATEGIES = ("sparta", "fsdp")
 # reshards every layer per micro-batch, which the costs do not hold: at world 1, 16 micro-
 # batches, such plans ran 1.68 s (MoE) and 0.89 s (dense) against 0.89 s and 0.46 s predicted.
 FSDP_ALONE = "fsdp over one data-parallel rank: it shards nothing, and its per-layer unshard is not in the costs"
+SPARSE_ALONE = "a sparse embedding over one data-parallel rank: it shards nothing"
+# under embedding_stages the token table is split over the pipeline ranks already, and the
+# simulator prices no sparse table there
+SPARSE_STAGES = "a sparse embedding with embedding_stages: the token table lies on the embedding stages"
 GIB = 2**30
 
 
@@ -59,7 +65,8 @@ class Space:
     micro-batch counts an MoE model's blocks are tried in (``MoESpec.overlap``), where the
     layout lets them overlap, the exchange can hide and the run leaves them to the search;
     dedup: also those blocks (and whole ones) with their tokens deduplicated per node
-    (``MoESpec.dedup``), where the ep groups span nodes evenly.
+    (``MoESpec.dedup``), where the ep groups span nodes evenly; embeddings: the
+    ``ParallelConfig.embedding`` values tried (replicated tables, or row-sharded over dp).
     A narrower
     space is what makes 1,024-device searches quick: torch builds an interleaved table of 64
     ranks x 512 micro-batches in ~15 s."""
@@ -71,6 +78,7 @@ class Space:
     vocab_stages: bool = True
     overlaps: tuple[int, ...] = BLOCK_MICROBATCHES
     dedup: bool = True
+    embeddings: tuple[str, ...] = EMBEDDINGS
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.schedules or () if s not in SCHEDULES]
@@ -86,6 +94,8 @@ class Space:
             raise ConfigError(f"Space.overlaps={self.overlaps!r} must be positive integers (MoESpec.overlap)")
         if not isinstance(self.dedup, bool):
             raise ConfigError(f"Space.dedup={self.dedup!r} must be True or False")
+        if not self.embeddings or any(e not in EMBEDDINGS for e in self.embeddings):
+            raise ConfigError(f"Space.embeddings={self.embeddings!r}: choose from {EMBEDDINGS}")
 
 
 @dataclass(frozen=True)
@@ -183,7 +193,7 @@ def search(
     space: Space | None = None,
 ) -> SearchResult:
     """Predict every plan of ``space`` (see the module doc); ``base`` gives the fields not
-    searched (embedding, moe, bucket size...)."""
+    searched (moe, bucket size...)."""
     space = space or Space()
     costs.check(work.model, work.moe)
     costs.check_world(world)
@@ -200,9 +210,12 @@ def search(
         for schedule, spr, heads, tables in _schedules(dims.pp, space.schedules, space.vocab_stages):
             for mb in (m for m in _divisors(per_dp) if space.max_microbatches is None or m <= space.max_microbatches):
                 tokens = per_dp // mb * work.model.seq_len
-                for strategy in space.strategies:
+                for strategy, embedding in ((s, e) for s in space.strategies for e in space.embeddings):
                     if strategy == "fsdp" and dims.dp == 1:
                         rejected[FSDP_ALONE] += 1
+                        continue
+                    if embedding == "sparse" and (dims.dp == 1 or tables):
+                        rejected[SPARSE_ALONE if dims.dp == 1 else SPARSE_STAGES] += 1
                         continue
                     body = dims.pp * (spr - heads - tables)  # the vocabulary stages' pp each apart
                     apart = (parts.first if tables else ()) + (parts.last if heads else ())
@@ -217,6 +230,7 @@ def search(
                             stages_per_rank=spr,
                             split_points=tuple(s[0] for s in stages[1:]),
                             data_parallel=strategy,
+                            embedding=embedding,
                             vocab_stages=heads,
                             embedding_stages=tables,
                         )
@@ -324,10 +338,10 @@ def _toml_value(value: Any) -> str:
 
 PLAN_FIELDS = (
     "pp", "dp", "tp", "ep", "schedule", "microbatches", "stages_per_rank", "split_points", "data_parallel", "recompute",
-    "vocab_stages", "embedding_stages",
+    "vocab_stages", "embedding_stages", "embedding",
 )  # fmt: skip
 # written by later versions only: a plan file without them still reads (as their default)
-_LATER_FIELDS = frozenset({"vocab_stages", "embedding_stages"})
+_LATER_FIELDS = frozenset({"vocab_stages", "embedding_stages", "embedding"})
 # an MoE plan's [parallel.moe] fields (written after the rest, as ``moe.overlap = 2``)
 PLAN_MOE_FIELDS = ("overlap", "dedup")
 

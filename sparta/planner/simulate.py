@@ -147,6 +147,7 @@ class Plan:
             f"pp{d.pp} dp{d.dp} tp{d.tp} ep{d.ep} {c.schedule} x{c.microbatches}"
             + (f" v{c.stages_per_rank}" if c.stages_per_rank > 1 else "")
             + f" {c.data_parallel}"
+            + (" sparse-embedding" if c.embedding == "sparse" else "")
             + (" embedding-stages" if c.embedding_stages else "")
             + (" vocab-stages" if c.vocab_stages else "")
             + (f" recompute{list(c.recompute)}" if c.recompute else "")

@@ -28,7 +28,7 @@ from sparta.planner import (
 )
 from sparta.planner.parts import saved_activation_bytes
 from sparta.planner.replay import replay
-from sparta.planner.search import FSDP_ALONE, plan_overrides, write_plan
+from sparta.planner.search import FSDP_ALONE, SPARSE_ALONE, plan_overrides, write_plan
 from sparta.planner.stage_cost import StageCost, stage_cost
 from sparta.scheduling.profiler import LinearFit
 
@@ -419,6 +419,36 @@ def test_the_search_finds_the_known_best_plan() -> None:
     tight = search(c, WORK, world=4, memory_bytes=smallest / 2, base=ParallelConfig())
     with pytest.raises(ConfigError, match=rf"needs {smallest / GIB:.3f} GiB per rank; raise --memory"):
         _ = tight.best
+
+
+def test_the_search_shards_the_tables_where_their_reduction_costs_more_than_their_rows(tmp_path: Path) -> None:
+    # all-reduces priced by the byte (0.1 ms), every all-to-all 10 ms; the token and position
+    # tables 1,152 parameters. Sharded over dp4 they leave the reduction (4,608 bytes: 0.4608 s)
+    # and exchange counts, ids and rows forward and rows backward, per table (8 x 10 ms)
+    c = costs(comm_s=0.01)
+    tables = (MODEL.vocab_size + MODEL.seq_len) * MODEL.d_model
+    c.parts["embed"] = dataclasses.replace(c.parts["embed"], params=tables)
+    c.comm.update({f"all_reduce/g{g}": LinearFit(0.0, 1e-4, 0.0, ()) for g in (2, 4)})
+    result = search(c, WORK, world=4, memory_bytes=GIB, base=ParallelConfig(), space=Space(schedules=("1F1B",)))
+    dp4 = {
+        r.plan.config.embedding: r
+        for r in result.fits
+        if r.plan.dims.dp == 4 and r.plan.config.data_parallel == "sparta" and r.plan.config.microbatches == 1
+    }
+    assert dp4["sparse"].prediction.step_s - dp4["dense"].prediction.step_s == pytest.approx(-tables * 4e-4 + 8 * 0.01)
+    assert result.fits.index(dp4["sparse"]) < result.fits.index(dp4["dense"])
+    assert result.rejected[SPARSE_ALONE] > 0  # pp4 dp1: nothing to shard
+    assert not [r for r in result.fits if r.plan.dims.dp == 1 and r.plan.config.embedding == "sparse"]
+    # the plan file carries the choice into `sparta train`
+    path, run = tmp_path / "plan.toml", tmp_path / "run.toml"
+    write_plan(path, dp4["sparse"], WORK, 4, c)
+    run.write_text(
+        "[model]\nvocab_size = 64\nseq_len = 8\nd_model = 16\nn_layers = 4\nn_heads = 4\nd_ff = 32\n"
+        "[train]\nglobal_batch = 8\n[data]\nsource = 'random'\n"
+    )
+    assert load_config(run, plan_overrides(path, WORK)).parallel.embedding == "sparse"
+    with pytest.raises(ConfigError, match=r"Space.embeddings=\('rows',\): choose from"):
+        Space(embeddings=("rows",))
 
 
 def test_bad_input_is_refused_by_name(tmp_path: Path) -> None:
