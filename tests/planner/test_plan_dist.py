@@ -145,3 +145,13 @@ def test_a_measured_plan_trains_like_one_process(tmp_path: Path) -> None:
     assert "moe.overlap = 2" in overlapped_path.read_text()
     trained = losses(_torchrun(4), "overlapped", "--plan", str(overlapped_path))
     assert trained == pytest.approx(single(overlapped_path), abs=1e-5), overlapped_path.read_text()
+    # the tables row-sharded over dp, as `--embeddings sparse` narrows the search to
+    sparse_path = tmp_path / "sparse.toml"
+    _run(
+        [PY, *cli, "plan", "--config", str(run), "--costs", str(costs_path), "--world", "4", "--memory", "1"]
+        + ["--embeddings", "sparse", "--out", str(sparse_path), "--top", "1"],
+        "plan --embeddings sparse",
+    )
+    assert 'embedding = "sparse"' in sparse_path.read_text()
+    trained = losses(_torchrun(4), "sparse", "--plan", str(sparse_path))
+    assert trained == pytest.approx(single(sparse_path), abs=1e-5), sparse_path.read_text()
