@@ -58,11 +58,14 @@ def main(args: argparse.Namespace) -> int:
             costs = ModelCosts.load(args.costs)
             here = hardware_fingerprint(_device(config), args.world)
             costs.check(work.model, work.moe, None if args.any_hardware else here)
+        embeddings = tuple(args.embeddings.split(",")) if args.embeddings else EMBEDDINGS
+        if any(e not in EMBEDDINGS for e in embeddings):
+            raise ConfigError(f"--embeddings {args.embeddings}: choose from {', '.join(EMBEDDINGS)}")
         space = Space(
             schedules=tuple(args.schedules.split(",")) if args.schedules else None,
             max_microbatches=args.max_microbatches or None,
             max_tp=max_tp,
-            embeddings=tuple(args.embeddings.split(",")) if args.embeddings else EMBEDDINGS,
+            embeddings=embeddings,
         )
         result = search(costs, work, args.world, args.memory * GIB, config.parallel, space)
         _report(result, args.top)

@@ -5,11 +5,13 @@ plan files round-trip into `sparta train`'s overrides, and bad input is refused 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from sparta.cli import main as sparta_main
 from sparta.errors import ConfigError
 from sparta.parallel import DecoderConfig, MoESpec, ParallelConfig, ParallelDims, schedule_actions
 from sparta.parallel.config_file import load_config
@@ -421,7 +423,9 @@ def test_the_search_finds_the_known_best_plan() -> None:
         _ = tight.best
 
 
-def test_the_search_shards_the_tables_where_their_reduction_costs_more_than_their_rows(tmp_path: Path) -> None:
+def test_the_search_shards_the_tables_where_their_reduction_costs_more_than_their_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # all-reduces priced by the byte (0.1 ms), every all-to-all 10 ms; the token and position
     # tables 1,152 parameters. Sharded over dp4 they leave the reduction (4,608 bytes: 0.4608 s)
     # and exchange counts, ids and rows forward and rows backward, per table (8 x 10 ms)
@@ -449,6 +453,15 @@ def test_the_search_shards_the_tables_where_their_reduction_costs_more_than_thei
     assert load_config(run, plan_overrides(path, WORK)).parallel.embedding == "sparse"
     with pytest.raises(ConfigError, match=r"Space.embeddings=\('rows',\): choose from"):
         Space(embeddings=("rows",))
+    # and `sparta plan` names its own flag
+    costs_path = tmp_path / "costs.json"
+    c.save(costs_path)
+    cli = ["plan", "--config", str(run), "--costs", str(costs_path), "--world", "4", "--memory", "1", "--any-hardware"]
+    assert sparta_main([*cli, "--embeddings", "dense,rows"]) == 2
+    assert "sparta plan: --embeddings dense,rows: choose from dense, sparse" in capsys.readouterr().err
+    assert sparta_main([*cli, "--embeddings", "sparse", "--top", "1"]) == 0
+    best, summary = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert "sparse-embedding" in best["plan"] and summary["rejected"][SPARSE_ALONE] > 0
 
 
 def test_bad_input_is_refused_by_name(tmp_path: Path) -> None:
