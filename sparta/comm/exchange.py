@@ -64,7 +64,9 @@ class Exchange(Protocol):
 
         x: [n, *rest]. send_splits: rows per destination rank (None = n / size each).
         recv_splits: rows per source rank; None exchanges them first (one small message,
-        which also carries every rank's dtype, row shape and verdict on its splits).
+        which also carries every rank's dtype, row shape and verdict on its splits), but for
+        equal blocks (send_splits None too) with checks off, where every rank's n is taken
+        to be the same, as torch's all_to_all_single takes it, and n / size come from each.
         Returns [sum(recv_splits), *rest], rows ordered by source rank, or with `async_op`
         a Handle whose `wait()` does. `check=False` skips the input agreement when the
         caller knows every rank's input is consistent; None follows `CommConfig.check_inputs`.

@@ -307,6 +307,13 @@ def check_agreement_rides_on_exchanged_data(world: World) -> None:
     with engine_calls(c) as calls:
         assert torch.equal(c.all_to_all(x, send, recv, check=False), expect)
     assert calls == [A2A], calls
+    # equal blocks: checked, the splits go round with the verdicts; unchecked, only the rows
+    blocks = torch.arange(2 * n, dtype=torch.float32) + 100 * r
+    want = torch.cat([torch.arange(2 * r, 2 * r + 2, dtype=torch.float32) + 100 * s for s in range(n)])
+    for check, rounds in ((True, [A2A, A2A]), (False, [A2A])):
+        with engine_calls(c) as calls:
+            assert torch.equal(c.all_to_all(blocks, check=check), want), check
+        assert calls == rounds, (check, calls)
     with engine_calls(c) as calls:
         assert torch.equal(c.all_to_all(x, send, recv), expect)
     assert calls == [A2A, GATHER, A2A], calls  # every rank's verdict on the recv_splits it was given
