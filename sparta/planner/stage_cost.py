@@ -41,9 +41,9 @@ class StageCost:
     bwd_input_comm: float
     saved: float  # activation bytes per micro-batch, held from F to B (or W)
     transient: float  # bytes briefly live during backward (a recomputed block's activations)
-    params: float  # float32 parameters this rank holds for the stage
+    params: float  # float32 parameters this rank holds for the stage (with sparse tables' shards)
     dense_params: float  # of which reduced over dp
-    expert_params: float  # of which reduced over the expert's replicas (the rest: sparse tables' shards)
+    expert_params: float  # of which reduced over the expert's replicas
     # FSDP2's units under "fsdp" (dp_rules.fsdp_units): each one's parameters on this
     # rank before dp shards them, and whether it reshards after forward (the head does not)
     units: tuple[tuple[float, bool], ...] = ()
@@ -105,20 +105,19 @@ def stage_cost(
         units.append((costs.parts["embed"].params / (dims.pp * rows_tp), True))  # the stage module's own
     elif index == 0:
         add(extras, "embed", 1)
-        tables = costs.parts["embed"].params
+        tables = embedding_tables(costs, cfg)
         if plan.config.embedding == "sparse":
             # both tables row-sharded over dp (swap_embeddings): no reduction and no FSDP2
             # unit takes the shards; their rows travel instead (`sparse_rows_exchange`)
-            sharded += tables / dims.dp
+            sharded += sum(tables) / dims.dp
             forward, backward = sparse_rows_exchange(costs, cfg, dims, tokens)
             comms[0] += forward
             comms[1] += backward
         else:
-            dense += tables
+            dense += sum(tables)
             # the token table a unit of its own, the position table left to the stage
             # module's own
-            table = min(cfg.vocab_size * cfg.d_model, tables)
-            units += [(table, True), (tables - table, True)]
+            units += [(tables[0], True), (tables[1], True)]
 
     def add_dense(part: str, into: list[float], at: float = tokens, waits: list[float] | None = None) -> None:
         measured = f"{part}/tp{dims.tp}"  # timed under tp, its all-reduces inside (costs.py)
@@ -336,10 +335,9 @@ def sparse_rows_exchange(
     unique ids (int64) and their rows; backward: the rows' gradients. Unique ids are counted at
     their most, one per token up to the table's rows (the ids' skew is not in the workload)."""
     row = cfg.d_model * costs.element_bytes
-    table = min(cfg.vocab_size * cfg.d_model, costs.parts["embed"].params)
-    positions = (costs.parts["embed"].params - table) / cfg.d_model  # the decoder's learned positions
     forward = backward = 0.0
-    for rows in (table / cfg.d_model, positions):
+    for params in embedding_tables(costs, cfg):
+        rows = params / cfg.d_model
         if rows <= 0:
             continue
         unique = min(tokens, rows)
@@ -348,3 +346,11 @@ def sparse_rows_exchange(
         forward += costs.collective("all_to_all", dims.dp, unique * row, dims.tp)
         backward += costs.collective("all_to_all", dims.dp, unique * row, dims.tp)
     return forward, backward
+
+
+def embedding_tables(costs: ModelCosts, cfg: DecoderConfig) -> tuple[float, float]:
+    """Parameters of the first stage's token table and of the rest of its embedding part (the
+    decoder's learned positions)."""
+    whole = costs.parts["embed"].params
+    token = min(cfg.vocab_size * cfg.d_model, whole)
+    return token, whole - token
