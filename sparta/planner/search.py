@@ -8,10 +8,10 @@ dividing dp and the experts), every schedule with one stage per rank and with tw
 or V), every micro-batch count dividing a dp rank's batch, and data parallelism by the
 "sparta" strategy (replicated, bucketed) or "fsdp" (sharded, for memory; only over dp > 1:
 see FSDP_ALONE), the embedding tables replicated or row-sharded over dp (``embedding``
-"dense" or "sparse"; sparse only over dp > 1 and without embedding stages: see
-SPARSE_ALONE, SPARSE_STAGES), and for an MoE model its blocks whole or over 2 or 4 micro-batches
-(``MoESpec.overlap``) where the layout lets them overlap and the exchange can hide
-(`exchange_hides`: not where ranks share a host's cores), each also with its tokens
+"dense" or "sparse"; sparse only over dp > 1, and with embedding stages only where a table
+stays beside the layers: see SPARSE_ALONE, SPARSE_STAGES), and for an MoE model its blocks
+whole or over 2 or 4 micro-batches (``MoESpec.overlap``) where the layout lets them overlap
+and the exchange can hide (`exchange_hides`: not where ranks share a host's cores), each also with its tokens
 deduplicated per node (``MoESpec.dedup``) where the ep groups span nodes. Each candidate's
 stages are balanced on the predicted per-layer cost (the exact split of
 `pipeline.split_by_cost`, counting embedding and head), then checked by the trainer's own
@@ -41,7 +41,7 @@ from sparta.parallel.pipeline import SCHEDULES, ZERO_BUBBLE, ModelParts, split_b
 
 from .costs import ModelCosts, model_fingerprint
 from .simulate import Plan, Prediction, Workload, simulate
-from .stage_cost import exchange_hides, spans_nodes
+from .stage_cost import embedding_tables, exchange_hides, spans_nodes
 
 STRATEGIES = ("sparta", "fsdp")
 # Over one dp rank FSDP shards nothing (the memory of "sparta") and still unshards and
@@ -49,9 +49,9 @@ STRATEGIES = ("sparta", "fsdp")
 # batches, such plans ran 1.68 s (MoE) and 0.89 s (dense) against 0.89 s and 0.46 s predicted.
 FSDP_ALONE = "fsdp over one data-parallel rank: it shards nothing, and its per-layer unshard is not in the costs"
 SPARSE_ALONE = "a sparse embedding over one data-parallel rank: it shards nothing"
-# under embedding_stages the token table is split over the pipeline ranks already, and the
-# simulator prices no sparse table there
-SPARSE_STAGES = "a sparse embedding with embedding_stages: the token table lies on the embedding stages"
+# under embedding_stages the token table's rows lie on the embedding stages, dense; only the
+# tables left beside the layers (the decoder's positions) are row-sharded
+SPARSE_STAGES = "a sparse embedding with embedding_stages and no table beside the layers: it shards nothing"
 GIB = 2**30
 
 
@@ -202,6 +202,7 @@ def search(
     over: list[Ranked] = []
     rejected: Counter[str] = Counter()
     blocks = _searched_blocks(base, space, exchange_hides(costs))
+    beside = sum(embedding_tables(costs, work.model)[1:]) > 0  # tables the embedding stages leave
     for dims in layouts(world, work, space.max_tp):
         per_dp = work.global_batch // dims.dp if work.global_batch % dims.dp == 0 else 0
         if not per_dp:
@@ -214,7 +215,7 @@ def search(
                     if strategy == "fsdp" and dims.dp == 1:
                         rejected[FSDP_ALONE] += 1
                         continue
-                    if embedding == "sparse" and (dims.dp == 1 or tables):
+                    if embedding == "sparse" and (dims.dp == 1 or (tables and not beside)):
                         rejected[SPARSE_ALONE if dims.dp == 1 else SPARSE_STAGES] += 1
                         continue
                     body = dims.pp * (spr - heads - tables)  # the vocabulary stages' pp each apart

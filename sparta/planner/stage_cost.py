@@ -96,28 +96,35 @@ def stage_cost(
     # vocabulary stages' rows: 1/pp of the table each, cut over tp too as the tp head is
     config = plan.config
     rows_tp = dims.tp if config.tensor_parallel and config.vocab_parallel_head and dims.tp > 1 else 1
+    tables = embedding_tables(costs, cfg)
     if index < first:
-        # an embedding stage (embedding_stages): its rows' lookups, summed over tp forward
+        # an embedding stage (embedding_stages): its token rows' lookups, summed over tp
+        # forward; dense rows whatever ``embedding`` says, since only the layers' first
+        # stage swaps its tables
         add(extras, "embed", dims.pp * rows_tp)
         if rows_tp > 1:
             comms[0] += costs.collective("all_reduce", rows_tp, act)
-        dense += costs.parts["embed"].params / (dims.pp * rows_tp)
-        units.append((costs.parts["embed"].params / (dims.pp * rows_tp), True))  # the stage module's own
-    elif index == 0:
-        add(extras, "embed", 1)
-        tables = embedding_tables(costs, cfg)
+        dense += tables[0] / (dims.pp * rows_tp)
+        units.append((tables[0] / (dims.pp * rows_tp), True))  # the stage module's own
+    elif index == first:
+        # the layers' first stage: the whole embedding, or under embedding_stages the tables
+        # left beside the layers (the positions), whose lookups are in the embedding
+        # stages' share of the part
+        held = tables[1:] if first else tables
+        if not first:
+            add(extras, "embed", 1)
         if plan.config.embedding == "sparse":
-            # both tables row-sharded over dp (swap_embeddings): no reduction and no FSDP2
-            # unit takes the shards; their rows travel instead (`sparse_rows_exchange`)
-            sharded += sum(tables) / dims.dp
-            forward, backward = sparse_rows_exchange(costs, cfg, dims, tokens)
+            # row-sharded over dp (swap_embeddings): no reduction and no FSDP2 unit takes
+            # the shards; their rows travel instead (`sparse_rows_exchange`)
+            sharded += sum(held) / dims.dp
+            forward, backward = sparse_rows_exchange(costs, cfg, dims, tokens, held)
             comms[0] += forward
             comms[1] += backward
         else:
-            dense += sum(tables)
+            dense += sum(held)
             # the token table a unit of its own, the position table left to the stage
             # module's own
-            units += [(tables[0], True), (tables[1], True)]
+            units += [(n, True) for n in held]
 
     def add_dense(part: str, into: list[float], at: float = tokens, waits: list[float] | None = None) -> None:
         measured = f"{part}/tp{dims.tp}"  # timed under tp, its all-reduces inside (costs.py)
@@ -327,16 +334,17 @@ def exchange_hides(costs: ModelCosts) -> bool:
 
 
 def sparse_rows_exchange(
-    costs: ModelCosts, cfg: DecoderConfig, dims: ParallelDims, tokens: float
+    costs: ModelCosts, cfg: DecoderConfig, dims: ParallelDims, tokens: float, tables: Sequence[float]
 ) -> tuple[float, float]:
-    """Seconds of a micro-batch's row exchanges of the first stage's row-sharded tables (each
-    an `nn.Embedding` of the model made a SparseEmbedding over dp; `sparta.embedding.lookup`),
-    forward and backward, for ``tokens`` ids a rank. Per table, forward: the id counts, the
-    unique ids (int64) and their rows; backward: the rows' gradients. Unique ids are counted at
-    their most, one per token up to the table's rows (the ids' skew is not in the workload)."""
+    """Seconds of a micro-batch's row exchanges of the layers' first stage's row-sharded
+    ``tables`` (parameters each; every `nn.Embedding` there made a SparseEmbedding over dp,
+    `sparta.embedding.lookup`), forward and backward, for ``tokens`` ids a rank. Per table,
+    forward: the id counts, the unique ids (int64) and their rows; backward: the rows'
+    gradients. Unique ids are counted at their most, one per token up to the table's rows (the
+    ids' skew is not in the workload)."""
     row = cfg.d_model * costs.element_bytes
     forward = backward = 0.0
-    for params in embedding_tables(costs, cfg):
+    for params in tables:
         rows = params / cfg.d_model
         if rows <= 0:
             continue

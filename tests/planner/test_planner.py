@@ -30,7 +30,7 @@ from sparta.planner import (
 )
 from sparta.planner.parts import saved_activation_bytes
 from sparta.planner.replay import replay
-from sparta.planner.search import FSDP_ALONE, SPARSE_ALONE, plan_overrides, write_plan
+from sparta.planner.search import FSDP_ALONE, SPARSE_ALONE, SPARSE_STAGES, plan_overrides, write_plan
 from sparta.planner.stage_cost import StageCost, stage_cost
 from sparta.scheduling.profiler import LinearFit
 
@@ -338,6 +338,46 @@ def test_sparse_tables_are_held_in_shards_and_exchange_their_rows() -> None:
         assert peak["dense"] - peak["sparse"] == pytest.approx(8 * tables), strategy
 
 
+def test_under_embedding_stages_only_the_tables_beside_the_layers_are_sharded() -> None:
+    # embedding_stages: the token table's rows lie on the pp embedding stages, dense, whatever
+    # ``embedding`` says; the position table stays on the layers' first stage, which
+    # embedding="sparse" row-shards over dp and whose rows alone travel (3 + 1 exchanges)
+    c = costs(comm_s=0.25)
+    token, position = MODEL.vocab_size * MODEL.d_model, MODEL.seq_len * MODEL.d_model
+    c.parts["embed"] = dataclasses.replace(c.parts["embed"], params=token + position)
+
+    def stage(index: int, layers: list[int], embedding: str) -> StageCost:
+        config = ParallelConfig(schedule="Interleaved1F1B", microbatches=2, stages_per_rank=2,
+                                split_points=("layers.2",), embedding=embedding, embedding_stages=True)  # fmt: skip
+        return stage_cost(c, WORK, Plan(ParallelDims(pp=2, dp=2), config), index, layers, 32.0)
+
+    for embedding in ("dense", "sparse"):
+        rows = [stage(i, [], embedding) for i in (0, 1)]
+        assert [s.dense_params for s in rows] == [token / 2] * 2, embedding
+        assert [s.params for s in rows] == [token / 2] * 2 and rows[0].fwd_comm == rows[0].bwd_comm == 0.0
+    dense, sparse = stage(2, [0, 1], "dense"), stage(2, [0, 1], "sparse")
+    assert dense.dense_params - sparse.dense_params == position
+    assert sparse.params == sparse.dense_params + position / 2
+    assert sparse.fwd_comm - dense.fwd_comm == pytest.approx(3 * 0.25)
+    assert sparse.bwd_comm - dense.bwd_comm == pytest.approx(0.25)
+    # the model's parameters once over the stages (the position table was the embedding
+    # stages' before)
+    layers = stage(2, [0, 1], "dense").dense_params + stage(3, [2, 3], "dense").dense_params
+    plain = Plan(ParallelDims(pp=2, dp=2), ParallelConfig(split_points=("layers.2",)))
+    whole = sum(stage_cost(c, WORK, plain, i, [2 * i, 2 * i + 1], 32.0).dense_params for i in (0, 1))
+    assert 2 * (token / 2) + layers == pytest.approx(whole)
+    # the search tries sparse tables with embedding stages, and refuses them (by name) for a
+    # model whose only table is the token table
+    space = Space(schedules=("Interleaved1F1B",), strategies=("sparta",))
+    found = search(c, WORK, 4, GIB, ParallelConfig(), space)
+    assert any("sparse-embedding" in r.plan.describe() and r.plan.config.embedding_stages for r in found.fits)
+    assert SPARSE_STAGES not in found.rejected
+    c.parts["embed"] = dataclasses.replace(c.parts["embed"], params=token)
+    alone = search(c, WORK, 4, GIB, ParallelConfig(), space)
+    assert alone.rejected[SPARSE_STAGES] > 0
+    assert not any(r.plan.config.embedding == "sparse" and r.plan.config.embedding_stages for r in alone.fits)
+
+
 def test_an_moe_layer_measured_under_ep_replaces_its_modelled_all_to_alls() -> None:
     moe = MoESpec(num_experts=4, top_k=2, every=1)
     work = Workload(MODEL, moe, 8)
@@ -600,11 +640,13 @@ def test_head_stages_take_a_pth_of_the_head_each_and_the_search_weighs_them(tmp_
     narrow = Space(schedules=("Interleaved1F1B",), strategies=("sparta",), vocab_stages=False)
     assert not any("stages" in r.plan.describe() for r in search(c, WORK, 2, GIB, ParallelConfig(), narrow).fits)
     # the token embedding's stages too, at the front: a table of 64,000 parameters split over pp
+    # (a vocabulary of 4,000 rows, no position table)
     c.parts["embed"] = part(0.0, 0.0, saved=0.0, params=64_000)
+    wide = Workload(dataclasses.replace(MODEL, vocab_size=4_000), None, WORK.global_batch)
     both = Plan(vocab.dims, dataclasses.replace(vocab.config, stages_per_rank=3, embedding_stages=True))
     assert stage_layers(both, MODEL.n_layers) == [[], [], [0, 1], [2, 3], [], []]
     assert "embedding-stages vocab-stages" in both.describe()
-    peaks, head_only = simulate(c, WORK, both).peak_bytes, simulate(c, WORK, vocab).peak_bytes
+    peaks, head_only = simulate(c, wide, both).peak_bytes, simulate(c, wide, vocab).peak_bytes
     # the whole table on rank 0 (16 bytes a parameter with AdamW) against half of it on each
     assert max(head_only.values()) - min(head_only.values()) > 64_000 * 16 * 0.99
     assert max(peaks.values()) - min(peaks.values()) < 64_000 * 16 * 0.01
