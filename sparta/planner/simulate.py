@@ -30,6 +30,9 @@ over tp where tp divides it, with one all-reduce of its input gradient). Under
 ``embedding="sparse"`` the first stage's tables are row-sharded over dp: each rank holds
 1/dp of their rows, which neither the dp reduction nor FSDP2 takes, and their forward
 exchanges the ids and rows, their backward the rows' gradients (`sparse_rows_exchange`).
+Under ``embedding_stages`` the token table's rows lie on the embedding stages, dense
+whatever ``embedding`` says; the tables left beside the layers (the positions) stay on the
+layers' first stage, replicated or row-sharded as above.
 
 MoE layers: where the costs have the layer timed with its experts over the plan's ep
 (``moe/ep4``: the counts exchange, the rows out and back and the busiest rank's experts
