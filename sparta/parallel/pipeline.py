@@ -20,9 +20,11 @@ Stage shapes: torch's PipelineStage infers the shapes it sends once, at the firs
 from __future__ import annotations
 
 import copy
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.distributed.pipelining.schedules as torch_schedules
@@ -67,7 +69,7 @@ def check_schedule(schedule: str, pp: int, microbatches: int, stages_per_rank: i
             f"{microbatches} < pp={pp}; raise microbatches (or the batch) to {pp} or more"
         )
     try:
-        schedule_actions(schedule, pp, microbatches, stages_per_rank)
+        action_table(schedule, pp, microbatches, stages_per_rank)
     except (ValueError, AssertionError, RuntimeError) as exc:  # torch's own check of the combination
         raise ConfigError(
             f"schedule={schedule!r} cannot run pp={pp}, stages_per_rank={stages_per_rank}, "
@@ -109,18 +111,30 @@ def schedule_actions(schedule: str, pp: int, microbatches: int, stages_per_rank:
     Actions read as torch writes them: ``<stage><F|B|I|W><micro-batch>`` (I and W: the input
     and weight halves of a zero-bubble backward), e.g. ``{0: ["0F0", "0F1", "0B0", ...]}``.
     """
+    return {rank: list(actions) for rank, actions in action_table(schedule, pp, microbatches, stages_per_rank).items()}
+
+
+@functools.lru_cache(maxsize=1024)
+def action_table(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> Mapping[int, tuple[str, ...]]:
+    """`schedule_actions`, read-only and built once per shape: torch builds the table anew at
+    each call, which took half of a plan search's time (the search asks for each shape
+    thousands of times; a zero-bubble table's send, receive and unshard passes are the dear
+    part, and at 64 ranks x 512 micro-batches one table takes torch 10-20 s)."""
     cls = torch_schedules.get_schedule_class(schedule)
     n = pp * stages_per_rank
     if issubclass(cls, torch_schedules.PipelineScheduleSingle):
         order = cls(_StageShape(0, n, pp, 0), microbatches).pipeline_order  # type: ignore[arg-type]
         assert order is not None
-        return {
-            rank: _forwards_in_order([str(a) for a in acts if a is not None]) for rank, acts in sorted(order.items())
+        table = {
+            rank: tuple(_forwards_in_order([str(a) for a in acts if a is not None]))
+            for rank, acts in sorted(order.items())
         }
-    shapes = [_StageShape(i, n, pp, 0) for i in stage_ids(schedule, pp, 0, stages_per_rank)]
-    order = cls(shapes, microbatches).pipeline_order  # type: ignore[arg-type]
-    assert order is not None
-    return {rank: [str(a) for a in actions if a is not None] for rank, actions in sorted(order.items())}
+    else:
+        shapes = [_StageShape(i, n, pp, 0) for i in stage_ids(schedule, pp, 0, stages_per_rank)]
+        order = cls(shapes, microbatches).pipeline_order  # type: ignore[arg-type]
+        assert order is not None
+        table = {rank: tuple(str(a) for a in actions if a is not None) for rank, actions in sorted(order.items())}
+    return MappingProxyType(table)
 
 
 def _forwards_in_order(actions: list[str]) -> list[str]:

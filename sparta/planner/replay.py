@@ -20,12 +20,10 @@ nodes a collective waits on the link, and the cores are the others'. With a devi
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from sparta.errors import ConfigError
-from sparta.parallel.pipeline import schedule_actions
 from sparta.scheduling.trace import Span
 
 from .stage_cost import StageCost
@@ -33,15 +31,8 @@ from .stage_cost import StageCost
 _ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
 
 
-@functools.lru_cache(maxsize=64)
-def schedule_table(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> dict[int, list[str]]:
-    """torch's table, built once per shape: at 64 ranks x 512 micro-batches building it takes
-    torch 10-20 s, and a search asks for each shape once per layout."""
-    return schedule_actions(schedule, pp, microbatches, stages_per_rank)
-
-
 def replay(
-    actions: Mapping[int, list[str]],
+    actions: Mapping[int, Sequence[str]],
     stages: list[StageCost],
     owner: Mapping[int, int],
     hop: Mapping[tuple[int, int], tuple[float, tuple[int, int] | None]],

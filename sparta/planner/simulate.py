@@ -111,12 +111,12 @@ from sparta.parallel.decoder import DecoderConfig
 from sparta.parallel.dims import ParallelDims
 from sparta.parallel.experts import MoESpec
 from sparta.parallel.parallel_config import ParallelConfig
-from sparta.parallel.pipeline import ZERO_BUBBLE, stage_ids
+from sparta.parallel.pipeline import ZERO_BUBBLE, action_table, stage_ids
 from sparta.scheduling.trace import Span
 from sparta.scheduling.varlen import LengthCost
 
 from .costs import FLOAT_BYTES, ModelCosts
-from .replay import replay, schedule_table
+from .replay import replay
 from .stage_cost import StageCost, stage_cost
 
 ADAMW_BYTES = 4 * FLOAT_BYTES  # parameter, gradient, two moments
@@ -218,7 +218,7 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
     for a, b in (ends for p in pairs for ends in (p, p[::-1])):
         first, second = a * replicas, b * replicas
         hop[a, b] = costs.hop(nbytes, first, second, replicas), costs.link(first, second, replicas)
-    actions = schedule_table(config.schedule, dims.pp, config.microbatches, config.stages_per_rank)
+    actions = action_table(config.schedule, dims.pp, config.microbatches, config.stages_per_rank)
     # pipeline ranks that compute at full speed at once: the hosts' slots over each one's replicas
     share = costs.slots * (dims.world_size / costs.ranks_per_host) / (dims.dp * dims.tp)
     zero_bubble = config.schedule in ZERO_BUBBLE

@@ -186,10 +186,13 @@ def stage_cost(
 
     candidates = block_candidates(plan, tokens / cfg.seq_len, grid)
     hides = exchange_hides(costs)
+    # every MoE block of the stage alike: the tuner's fastest, priced once
+    chosen: tuple[list[float], list[float]] | None = None
     for layer in layers:
         before, dense_before = blocks[3], dense
         if moe is not None and layer % moe.every == 0:
-            compute, ends = min((moe_block(*c) for c in candidates), key=lambda b: b[1][0] + b[1][1])
+            chosen = chosen or min((moe_block(*c) for c in candidates), key=lambda b: b[1][0] + b[1][1])
+            compute, ends = chosen
             for i in range(5):
                 blocks[i] += compute[i]
             for i in range(3):
