@@ -20,6 +20,7 @@ nodes a collective waits on the link, and the cores are the others'. With a devi
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 
@@ -94,17 +95,22 @@ def replay(
         return at
 
     now = 0.0
+    # a rank's next start is fixed once its inputs are produced, so it is looked for only where
+    # an action's output may have unblocked one: its own rank and the rank it goes to (a scan
+    # of every rank at every event was most of a 64-GPU search's time)
+    waits: dict[int, float] = {}
+    dirty = set(queues)
     while True:
-        waits: dict[int, float] = {}
-        for rank in queues:
-            if rank in running or pos[rank] == len(queues[rank]):
-                continue
-            at = start_time(rank)
-            if at is None:
-                continue
+        for rank in dirty:
+            if rank not in running and pos[rank] < len(queues[rank]):
+                at = start_time(rank)
+                if at is not None:
+                    waits[rank] = at
+        dirty.clear()
+        for rank, at in sorted(waits.items()):
             if at > now + 1e-12:
-                waits[rank] = at
                 continue
+            del waits[rank]
             stage, kind, mb = queues[rank][pos[rank]]
             st = stages[stage]
             compute, waited = seconds_of[kind](st)
@@ -121,12 +127,17 @@ def replay(
         if not running and not waits:
             break
         eps = 1e-12 * max(1.0, now)
-        computing = sum(1 for e in running.values() if e[0] > eps)
+        computing, least_compute, least_wait = 0, math.inf, math.inf  # one pass: this runs per event
+        for left, waiting, _ in running.values():
+            if left > eps:
+                computing += 1
+                if left < least_compute:
+                    least_compute = left
+            elif waiting < least_wait:
+                least_wait = waiting
         busy = len(running) if waits_compete else computing
         rate = min(1.0, share / busy) if computing else 1.0
-        step = min(
-            [e[0] / rate if e[0] > eps else e[1] for e in running.values()] + [at - now for at in waits.values()]
-        )
+        step = min(least_compute / rate, least_wait, min(waits.values(), default=math.inf) - now)
         now += step
         for rank in list(running):
             entry = running[rank]
@@ -144,7 +155,9 @@ def replay(
             # where the output goes (F: the next stage, B/I: the one before), and when it gets
             # there: sends across a node's link queue on it, one after another
             to = stage + 1 if kind == "F" else stage - 1 if kind in "BI" else -1
+            dirty.add(rank)
             if 0 <= to < n_stages and owner[to] != rank:
+                dirty.add(owner[to])
                 seconds, link = hop[rank, owner[to]]
                 begin = now if link is None else max(now, link_free.get(link, 0.0))
                 arrival[output, owner[to]] = begin + seconds

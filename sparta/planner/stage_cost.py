@@ -7,6 +7,7 @@ vocabulary stages, recomputation) are in `simulate.py`'s module docstring.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import comb
@@ -284,7 +285,14 @@ def block_candidates(plan: Plan, sequences: float, grid: EpGrid | None) -> Seque
 def ep_grid_of(dims: ParallelDims, costs: ModelCosts) -> EpGrid | None:
     """How the expert-parallel groups of ``dims`` lie over nodes of ``costs.ranks_per_node``
     consecutive ranks (`experts.ep_grid`)."""
-    world, node = dims.world_size, costs.ranks_per_node
+    return _ep_grid(dims, costs.ranks_per_node)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ep_grid(dims: ParallelDims, node: int) -> EpGrid | None:
+    # every stage of every plan asks, and at 64 ranks laying the groups out took an eighth of
+    # a search: once per layout and node size
+    world = dims.world_size
     return ep_grid(dims.ep_groups(), [range(r, min(r + node, world)) for r in range(0, world, node)])
 
 
