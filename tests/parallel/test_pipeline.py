@@ -18,7 +18,15 @@ from sparta.parallel import (
 )
 from sparta.parallel.experts import check_expert_tp
 from sparta.parallel.parallelize import tp_plan_of
-from sparta.parallel.pipeline import ModelParts, check_schedule, split_by_cost, split_by_points, stage_ids, stage_module
+from sparta.parallel.pipeline import (
+    ModelParts,
+    action_table,
+    check_schedule,
+    split_by_cost,
+    split_by_points,
+    stage_ids,
+    stage_module,
+)
 
 CFG = DecoderConfig(vocab_size=300, seq_len=8, d_model=16, n_layers=6, n_heads=2, d_ff=32)
 
@@ -36,6 +44,14 @@ def test_action_lists_are_data() -> None:
     interleaved = schedule_actions("Interleaved1F1B", pp=2, microbatches=4, stages_per_rank=2)
     assert {a[0] for a in interleaved[1]} == {"1", "3"}
     assert stage_ids("ZBVZeroBubble", 2, 1, 2) == [1, 2] and stage_ids("Interleaved1F1B", 2, 1, 2) == [1, 3]
+    # torch's table is built once per shape and kept read-only; each caller gets lists of its own
+    assert action_table("ZBVZeroBubble", 2, 4, 2) is action_table("ZBVZeroBubble", 2, 4, 2)
+    with pytest.raises(TypeError):
+        action_table("ZBVZeroBubble", 2, 4, 2)[0] = ()  # type: ignore[index]
+    zbv[0].clear()
+    assert schedule_actions("ZBVZeroBubble", pp=2, microbatches=4, stages_per_rank=2)[0] == list(
+        action_table("ZBVZeroBubble", 2, 4, 2)[0]
+    ) != []
 
 
 def test_stage_cuts_keep_full_names_and_chain_to_the_whole() -> None:
