@@ -11,12 +11,12 @@ see FSDP_ALONE), the embedding tables replicated or row-sharded over dp (``embed
 "dense" or "sparse"; sparse only over dp > 1, and with embedding stages only where a table
 stays beside the layers: see SPARSE_ALONE, SPARSE_STAGES), and for an MoE model its blocks
 whole or over 2 or 4 micro-batches (``MoESpec.overlap``) where the layout lets them overlap
-and the exchange can hide (`exchange_hides`: not where ranks share a host's cores), each also with its tokens
-deduplicated per node (``MoESpec.dedup``) where the ep groups span nodes. Each candidate's
-stages are balanced on the predicted per-layer cost (the exact split of
-`pipeline.split_by_cost`, counting embedding and head), then checked by the trainer's own
-`ParallelConfig.check`; what it refuses is rejected with its message. A plan over the
-memory budget is tried again with stage-aware recomputation (`_fitted`).
+and the exchange can hide (`exchange_hides`: not where ranks share a host's cores), each
+also with its tokens deduplicated per node (``MoESpec.dedup``) where the ep groups span
+nodes. Each candidate's stages are balanced on the predicted per-layer cost (the exact
+split of `pipeline.split_by_cost`, counting embedding and head), then checked by the
+trainer's own `ParallelConfig.check`; what it refuses is rejected with its message. A plan
+over the memory budget is tried again with stage-aware recomputation (`_fitted`).
 
 A plan file is TOML: ``[plan]`` records the model it was made for and the prediction,
 ``[parallel]`` holds the fields `sparta train` applies on top of the run file.
