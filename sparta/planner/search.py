@@ -202,7 +202,7 @@ def search(
     over: list[Ranked] = []
     rejected: Counter[str] = Counter()
     blocks = _searched_blocks(base, space, exchange_hides(costs))
-    beside = sum(embedding_tables(costs, work.model)[1:]) > 0  # tables the embedding stages leave
+    beside = embedding_tables(costs, work.model)[1] > 0  # a table the embedding stages leave (positions)
     for dims in layouts(world, work, space.max_tp):
         per_dp = work.global_batch // dims.dp if work.global_batch % dims.dp == 0 else 0
         if not per_dp:
