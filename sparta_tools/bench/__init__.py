@@ -45,7 +45,7 @@ def _collectives() -> list[Suite]:
     return [
         Suite("collectives", "every collective on every engine: Sparta's Communicator beside the engine's own call",
               c.add_collectives_arguments, c.check_collectives_options, c.run_collectives,
-              lambda opts, extra: run_peers(opts, c._subset(str(extra["ops"]), c.OPS, "--ops"))),
+              lambda opts, extra: run_peers(opts, c.comma_subset(str(extra["ops"]), c.OPS, "--ops"))),
         Suite("alltoallv", "uneven all-to-all: uniform, Zipf, a byte-matrix file, or a real MoE router's counts",
               c.add_alltoallv_arguments, c.check_alltoallv_options, c.run_alltoallv,
               lambda opts, extra: run_peers(opts, ["alltoallv"])),

@@ -53,7 +53,9 @@ def add_alltoallv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-counts", default="", help="JSON rows per global expert recorded on each rank")
 
 
-def _subset(text: str, known: tuple[str, ...], flag: str) -> list[str]:
+def comma_subset(text: str, known: tuple[str, ...], flag: str) -> list[str]:
+    """The names of a comma-separated flag value (`--ops`, `--variants`, `--patterns`), each
+    one of `known`; ConfigError naming `flag` and the known names otherwise."""
     chosen = [t for t in text.split(",") if t]
     bad = [t for t in chosen if t not in known]
     if bad or not chosen:
@@ -63,14 +65,14 @@ def _subset(text: str, known: tuple[str, ...], flag: str) -> list[str]:
 
 def check_collectives_options(opts: BenchOptions) -> None:
     extra = opts.extra
-    _subset(str(extra["ops"]), OPS, "--ops")
-    _subset(str(extra["variants"]), VARIANTS, "--variants")
+    comma_subset(str(extra["ops"]), OPS, "--ops")
+    comma_subset(str(extra["variants"]), VARIANTS, "--variants")
 
 
 def check_alltoallv_options(opts: BenchOptions) -> None:
     extra = opts.extra
-    patterns = _subset(str(extra["patterns"]), traffic.PATTERNS, "--patterns")
-    _subset(str(extra["variants"]), VARIANTS, "--variants")
+    patterns = comma_subset(str(extra["patterns"]), traffic.PATTERNS, "--patterns")
+    comma_subset(str(extra["variants"]), VARIANTS, "--variants")
     if "file" in patterns and not extra["matrix"]:
         raise ConfigError("--patterns file needs --matrix FILE (JSON n x n bytes)")
     if extra["matrix"] and "file" not in patterns:
@@ -239,8 +241,8 @@ def expected(oracle: Oracle, op: str, count: int, rank: int, n: int) -> torch.Te
 
 def run_collectives(ctx: BenchContext) -> None:
     opts, n = ctx.opts, ctx.size
-    ops = _subset(str(opts.extra["ops"]), OPS, "--ops")
-    variants = _subset(str(opts.extra["variants"]), VARIANTS, "--variants")
+    ops = comma_subset(str(opts.extra["ops"]), OPS, "--ops")
+    variants = comma_subset(str(opts.extra["variants"]), VARIANTS, "--variants")
     oracle = Oracle(opts.seed, n, opts.torch_dtype, ctx.device)
     elem = torch.empty((), dtype=opts.torch_dtype).element_size()
     for size in opts.sizes():
@@ -282,8 +284,8 @@ def pattern_matrix(ctx: BenchContext, pattern: str, count: int, elem: int) -> li
 
 def run_alltoallv(ctx: BenchContext) -> None:
     opts, n, me = ctx.opts, ctx.size, ctx.rank
-    patterns = _subset(str(opts.extra["patterns"]), traffic.PATTERNS, "--patterns")
-    variants = _subset(str(opts.extra["variants"]), VARIANTS, "--variants")
+    patterns = comma_subset(str(opts.extra["patterns"]), traffic.PATTERNS, "--patterns")
+    variants = comma_subset(str(opts.extra["variants"]), VARIANTS, "--variants")
     oracle = Oracle(opts.seed, n, opts.torch_dtype, ctx.device)
     elem = torch.empty((), dtype=opts.torch_dtype).element_size()
     for pattern in patterns:
