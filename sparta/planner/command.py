@@ -33,6 +33,7 @@ from .simulate import Workload, simulate
 
 
 def workload(config: RunConfig) -> Workload:
+    """What `config` trains, as the planner prices it: its model, MoE spec and global batch."""
     return Workload(config.model, config.parallel.moe, config.train.global_batch)
 
 
