@@ -218,12 +218,16 @@ class Checkpointer:
         chosen: Path | None = None
         problem = None
         if group.rank == 0:
-            remove_partial(self.path)
-            found = dict(complete_checkpoints(self.path))
-            if step is not None and step not in found:
-                problem = f"{self.step_path(step)} is not a complete checkpoint; complete steps: {sorted(found)}"
-            elif found:
-                chosen = found[step if step is not None else max(found)]
+            try:
+                remove_partial(self.path)
+                found = dict(complete_checkpoints(self.path))
+            except OSError as exc:  # on rank 0 only: agreed on below, so no rank waits alone
+                problem = f"cannot read {self.path}: {exc}; give a directory this job may read and write"
+            else:
+                if step is not None and step not in found:
+                    problem = f"{self.step_path(step)} is not a complete checkpoint; complete steps: {sorted(found)}"
+                elif found:
+                    chosen = found[step if step is not None else max(found)]
         group.agree(problem, "loading")
         chosen_name = group.broadcast(chosen.name if chosen is not None else None)
         if chosen_name is None:

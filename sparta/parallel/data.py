@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from sparta.comm import Communicator
-from sparta.errors import BackendUnavailableError, ConfigError
+from sparta.errors import BackendUnavailableError, ConfigError, SpartaError
 
 DEFAULT_CACHE = Path.home() / ".cache" / "sparta" / "demo"
 END_OF_TEXT = "<|endoftext|>"
@@ -99,6 +99,19 @@ def _build(texts: list[str], vocab_size: int, folder: Path) -> None:
     _write_atomically(folder / "tokens.pt", lambda p: torch.save(torch.tensor(ids, dtype=torch.int32), p))
 
 
+def _rank0_tokens(corpus_mb: float, vocab_size: int, cache: Path, log: Callable[[str], object]) -> Tensor:
+    texts = stdlib_corpus(corpus_mb)
+    digest = hashlib.sha256("\0".join(texts).encode())  # \0: file boundaries change the tokens too
+    version = _tokenizers().__version__
+    folder = cache / f"{digest.hexdigest()[:16]}-v{vocab_size}-tok{version}"
+    if not (folder / "tokens.pt").exists():
+        log(f"training a {vocab_size}-token BPE on {len(texts)} stdlib files ({corpus_mb:g} MB) -> {folder}")
+        _build(texts, vocab_size, folder)
+    tokens = torch.load(folder / "tokens.pt")
+    log(f"{len(tokens):,} tokens from {len(texts)} stdlib files, cached in {folder}")
+    return tokens
+
+
 def stdlib_tokens(
     comm: Communicator, corpus_mb: float, vocab_size: int, cache_dir: Path | None, log: Callable[[str], object]
 ) -> Tensor:
@@ -109,16 +122,15 @@ def stdlib_tokens(
     neither the files nor a home folder shared with rank 0 (on several nodes).
     """
     tokens = torch.empty(0, dtype=torch.int32)
+    problem: SpartaError | None = None
     if comm.rank == 0:
-        texts = stdlib_corpus(corpus_mb)
-        digest = hashlib.sha256("\0".join(texts).encode())  # \0: file boundaries change the tokens too
-        version = _tokenizers().__version__
-        folder = (cache_dir or DEFAULT_CACHE) / f"{digest.hexdigest()[:16]}-v{vocab_size}-tok{version}"
-        if not (folder / "tokens.pt").exists():
-            log(f"training a {vocab_size}-token BPE on {len(texts)} stdlib files ({corpus_mb:g} MB) -> {folder}")
-            _build(texts, vocab_size, folder)
-        tokens = torch.load(folder / "tokens.pt")
-        log(f"{len(tokens):,} tokens from {len(texts)} stdlib files, cached in {folder}")
+        try:
+            tokens = _rank0_tokens(corpus_mb, vocab_size, cache_dir or DEFAULT_CACHE, log)
+        except SpartaError as exc:
+            problem = exc
+        except OSError as exc:  # an unwritable cache_dir, a full disk
+            problem = ConfigError(f"the token cache: {exc}; point data.cache_dir at a writable folder")
+    comm.agree(problem, "stdlib_tokens")  # else the other ranks would wait in the broadcast
     count = int(comm.broadcast(torch.tensor([len(tokens)]), src=0))
     if comm.rank != 0:
         tokens = torch.empty(count, dtype=torch.int32)
@@ -149,7 +161,7 @@ class TokenBatches:
         self.train = torch.cat([p for i, p in enumerate(pieces) if i % 10 != 9])
         self.val = torch.cat([p for i, p in enumerate(pieces) if i % 10 == 9])
         for name, split in (("training", self.train), ("validation", self.val)):
-            if len(split) <= seq_len + 1:
+            if len(split) < seq_len + 1:
                 raise ConfigError(
                     f"the {name} split has {len(split)} tokens, fewer than model.seq_len + 1 = {seq_len + 1}: "
                     "raise data.corpus_mb (or data.random_tokens) or lower model.seq_len"
@@ -169,7 +181,8 @@ class TokenBatches:
         """This dp rank's share of step ``step``'s global batch: (ids, targets), each
         [global_batch / dp, seq_len] int64."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.train) - self.seq_len - 1, (global_batch,), generator=generator)
+        # a window is seq_len + 1 tokens: starts 0 .. len - seq_len - 1, all of them drawable
+        starts = torch.randint(0, len(self.train) - self.seq_len, (global_batch,), generator=generator)
         return self._windows(self.train, self._mine(starts, dp_rank, dp))
 
     def val_batch(self, index: int, batches: int, global_batch: int, dp_rank: int, dp: int) -> tuple[Tensor, Tensor]:

@@ -32,6 +32,7 @@ from sparta.errors import InputError
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MAX_DIMS = 8
 _HEADER = 2 + _MAX_DIMS  # ndim, dtype index, shape padded with zeros
+_REFUSED = -1  # a header's ndim when the sender could not send its stage's output
 
 
 @torch.no_grad()
@@ -67,15 +68,19 @@ def forward_only(
             elif stage + 1 in modules:
                 held[(stage, k)] = y
             else:
-                sends += _send(y, owner(stage + 1), group)
+                sends += _send(y, owner(stage + 1), group, device)
     for work, _ in sends:  # the tensors stay referenced until their send completes
         if work is not None:
             work.wait()
     return losses
 
 
-def _send(y: Tensor, dst: int, group: dist.ProcessGroup | None) -> list[tuple[dist.Work | None, Tensor]]:
+def _send(
+    y: Tensor, dst: int, group: dist.ProcessGroup | None, device: torch.device
+) -> list[tuple[dist.Work | None, Tensor]]:
     if not isinstance(y, Tensor) or y.dtype not in _DTYPES or y.dim() > _MAX_DIMS:
+        # the next stage's rank is already waiting for this header: tell it, then raise here
+        dist.send(torch.full((_HEADER,), _REFUSED, dtype=torch.int64, device=device), group=group, group_dst=dst)
         raise InputError(
             f"a pipeline stage handed on {type(y).__name__} "
             f"{getattr(y, 'dtype', '')} {tuple(getattr(y, 'shape', ()))}: the forward-only pass takes one "
@@ -95,6 +100,11 @@ def _receive(src: int, group: dist.ProcessGroup | None, device: torch.device) ->
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     dist.recv(header, group=group, group_src=src)
     ndim, dtype, *shape = header.tolist()
+    if ndim == _REFUSED:
+        raise InputError(
+            f"the previous pipeline stage (pp rank {src}) handed on what the forward-only pass cannot send: "
+            "see that rank's error"
+        )
     x = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
     dist.recv(x, group=group, group_src=src)
     return x

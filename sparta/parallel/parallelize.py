@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.checkpoint import checkpoint
 
 from sparta.embedding import swap_embeddings
-from sparta.errors import ConfigError
+from sparta.errors import ConfigError, InputError
 from sparta.moe import MoELayer
 from sparta.parallel.auto_schedule import AutoSchedule
 from sparta.parallel.data_parallel import DataParallel
@@ -199,10 +199,15 @@ def parallelize(
     config.check(dims, len(parts.layers), layout.world.backend)
     apart = _apart(model, parts, config, dims.pp, dims.tp)  # checks the head / table where they split
     stages = plan_stages(model, body, config.split_points, None, apart)  # validates split points / stage count
-    if config.split_points is None and body > 1 and sample is None:
-        raise ConfigError(
-            "balancing stages by measured time needs sample= (one micro-batch of ids [b, T]); or pass split_points"
-        )
+    if config.split_points is None and body > 1:
+        if sample is None:
+            raise ConfigError(
+                "balancing stages by measured time needs sample= (one micro-batch of ids [b, T]); or pass split_points"
+            )
+        if sample.dim() != 2 or sample.dtype.is_floating_point or sample.dtype.is_complex:
+            raise InputError(
+                f"sample= is {tuple(sample.shape)} {sample.dtype}: give one micro-batch of integer ids [b, T]"
+            )
     check_tp = getattr(model, "check_tp", None)  # adapters that know their own limits (sparta.parallel.hf)
     if config.tensor_parallel and check_tp is not None:
         check_tp(dims.tp)
@@ -218,7 +223,13 @@ def parallelize(
     if config.split_points is None and body > 1:
         assert sample is not None
         names = [*parts.first, *parts.layers, *parts.last]
-        local = measure_costs(model, sample) if layout.world.rank == 0 else dict.fromkeys(names, 0.0)
+        local, problem = dict.fromkeys(names, 0.0), None
+        if layout.world.rank == 0:
+            try:
+                local = measure_costs(model, sample)
+            except Exception as exc:  # noqa: BLE001 - rank 0's alone: every rank must raise it, not wait
+                problem = InputError(f"sample= did not run through the model ({exc}): give ids the model takes")
+        layout.world.comm.agree(problem, "parallelize: timing the layers to balance the stages")
         agreed = layout.world.comm.broadcast(torch.tensor([local[n] for n in names], dtype=torch.float64), src=0)
         costs = dict(zip(names, agreed.tolist(), strict=True))  # type: ignore[union-attr]
         stages = plan_stages(model, body, None, costs, apart)

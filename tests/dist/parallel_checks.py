@@ -10,7 +10,9 @@ by the number of chunks. Layout from the command line: --pp --dp --tp --ep.
 from __future__ import annotations
 
 import argparse
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from runner import finish, raises, run_checks, start
@@ -32,7 +34,9 @@ from sparta.parallel import (
     parallelize,
     schedule_actions,
 )
+from sparta.parallel.data import stdlib_tokens
 from sparta.parallel.decoder import Block
+from sparta.parallel.forward_only import forward_only
 from sparta.parallel.parallel_config import overlap_refusal
 from sparta.parallel.vocab_stages import VocabShard
 
@@ -367,6 +371,32 @@ def bad_inputs(layout: Layout) -> None:
     pm.close()
     with raises(ConfigError, "both set"):
         ParallelConfig(seq_len=8, lengths=(4, 8))
+    rank0_failures(layout)
+
+
+def rank0_failures(layout: Layout) -> None:
+    """What fails on one rank, inside a collective step, raises on every rank instead of
+    leaving the others waiting."""
+    world = layout.world
+    # the token stream: rank 0 alone tokenises and caches; its cache folder is a file here
+    with tempfile.NamedTemporaryFile() as not_a_folder:
+        with raises(ConfigError, "data.cache_dir"):
+            stdlib_tokens(world.comm, 0.02, 300, Path(not_a_folder.name) / "cache", lambda line: None)
+    # the stage balancing: rank 0 alone times the layers; ids past the positions fail there
+    if layout.dims.pp > 1:
+        too_long = torch.zeros(2, MODEL.seq_len + 4, dtype=torch.long)
+        with raises(InputError, "did not run through the model"):
+            parallelize(Decoder(MODEL), layout, ParallelConfig(microbatches=2, moe=MOE), sample=too_long)
+        with raises(InputError, "integer ids"):
+            parallelize(Decoder(MODEL), layout, ParallelConfig(microbatches=2, moe=MOE), sample=too_long.float())
+        # the forward-only pass (validation): stage 0 hands on integers, stage 1 is told
+        first = layout.pp_rank == 0
+        stage = nn.Module()
+        stage.forward = (lambda x: x.long()) if first else (lambda x: x)  # type: ignore[method-assign]
+        ids = [torch.zeros(2, MODEL.seq_len, dtype=torch.long)]
+        with raises(InputError, "handed on"):
+            forward_only({layout.pp_rank: stage}, layout.dims.pp, lambda s: s, layout.pp_group, ids, ids,
+                         lambda y, t: y.float().mean())  # fmt: skip
 
 
 def main() -> None:

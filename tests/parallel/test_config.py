@@ -228,6 +228,9 @@ def test_a_steps_batch_is_the_same_global_batch_under_any_dp() -> None:
     assert torch.equal(torch.cat([batches.val_batch(1, 2, 8, r, 2)[0] for r in range(2)]), val[1])
     with pytest.raises(ConfigError, match="fewer than model.seq_len"):
         TokenBatches(random_tokens(150, 300, seed=1), seq_len=16, seed=0)  # 15 validate
+    exact = TokenBatches(random_tokens(1000, 300, seed=1), seq_len=99, seed=0)  # 100 validate: one window
+    ids, targets = exact.val_batch(0, 1, 2, 0, 1)
+    assert torch.equal(ids[0], exact.val[:-1]) and torch.equal(targets[1], exact.val[1:])
 
 
 def test_active_parameters_count_the_dense_decoder_without_embeddings() -> None:
