@@ -30,31 +30,34 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, start: int, comm: Communicator, sum_grads: bool
-    ) -> torch.Tensor:
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, start: int, comm: Communicator, sum_grads: bool,
+        agreed: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        # agreed: T is the same on every rank, checked by the caller; else each collective checks it
+        check, sizes = (False, [logits.shape[0]] * comm.size) if agreed else (None, None)
         local_max = logits.detach().max(dim=1).values
         # the Communicator reduces by sum only: gather the [world, T] maxima and take the max
-        top = torch.stack(comm.all_gather(local_max)).max(dim=0).values  # type: ignore[arg-type]
+        top = torch.stack(comm.all_gather(local_max, sizes=sizes, check=check)).max(dim=0).values  # type: ignore[arg-type]
         exp = (logits.detach() - top.unsqueeze(1)).exp()
         local = targets - start
         mine = (local >= 0) & (local < logits.shape[1])
         safe = local.clamp(0, logits.shape[1] - 1)
         target_logit = torch.where(mine, logits.detach().gather(1, safe.unsqueeze(1)).squeeze(1) - top, 0.0)
-        stats = comm.all_reduce(torch.stack([exp.sum(dim=1), target_logit], dim=1))
+        stats = comm.all_reduce(torch.stack([exp.sum(dim=1), target_logit], dim=1), check=check)
         assert isinstance(stats, torch.Tensor)
         sum_exp, target_logit = stats.unbind(1)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(1)), safe, mine)
-        ctx.comm, ctx.sum_grads = comm, sum_grads
+        ctx.comm, ctx.sum_grads, ctx.check = comm, sum_grads, check
         return sum_exp.log() - target_logit
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
         softmax, safe, mine = ctx.saved_tensors
         if ctx.sum_grads:  # each rank's loss covers its own tokens: every rank needs all of them
-            grad = ctx.comm.all_reduce(grad.contiguous())
+            grad = ctx.comm.all_reduce(grad.contiguous(), check=ctx.check)
         out = softmax * grad.unsqueeze(1)
         out.scatter_add_(1, safe.unsqueeze(1), -(grad * mine).unsqueeze(1))
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -68,7 +71,7 @@ def vocab_parallel_cross_entropy(
     on every rank; the gradient reaches each rank's slice of the logits. Two small
     collectives forward (an all-gather of [T] maxima, an all-reduce of [T, 2]), none back.
     """
-    return _VocabParallelCE.apply(logits, targets.long(), int(vocab_start), comm, False)
+    return _VocabParallelCE.apply(logits, targets.long(), int(vocab_start), comm, False, False)
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -155,6 +158,11 @@ class VocabParallelHead(nn.Module):
                 "targets must have hidden's shape without its last dim"
             )
         counts = gather_with_verdict(self.comm, 0 if error is not None else x.shape[0], error, name)
+        if not self.gather_tokens and len(set(counts)) > 1:  # counts are every rank's: all raise alike
+            raise InputError(
+                f"{name}: gather_tokens=False takes the same tokens on every rank, but the ranks hold {counts}; "
+                "pass gather_tokens=True where each rank has its own tokens"
+            )
         t = targets.reshape(-1)
         weight = self.shard()
         if self.gather_tokens:
@@ -162,7 +170,8 @@ class VocabParallelHead(nn.Module):
             t = torch.cat(self.comm.all_gather(t.long().contiguous(), sizes=counts, check=False))  # type: ignore[arg-type]
             weight = _ScaleGrad.apply(weight, 1.0 / self.comm.size)
         start = self.layout.row_range(self.comm.rank)[0]
-        losses = _VocabParallelCE.apply(x @ weight.t(), t, start, self.comm, self.gather_tokens)
+        # the token counts are agreed (gather_with_verdict): the loss's collectives move data only
+        losses = _VocabParallelCE.apply(x @ weight.t(), t, start, self.comm, self.gather_tokens, True)
         if self.gather_tokens:
             first = sum(counts[: self.comm.rank])
             losses = losses[first : first + counts[self.comm.rank]]

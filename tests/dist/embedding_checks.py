@@ -264,7 +264,7 @@ def check_vocab_parallel_cross_entropy_equals_full_logits(world: World) -> None:
     torch.testing.assert_close(mine.grad, ref.grad[:, r0:r1], **TOL)
 
 
-def check_vocab_parallel_head_data_parallel_and_tied(world: World) -> None:
+def check_vocab_parallel_head_data_and_tensor_parallel_and_tied(world: World) -> None:
     comm = world.comm
     w = table()
     hidden = [torch.randn(3 + r, 2, DIM, generator=torch.Generator().manual_seed(r)) for r in range(comm.size)]
@@ -300,6 +300,21 @@ def check_vocab_parallel_head_data_parallel_and_tied(world: World) -> None:
     with raises(InputError, "ids of dtype float32; ids must be integers"):
         head(h.detach(), mine.float() if comm.rank == 1 else mine)
     torch.testing.assert_close(head(h.detach(), mine), loss.detach(), **TOL)  # the ranks are still in step
+
+    # the same tokens on every rank (tensor parallel): each computes its columns of the logits
+    shared = VocabParallelHead(DIM, VOCAB, comm, gather_tokens=False)
+    with torch.no_grad():
+        shared.weight.copy_(shared.layout.cut(w))
+    h0, ref_w0 = hidden[0].clone().requires_grad_(), w.clone().requires_grad_()
+    ref_loss0 = F.cross_entropy((hidden[0] @ ref_w0.t()).flatten(0, 1), targets[0].flatten())
+    ref_loss0.backward()
+    loss0 = shared(h0, targets[0])
+    loss0.backward()
+    torch.testing.assert_close(loss0, ref_loss0.detach(), **TOL)
+    torch.testing.assert_close(shared.weight.grad, shared.layout.cut(ref_w0.grad), **TOL)
+    torch.testing.assert_close(comm.all_reduce(h0.grad), ref_h[0].grad * comm.size, **TOL)  # each rank's columns' part
+    with raises(InputError, "gather_tokens=False takes the same tokens on every rank"):
+        shared(hidden[comm.rank], targets[comm.rank])  # 3 + r rows on rank r
 
     # tied to the input embedding: both gradients land in one shard
     emb = SparseEmbedding.from_pretrained(w, freeze=False, sharding="row", comm=comm)
@@ -364,7 +379,7 @@ CHECKS = [
     check_bad_ids_raise_on_every_rank,
     check_bad_config_raises_on_every_rank,
     check_vocab_parallel_cross_entropy_equals_full_logits,
-    check_vocab_parallel_head_data_parallel_and_tied,
+    check_vocab_parallel_head_data_and_tensor_parallel_and_tied,
     check_gradient_accumulation_through_the_queue,
     *PRIORITY_CHECKS,
 ]
