@@ -149,6 +149,7 @@ class MoELayer(nn.Module):
         self.aux_loss: Tensor = torch.zeros(())
         self._stats: Tensor | None = None
         self._counts_checked = False  # the counts exchange's layout, proven at the first forward
+        self._stats_checked = False  # and the counts summed over stats_comm
 
     @classmethod
     def from_config(
@@ -302,7 +303,9 @@ class MoELayer(nn.Module):
         if summed is not None and self.stats_comm is self.comm:
             counts = summed
         elif self.stats_comm is not None:
-            counts = self.stats_comm.all_reduce(local, op="sum")
+            # the vector's length is the same at every forward: checked at the first only
+            counts = self.stats_comm.all_reduce(local, op="sum", check=not self._stats_checked)
+            self._stats_checked = True
         else:
             counts = local
         if self.training:
