@@ -134,10 +134,6 @@ class PriorityQueue:
         """Whether `key` is in this round and not submitted yet."""
         return key in self._order and key not in self._tasks
 
-    def missing(self) -> list[TaskKey]:
-        """This round's keys not submitted yet (all of them before any round started)."""
-        return [k for k in self._order if k not in self._tasks]
-
     def submit(
         self,
         key: TaskKey,
@@ -174,6 +170,8 @@ class PriorityQueue:
             chunks = [tensor.detach()]
         send = [int(s) for s in send_splits] if send_splits is not None else None
         recv = [int(s) for s in recv_splits] if recv_splits is not None else None
+        # a strided tensor's reshape is a copy: summing into that would leave `tensor` as it was
+        donate = donate and tensor.is_contiguous()
         task = _Task(key, tensor, op, reduce, send, recv, chunks, check=check, donate=donate)
         self._tasks[key] = task
         self._pump()

@@ -56,6 +56,11 @@ def check_priority_queue_order_and_reassembly(world: World) -> None:
     got = queue.submit(TaskKey(0, "donated"), scratch, check=False, donate=True).wait()
     torch.testing.assert_close(got, sum(payload(BIG, r) for r in range(comm.size)), rtol=0, atol=1e-9)
     assert (got is scratch) == (comm.backend == "torch"), comm.backend
+    # a strided one (a transposed view) is summed into a copy and comes back as the sum all the same
+    queue.expect([TaskKey(0, "strided")])
+    strided = torch.arange(12.0).view(3, 4).t() * (comm.rank + 1)
+    got = queue.submit(TaskKey(0, "strided"), strided, check=False, donate=True).wait()
+    torch.testing.assert_close(got, torch.arange(12.0).view(3, 4).t() * sum(range(1, comm.size + 1)), rtol=0, atol=0)
     # an all-to-all task: rank r sends s + 1 rows to rank s
     queue.expect([TaskKey(0, "rows")])
     rows = torch.cat([torch.full((s + 1, 2), float(comm.rank)) for s in range(comm.size)])
