@@ -195,6 +195,28 @@ def test_world_shutdown_releases_every_group_and_they_refuse_after() -> None:
     assert "broken and refuses every collective: its world was shut down" in out.stdout, out.stdout
 
 
+def test_a_process_group_without_a_cpu_backend_is_refused() -> None:
+    """A communicator moves small CPU tensors (splits, input checks) whatever the data's
+    device: over a group with no CPU backend (an nccl-only one on GPUs; here one that maps
+    only cuda) it refuses at construction, naming the backend to use, which is the one
+    `sparta.init` and `build_layout` start on CUDA."""
+    code = (
+        "import torch, torch.distributed as dist, sparta\n"
+        "from sparta.comm import Communicator, CommConfig, process_group_backend\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "print('BACKENDS', process_group_backend('cpu'), process_group_backend('cuda'))\n"
+        "try:\n    Communicator.from_process_group(dist.new_group([0], backend='cuda:gloo'), CommConfig())\n"
+        "except sparta.errors.ConfigError as e:\n    print('REFUSED', e)\n"
+        "world = Communicator.from_process_group(dist.group.WORLD, CommConfig())\n"
+        "print('WORLD', world.all_reduce(torch.ones(2)))\n"
+    )
+    out = run_py(code)
+    assert "BACKENDS gloo cpu:gloo,cuda:nccl" in out.stdout, out.stdout + out.stderr
+    assert "REFUSED the process group over ranks [0] runs 'cuda:gloo' alone" in out.stdout, out.stdout
+    assert "create it with backend 'cpu:gloo,cuda:nccl'" in out.stdout, out.stdout
+    assert "WORLD tensor([1., 1.])" in out.stdout, out.stdout
+
+
 def test_missing_engine_names_the_install_command() -> None:
     for backend, module, hint in [
         ("mpi", "mpi4py", "pip install 'sparta\\[mpi\\]'"),

@@ -17,6 +17,7 @@ exchanges go through the `Exchange` interface, which a Communicator, a two-level
 from sparta.comm.autograd import all_reduce_backward, all_reduce_forward, all_to_all
 from sparta.comm.communicator import Communicator
 from sparta.comm.config import CommConfig
+from sparta.comm.engines.torch_dist import process_group_backend
 from sparta.comm.exchange import Exchange, PendingAllToAll
 from sparta.comm.handle import Handle
 from sparta.comm.hierarchical import HierarchicalAllToAll
@@ -42,4 +43,5 @@ __all__ = [
     "all_to_all",
     "detect",
     "init",
+    "process_group_backend",
 ]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from sparta.comm import Communicator, World
+from sparta.comm import Communicator, World, process_group_backend
 from sparta.errors import ConfigError
 
 
@@ -174,7 +174,9 @@ def _start_torch_distributed(world: World, device: torch.device) -> None:
     address = world.comm.broadcast(address, src=0)
     assert isinstance(address, torch.Tensor)
     host = socket.inet_ntoa(int(address[0]).to_bytes(4, "big"))
-    backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
-        backend, init_method=f"tcp://{host}:{int(address[1])}", rank=world.rank, world_size=world.size
+        process_group_backend(device),
+        init_method=f"tcp://{host}:{int(address[1])}",
+        rank=world.rank,
+        world_size=world.size,
     )

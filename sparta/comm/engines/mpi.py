@@ -227,10 +227,11 @@ class MPICommunicator(Communicator):
             raise engine_failure(exc, op) from exc
 
     def _check_counts(self, counts: list[int], op: str) -> None:
-        if max(counts, default=0) > _MAX_COUNT or sum(counts) > _MAX_COUNT:
+        """Every rank holds the same `counts` (a gather's, a broadcast's), so all raise alike."""
+        if sum(counts) > _MAX_COUNT:
             raise InputError(
-                f"{op}: the MPI engine moves at most {_MAX_COUNT} bytes per peer and per call "
-                f"(32-bit MPI counts), asked for {max(counts)}; split the tensor into smaller calls"
+                f"{op}: the MPI engine moves at most {_MAX_COUNT} bytes a call (32-bit MPI counts and "
+                f"displacements), asked for {sum(counts)}; split the tensor into smaller calls"
             )
 
     @staticmethod
@@ -239,7 +240,13 @@ class MPICommunicator(Communicator):
 
     # ---------------------------------------------------------------- primitives
     def _all_to_all_bytes(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
-        self._check_counts(send + recv, op)
+        if max(sum(send), sum(recv)) > _MAX_COUNT:
+            # this rank's totals alone: its peers cannot know, so this call breaks the group
+            raise CollectiveError(
+                f"{op}: the MPI engine moves at most {_MAX_COUNT} bytes a call each way (32-bit MPI counts and "
+                f"displacements); this rank would send {sum(send)} and receive {sum(recv)}: split the exchange "
+                "into smaller calls (its peers wait for this one until their timeout)"
+            )
         src = self._host(buf)
         out = torch.empty(sum(recv), dtype=torch.uint8)
         B = self._MPI.BYTE

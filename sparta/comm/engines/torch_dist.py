@@ -14,9 +14,27 @@ from sparta.comm.communicator import Communicator, require_world_parent
 from sparta.comm.config import CommConfig
 from sparta.comm.handle import Handle, engine_failure
 from sparta.comm.launch import LaunchInfo
+from sparta.errors import ConfigError
 
 # torch 2.13 renamed all_gather_into_tensor (deprecating the old name); earlier torch has only that
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def process_group_backend(device: str | torch.device) -> str:
+    """The torch.distributed backend for work on ``device``: gloo on CPU, and on CUDA nccl
+    beside gloo, since a communicator moves small CPU tensors too (splits, input checks)."""
+    return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def cpu_problem(backend_config: str, ranks: list[int]) -> str | None:
+    """Why a process group of ``backend_config`` (device:backend pairs, as
+    `dist.get_backend_config` gives them) cannot carry a communicator's CPU tensors, or None."""
+    if "cpu:" in backend_config:
+        return None
+    return (
+        f"the process group over ranks {ranks} runs {backend_config!r} alone, and a Sparta communicator also "
+        f"moves small CPU tensors (splits, input checks): create it with backend {process_group_backend('cuda')!r}"
+    )
 
 
 @dataclass
@@ -35,7 +53,11 @@ class TorchCommunicator(Communicator):
     def __init__(
         self, pg: dist.ProcessGroup, config: CommConfig, name: str, session: _Session, owns_world: bool = False
     ) -> None:
-        super().__init__(dist.get_rank(pg), dist.get_world_size(pg), dist.get_process_group_ranks(pg), config, name)
+        ranks = dist.get_process_group_ranks(pg)
+        problem = cpu_problem(dist.get_backend_config(pg), ranks)
+        if problem is not None:  # every rank of the group has its backend: all raise alike
+            raise ConfigError(problem)
+        super().__init__(dist.get_rank(pg), dist.get_world_size(pg), ranks, config, name)
         self.pg: dist.ProcessGroup | None = pg
         self._session = session
         self._owns_world = owns_world
@@ -54,7 +76,7 @@ class TorchCommunicator(Communicator):
             return cls(dist.group.WORLD, config, "world", _Session())
         timeout = datetime.timedelta(seconds=config.timeout_s)
         # One group serves both devices: collectives on CPU tensors go to gloo, on CUDA to nccl.
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        backend = process_group_backend("cuda" if torch.cuda.is_available() else "cpu")
         if torch.cuda.is_available():
             torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
         if launch.size == 1:
