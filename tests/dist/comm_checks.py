@@ -178,6 +178,13 @@ def check_sub_communicators(world: World) -> None:
     assert got.tolist() == ([0.0, 0.0] if pairs.rank == 0 else [1.0])
     gathered = pairs.all_gather(torch.tensor([r]))
     assert [t.item() for t in gathered] == list(pairs.ranks)
+    # two fresh splits over the same ranks (dp and ep groups alike), their first calls in
+    # flight at once: Horovod pairs ops by name, which must differ between the two
+    a, b = world.comm.split_groups([[0, 1], [2, 3]]), world.comm.split_groups([[0, 1], [2, 3]])
+    assert a is not None and b is not None
+    first = a.all_reduce(torch.tensor([1.0 + r]), async_op=True, check=False)
+    second = b.all_reduce(torch.tensor([10.0 * (r + 1)]), async_op=True, check=False)
+    assert (second.wait().item(), first.wait().item()) == ((30.0, 3.0) if r < 2 else (70.0, 7.0))
     evens = world.comm.split([0, 2])
     if r in (0, 2):
         assert evens is not None and evens.ranks == (0, 2)

@@ -37,6 +37,7 @@ class _Session:
     hvd: Any
     process_sets: dict[tuple[int, ...], Any] = field(default_factory=dict)
     running: bool = True
+    splits: int = 0  # split calls so far, in step on every rank: every rank of the world makes each
 
 
 class HorovodCommunicator(Communicator):
@@ -53,13 +54,15 @@ class HorovodCommunicator(Communicator):
         self._hvd = hvd
         self.process_set = process_set
         self._issued = 0
+        # two splits over the same ranks (dp and ep groups alike) must not share op names
+        self._tag = f"{name}#{session.splits}"
 
     def _name(self, kind: str) -> str:
         """Horovod pairs ops across ranks by name; unnamed ops are numbered per process,
         which drifts apart as soon as ranks run different sub-group ops. Numbering per
         communicator stays in step, as every member issues the same ops in the same order."""
         self._issued += 1
-        return f"sparta.{self.name}.{kind}.{self._issued}"
+        return f"sparta.{self._tag}.{kind}.{self._issued}"
 
     @classmethod
     def init_world(cls, launch: LaunchInfo, config: CommConfig) -> HorovodCommunicator:
@@ -157,6 +160,7 @@ class HorovodCommunicator(Communicator):
         require_world_parent(self, hvd.size(), "Horovod registers a process set with every rank taking part")
         sets = self._session.process_sets
         op = self._op(f"split into groups {groups}")
+        self._session.splits += 1
         for g in groups:  # Horovod refuses a duplicate set, so reuse one made before
             key = tuple(g)
             if key not in sets:
