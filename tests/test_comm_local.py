@@ -112,6 +112,10 @@ def test_world_of_one_runs_every_op(device: str) -> None:
         c.all_to_all(x, [2])
     with pytest.raises(InputError, match="takes a torch.Tensor, got list"):
         c.all_reduce([1.0])  # type: ignore[arg-type]
+    padded = sparta.comm.all_reduce_forward(x, c, length=5)  # sent as 5 rows, 3 back
+    assert torch.equal(padded, x)
+    with pytest.raises(InputError, match="3 rows exceed length=2; pass a length no smaller"):
+        sparta.comm.all_reduce_forward(x, c, length=2)
     with pytest.raises(ConfigError, match="unknown backend 'nccl'"):
         sparta.init(backend="nccl")
     with pytest.raises(ConfigError, match="ranks_per_node=3 must be >= 1 and divide the world size 1"):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sparta.comm.exchange import Exchange
+from sparta.errors import InputError
 
 if TYPE_CHECKING:
     from sparta.comm.communicator import Communicator
@@ -62,8 +63,10 @@ def all_to_all(
 def _summed(x: torch.Tensor, comm: Communicator, length: int | None) -> torch.Tensor:
     """The sum over ``comm`` of ``x``, sent as ``length`` rows (zeros after x's) when given."""
     pad = 0 if length is None else length - x.shape[0]
-    if pad < 0:
-        raise ValueError(f"all_reduce: {x.shape[0]} rows exceed length={length}")
+    if pad < 0:  # checked on this rank alone (the sum runs unchecked): its peers wait until their timeout
+        raise InputError(
+            f"all_reduce: {x.shape[0]} rows exceed length={length}; pass a length no smaller than any rank's rows"
+        )
     if pad:
         x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
     out = comm.all_reduce(x.contiguous(), op="sum", check=False)

@@ -140,9 +140,7 @@ def _start(backend: str, launch: LaunchInfo, config: CommConfig) -> Communicator
 
 
 def _node_layout(comm: Communicator, ranks_per_node: int | None) -> tuple[tuple[int, ...], ...]:
-    if ranks_per_node is not None:
-        if ranks_per_node < 1 or comm.size % ranks_per_node:
-            raise ConfigError(f"ranks_per_node={ranks_per_node} must be >= 1 and divide the world size {comm.size}")
+    if ranks_per_node is not None:  # checked in init, before the engine started
         return tuple(tuple(range(n, n + ranks_per_node)) for n in range(0, comm.size, ranks_per_node))
     host = torch.frombuffer(bytearray(socket.gethostname().encode()), dtype=torch.uint8)
     names = [bytes(t.tolist()) for t in comm.all_gather(host)]  # type: ignore[union-attr]
@@ -166,6 +164,9 @@ def init(backend: str = "auto", ranks_per_node: int | None = None, config: CommC
     """
     config = config or CommConfig()
     launch = detect()
+    if ranks_per_node is not None and (ranks_per_node < 1 or launch.size % ranks_per_node):
+        # before the engine starts: raised after, it would leave gloo's threads to the interpreter's exit
+        raise ConfigError(f"ranks_per_node={ranks_per_node} must be >= 1 and divide the world size {launch.size}")
     engine = _resolve(backend, launch)
     comm = _start(engine, launch, config)
     if comm.size != launch.size:
