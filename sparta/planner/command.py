@@ -57,8 +57,7 @@ def main(args: argparse.Namespace) -> int:
             max_tp = hw.devices_per_node
         else:
             costs = ModelCosts.load(args.costs)
-            here = hardware_fingerprint(_device(config), args.world)
-            costs.check(work.model, work.moe, None if args.any_hardware else here)
+            costs.check(work.model, work.moe, None if args.any_hardware else _here(config, args.world))
         embeddings = tuple(args.embeddings.split(",")) if args.embeddings else EMBEDDINGS
         if any(e not in EMBEDDINGS for e in embeddings):
             raise ConfigError(f"--embeddings {args.embeddings}: choose from {', '.join(EMBEDDINGS)}")
@@ -85,6 +84,17 @@ def main(args: argparse.Namespace) -> int:
 
 def _device(config: RunConfig) -> torch.device:
     return torch.device(config.train.device)
+
+
+def _here(config: RunConfig, world: int) -> dict[str, object]:
+    """This machine's fingerprint, to compare with the costs' (`ModelCosts.check`)."""
+    device = _device(config)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device is 'cuda' but this machine has no GPU to compare with the costs' hardware: "
+            "plan on the GPU machine, or pass --any-hardware to take the costs as they are"
+        )
+    return hardware_fingerprint(device, world)
 
 
 def _measure(config: RunConfig, path: str) -> int:

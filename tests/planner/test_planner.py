@@ -502,6 +502,15 @@ def test_the_search_shards_the_tables_where_their_reduction_costs_more_than_thei
     assert sparta_main([*cli, "--embeddings", "sparse", "--top", "1"]) == 0
     best, summary = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert "sparse-embedding" in best["plan"] and summary["rejected"][SPARSE_ALONE] > 0
+    # a CUDA run planned on a machine without one: --any-hardware plans it, no fingerprint asked
+    gpu_run = tmp_path / "gpu.toml"
+    gpu_run.write_text(run.read_text().replace("[train]\n", "[train]\ndevice = 'cuda'\n"))
+    gpu_cli = ["plan", "--config", str(gpu_run), "--costs", str(costs_path), "--world", "4", "--memory", "1"]
+    assert sparta_main([*gpu_cli, "--any-hardware", "--top", "1"]) == 0
+    capsys.readouterr()
+    assert sparta_main(gpu_cli) == 2  # measured on "test" hardware: refused here, and on a GPU
+    if not torch.cuda.is_available():
+        assert "train.device is 'cuda' but this machine has no GPU" in capsys.readouterr().err
 
 
 def test_bad_input_is_refused_by_name(tmp_path: Path) -> None:
