@@ -310,13 +310,17 @@ def _fitted(costs: ModelCosts, work: Workload, plan: Plan, memory_bytes: float) 
     # the vocabulary stages have no layers to recompute
     first, body = plan.config.first_body(dims.pp), plan.config.body_stages(dims.pp)
     over = [r for r, b in prediction.peak_bytes.items() if b > memory_bytes]
+    fitted = Ranked(plan, prediction)
     for stages in ({s for r in over for s in stage_ids(plan.config.schedule, dims.pp, r, spr)}, range(first + body)):
         stages = [s for s in stages if first <= s < first + body]
-        recomputed = Plan(dims, dataclasses.replace(plan.config, recompute=tuple(sorted(stages))))
-        prediction = simulate(costs, work, recomputed)
-        if prediction.max_peak_bytes <= memory_bytes:
+        try:
+            recomputed = Plan(dims, dataclasses.replace(plan.config, recompute=tuple(sorted(stages))))
+            fitted = Ranked(recomputed, simulate(costs, work, recomputed))
+        except ConfigError:  # the trainer refuses recomputation here (the sigmoid router): over budget as is
+            return Ranked(plan, prediction)
+        if fitted.prediction.max_peak_bytes <= memory_bytes:
             break
-    return Ranked(recomputed, prediction)
+    return fitted
 
 
 def _reason(message: str) -> str:

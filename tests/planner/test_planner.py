@@ -532,6 +532,20 @@ def test_bad_input_is_refused_by_name(tmp_path: Path) -> None:
         simulate(c, WORK, plan(2, "1F1B", 2, ("layers.9",)))
 
 
+def test_plans_the_trainer_will_not_recompute_stay_over_budget_not_rejected() -> None:
+    """Over budget, a plan is tried with recomputation; where the trainer refuses that (the
+    sigmoid router moves its bias in the forward), the plan is kept as it is, over budget."""
+    counts = {}
+    for router in ("topk", "sigmoid"):
+        moe = MoESpec(num_experts=4, top_k=2, router=router)
+        result = search(costs(moe=moe), Workload(MODEL, moe, 8), 4, 1.0, ParallelConfig(moe=moe))
+        assert not result.fits
+        counts[router] = (len(result.over_budget), sum(result.rejected.values()))
+        recomputing = [r for r in result.over_budget if r.plan.config.recompute]
+        assert bool(recomputing) == (router == "topk"), router
+    assert counts["sigmoid"] == counts["topk"], counts
+
+
 def test_a_plan_file_round_trips_into_the_run_config(tmp_path: Path) -> None:
     moe = MoESpec(num_experts=4, top_k=2)
     c = costs(moe=moe)
