@@ -96,6 +96,11 @@ class MoESpec:
             except ConfigError as exc:
                 raise ConfigError(f"MoESpec.pipeline_degree: {exc}") from None
 
+    def is_moe(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) becomes an MoE layer: every ``every``-th,
+        from the first."""
+        return layer % self.every == 0
+
     @property
     def overlap_asked(self) -> str:
         """The block options set, as they read ("overlap=2", "dedup=True"), or "" for none."""
@@ -127,7 +132,7 @@ def moe_layers(
     ``ep`` that ``spec.dedup`` sends tokens through (`Block.set_overlap`)."""
     replaced = []
     for key, layer in module.layers.items():  # type: ignore[union-attr, operator]
-        if int(key) % spec.every:
+        if not spec.is_moe(int(key)):
             continue
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed * 1_000_003 + int(key))

@@ -87,14 +87,16 @@ def learning_rate(config: RunConfig, step: int) -> float:
 def active_parameters(model: DecoderConfig, parallel: ParallelConfig) -> int:
     """Parameters one token passes through, embeddings excluded (the N of the 6N MFU rule):
     per layer two LayerNorms, attention's four d x d projections, the MLP (top_k of them and
-    the router's d x num_experts under MoE); then the final norm and the output head."""
+    the router's d x num_experts in each MoE layer); then the final norm and the output head."""
     d, f = model.d_model, model.d_ff
     norms = 2 * 2 * d
     attention = 4 * (d * d + d)
     mlp = d * f + f + f * d + d
     moe = parallel.moe
-    per_layer = norms + attention + (mlp if moe is None else moe.top_k * mlp + d * moe.num_experts)
-    return model.n_layers * per_layer + 2 * d + d * model.vocab_size
+    layers = model.n_layers * (norms + attention + mlp)
+    if moe is not None:  # an MoE layer's token passes top_k experts and the router instead of one MLP
+        layers += sum(moe.is_moe(i) for i in range(model.n_layers)) * ((moe.top_k - 1) * mlp + d * moe.num_experts)
+    return layers + 2 * d + d * model.vocab_size
 
 
 def _optimizers(pm: ParallelModel, config: RunConfig) -> list[torch.optim.AdamW]:

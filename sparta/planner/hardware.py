@@ -131,7 +131,7 @@ def model_flops_per_step(model: DecoderConfig, moe: MoESpec | None, global_batch
     per_token = 0.0
     for layer in range(model.n_layers):
         per_token += 8 * d * d + 4 * s * d
-        is_moe = moe is not None and layer % moe.every == 0
+        is_moe = moe is not None and moe.is_moe(layer)
         per_token += (moe.top_k * 4 * d * f + 2 * d * moe.num_experts) if is_moe and moe else 4 * d * f
     per_token += 2 * d * v
     return 3 * per_token * global_batch * s

@@ -178,7 +178,7 @@ def layer_costs(costs: ModelCosts, work: Workload, tokens: float) -> dict[str, f
     parts = costs.parts
     out = {"embed": parts["embed"].fwd(tokens) + parts["embed"].bwd(tokens)}
     for i in range(work.model.n_layers):
-        mlp = "moe" if work.moe is not None and i % work.moe.every == 0 else "mlp"
+        mlp = "moe" if work.moe is not None and work.moe.is_moe(i) else "mlp"
         out[f"layers.{i}"] = sum(parts[p].fwd(tokens) + parts[p].bwd(tokens) for p in ("attention", mlp))
     out["head"] = parts["head"].fwd(tokens) + parts["head"].bwd(tokens)
     return out

@@ -313,9 +313,9 @@ def length_cost(costs: ModelCosts, work: Workload) -> LengthCost:
     """The whole model's forward + backward from the measured parts (one rank, no
     parallelism), for `sparta.scheduling.varlen`'s groupings: the sum of every part's fits,
     linear in tokens (the parts are measured at ``seq_len``)."""
-    model = work.model
-    mlp = "moe" if work.moe is not None else "mlp"
-    names = ["embed", "head"] + ["attention", mlp] * model.n_layers
+    model, moe = work.model, work.moe
+    names = ["embed", "head"] + ["attention"] * model.n_layers
+    names += ["moe" if moe is not None and moe.is_moe(i) else "mlp" for i in range(model.n_layers)]
     alpha = sum(costs.parts[n].fwd.alpha + costs.parts[n].bwd.alpha for n in names)
     beta = sum(costs.parts[n].fwd.beta + costs.parts[n].bwd.beta for n in names)
     return LengthCost(alpha, beta)

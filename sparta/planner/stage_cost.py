@@ -191,7 +191,7 @@ def stage_cost(
     chosen: tuple[list[float], list[float]] | None = None
     for layer in layers:
         before, dense_before = blocks[3], dense
-        if moe is not None and layer % moe.every == 0:
+        if moe is not None and moe.is_moe(layer):
             chosen = chosen or min((moe_block(*c) for c in candidates), key=lambda b: b[1][0] + b[1][1])
             compute, ends = chosen
             for i in range(5):
@@ -202,7 +202,7 @@ def stage_cost(
             add_dense("attention", blocks)
             add_dense("mlp", blocks)
         dense += costs.parts["attention"].params / dims.tp
-        if moe is not None and layer % moe.every == 0:
+        if moe is not None and moe.is_moe(layer):
             split = dims.tp if moe.expert_tp else 1
             router = cfg.d_model * moe.num_experts
             experts = (costs.parts["moe"].params - router) / (dims.ep * split)

@@ -5,16 +5,18 @@ and bad input is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from sparta.errors import InputError
-from sparta.parallel import Decoder, DecoderConfig, ParallelConfig, ParallelDims
+from sparta.parallel import Decoder, DecoderConfig, MoESpec, ParallelConfig, ParallelDims
 from sparta.planner import Plan, Workload, length_cost, simulate
 from sparta.scheduling import (
     LengthCost,
+    LinearFit,
     MicroBatch,
     bucketed_steps,
     collate,
@@ -142,6 +144,14 @@ def test_length_cost_fit_flops_and_measured_parts() -> None:
     # from the planner's parts: each block's attention + mlp 0.5 s fwd + 1 s bwd per 16 tokens
     linear = length_cost(costs(), Workload(MODEL, None, 8))
     assert linear(2, 8) == pytest.approx(MODEL.n_layers * 1.5)
+    # MoE every second layer: layers 0 and 2 price the MoE part, 1 and 3 the MLP
+    moe = MoESpec(num_experts=4, top_k=2, every=2)
+    c = costs(moe=moe)
+    c.parts["moe"] = dataclasses.replace(c.parts["moe"], fwd=LinearFit(0.0, 0.1, 0.0, ()))  # 1.6 s at 16 tokens
+    per = {n: c.parts[n].fwd(16) + c.parts[n].bwd(16) for n in ("attention", "mlp", "moe")}
+    assert per["moe"] > per["mlp"]
+    want = 4 * per["attention"] + 2 * per["moe"] + 2 * per["mlp"]
+    assert length_cost(c, Workload(MODEL, moe, 8))(2, 8) == pytest.approx(want)
 
 
 def test_the_pipeline_formula_is_the_simulators_on_equal_micro_batches() -> None:
