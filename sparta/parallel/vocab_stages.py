@@ -255,6 +255,9 @@ def check_head(model: nn.Module, parts: ModelParts) -> str:
     return name
 
 
+EXACT_IDS = 2**24  # float32's integers are exact up to here
+
+
 def check_embedding(model: nn.Module, parts: ModelParts) -> str:
     """The name of ``model``'s token embedding (the first child before ``layers``), checked to
     be a plain ``nn.Embedding`` (no max_norm, scale_grad_by_freq or sparse gradients, which
@@ -272,6 +275,11 @@ def check_embedding(model: nn.Module, parts: ModelParts) -> str:
         raise ConfigError(
             f"embedding_stages splits {name!r} by vocabulary rows, which its {[k for k, v in extras.items() if v]} "
             "cannot follow (each depends on the whole batch's ids): build the table without them"
+        )
+    if table.num_embeddings > EXACT_IDS:  # the ids travel between the stages as float32
+        raise ConfigError(
+            f"embedding_stages hands the ids on as float32, exact up to {EXACT_IDS:,}, but {name!r} has "
+            f"{table.num_embeddings:,} rows: turn embedding_stages off for this vocabulary"
         )
     assert name is not None
     return name

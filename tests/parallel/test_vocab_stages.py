@@ -157,6 +157,9 @@ def test_the_token_embedding_must_be_a_plain_table() -> None:
     model.tok_emb = nn.Linear(2, 2)  # type: ignore[assignment]
     with pytest.raises(ConfigError, match="must be an nn.Embedding, not Linear"):
         embedding_stage(model, ModelParts.of(model), 0, 2)
+    model.tok_emb = nn.Embedding(2**24 + 1, CFG.d_model, device="meta")  # ids past float32's exact integers
+    with pytest.raises(ConfigError, match="exact up to 16,777,216, but 'tok_emb' has 16,777,217 rows"):
+        embedding_stage(model, ModelParts.of(model), 0, 2)
 
 
 @pytest.mark.parametrize("embedding_stages", [False, True])
