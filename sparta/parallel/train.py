@@ -49,6 +49,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
 
@@ -170,45 +171,49 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
     # points are given
     sample = windows.train_batch(0, t.global_batch, 0, config.dims.dp * config.parallel.microbatches)[0]
     pm = parallelize(Decoder(config.model), layout, config.parallel, sample=sample)
-    if world.rank == 0:
-        log.info("plan:\n%s", pm.plan)
-    optimizers = _optimizers(pm, config)
-    layers = pm.moe_layers()
-    n_active = active_parameters(config.model, config.parallel)
-    peak_flops = config.output.peak_tflops * 1e12 if config.output.peak_tflops else None
-    d = config.dims
-    say(
-        f"{world.size} ranks ({world.backend}): pp{d.pp} x dp{d.dp} x tp{d.tp}, ep{d.ep}, {config.parallel.schedule} "
-        f"x {config.parallel.microbatches} micro-batches; {n_active / 1e6:.2f}M parameters per token; "
-        + (
-            f"{len(batches.train):,} training tokens, {t.global_batch * config.model.seq_len:,} per step"
-            if isinstance(batches, TokenBatches)
-            else f"{len(batches.train[0]):,} training documents' pieces of {batches.mean_piece:.0f} tokens on "
-            f"average, up to {batches.max_tokens:,} tokens a micro-batch"
+    with ExitStack() as cleanup:  # whatever fails from here, hooks, file, bar and profiler are let go
+        cleanup.callback(pm.close)
+        if world.rank == 0:
+            log.info("plan:\n%s", pm.plan)
+        optimizers = _optimizers(pm, config)
+        layers = pm.moe_layers()
+        n_active = active_parameters(config.model, config.parallel)
+        peak_flops = config.output.peak_tflops * 1e12 if config.output.peak_tflops else None
+        d = config.dims
+        say(
+            f"{world.size} ranks ({world.backend}): pp{d.pp} x dp{d.dp} x tp{d.tp}, ep{d.ep}, "
+            f"{config.parallel.schedule} x {config.parallel.microbatches} micro-batches; "
+            f"{n_active / 1e6:.2f}M parameters per token; "
+            + (
+                f"{len(batches.train):,} training tokens, {t.global_batch * config.model.seq_len:,} per step"
+                if isinstance(batches, TokenBatches)
+                else f"{len(batches.train[0]):,} training documents' pieces of {batches.mean_piece:.0f} tokens on "
+                f"average, up to {batches.max_tokens:,} tokens a micro-batch"
+            )
         )
-    )
 
-    ckpt = config.checkpoint
-    checkpointer = Checkpointer(ckpt.dir, keep=ckpt.keep) if ckpt.dir is not None else None
-    start_step = 0
-    # the data position beside the step (a step's batch is a function of these and the step)
-    position = {"seed": t.seed, "global_batch": t.global_batch, "samples": config.data.samples}
-    if checkpointer is not None:
-        extra = checkpointer.load(pm.parts, optimizers)
-        if extra is not None:
-            start_step = int(extra["step"])
-            say(f"resumed from step {start_step} of {ckpt.dir}")
-            if any(extra.get(key, "windows" if key == "samples" else None) != value for key, value in position.items()):
-                say(f"warning: the checkpoint was trained with {extra}; this run's batches differ from its")
-    metrics = MetricsFile(config.output.metrics, world.rank, start_step)
-    tracer = StepTracer(config, world.rank, layout.device)
-    bar = progress_bar(world.rank == 0, t.steps, start_step)
-    losses: list[float] = []
-    initial_val = val_loss = None if start_step else evaluate(pm, batches, config, layout)
-    if initial_val is not None:
-        say(f"step 0: val loss {initial_val:.3f}")
-    train_seconds, trained_tokens = 0.0, 0
-    try:
+        ckpt = config.checkpoint
+        checkpointer = Checkpointer(ckpt.dir, keep=ckpt.keep) if ckpt.dir is not None else None
+        start_step = 0
+        # the data position beside the step (a step's batch is a function of these and the step)
+        position = {"seed": t.seed, "global_batch": t.global_batch, "samples": config.data.samples}
+        if checkpointer is not None:
+            extra = checkpointer.load(pm.parts, optimizers)
+            if extra is not None:
+                start_step = int(extra["step"])
+                say(f"resumed from step {start_step} of {ckpt.dir}")
+                if any(
+                    extra.get(key, "windows" if key == "samples" else None) != value for key, value in position.items()
+                ):
+                    say(f"warning: the checkpoint was trained with {extra}; this run's batches differ from its")
+        metrics = cleanup.enter_context(closing(MetricsFile(config.output.metrics, world.rank, start_step)))
+        tracer = cleanup.enter_context(closing(StepTracer(config, world.rank, layout.device)))
+        bar = cleanup.enter_context(closing(progress_bar(world.rank == 0, t.steps, start_step)))
+        losses: list[float] = []
+        initial_val = val_loss = None if start_step else evaluate(pm, batches, config, layout)
+        if initial_val is not None:
+            say(f"step 0: val loss {initial_val:.3f}")
+        train_seconds, trained_tokens = 0.0, 0
         for step in range(start_step, t.steps):
             tracer.before(step)
             begin = time.perf_counter()
@@ -257,10 +262,6 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
             metrics.write(record)
             bar.set_postfix_str(postfix(record, spark), refresh=False)
             bar.update(1)
-    finally:
-        bar.close()
-        metrics.close()
-        pm.close()
     tail = losses[-min(10, len(losses)) :] if losses else []
 
     def rounded(value: float | None, digits: int) -> float | None:

@@ -68,6 +68,12 @@ class StepTracer:
     def region(self, step: int) -> Any:
         return torch.profiler.record_function(f"step {step + 1}") if self.profiler is not None else nullcontext()
 
+    def close(self) -> None:
+        """Stop a profiler still running (a run that failed inside the traced steps), unexported."""
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+
     def after(self, step: int, last: bool) -> None:
         if self.profiler is not None and (step + 1 == self.stop or last):
             self.profiler.stop()
