@@ -45,6 +45,12 @@ def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
     return loss.to_local().clone() if isinstance(loss, DTensor) else loss
 
 
+def step_loss(config: ParallelConfig) -> Callable[[Tensor, Tensor], Tensor]:
+    """What the last stage's output and the targets give the loss by: under vocabulary
+    stages the head stage hands on per-token losses already (`token_loss`), else logits."""
+    return token_loss if config.vocab_stages else loss_fn
+
+
 class ParallelModel:
     """This rank's part of the model and the step that trains it (built by `parallelize`).
 
@@ -74,7 +80,7 @@ class ParallelModel:
         # (batch, padded length) -> the schedule whose stages were shaped by such batches
         self.schedules: dict[tuple[int, int], object] = {}
         self.data_parallel, self.plan, self.heads = data_parallel, plan, heads or []
-        self._loss_fn = token_loss if config.vocab_stages else loss_fn
+        self._loss_fn = step_loss(config)
         self._stepped: set[tuple[int, int]] = set()  # shapes whose schedule inferred its shapes
         self.has_first, self.has_last = has_first, has_last
         self.seq_len = config.seq_len

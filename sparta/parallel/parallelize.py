@@ -48,7 +48,7 @@ from sparta.parallel.data_parallel import DataParallel
 from sparta.parallel.decoder import Block
 from sparta.parallel.dims import Layout
 from sparta.parallel.experts import check_expert_tp, hierarchical_ep, moe_layers, two_level_pays
-from sparta.parallel.model import VOCAB_STYLE, ParallelModel, loss_fn
+from sparta.parallel.model import VOCAB_STYLE, ParallelModel, step_loss
 from sparta.parallel.parallel_config import ParallelConfig, tunes_blocks
 from sparta.parallel.pipeline import (
     ZERO_BUBBLE,
@@ -69,7 +69,6 @@ from sparta.parallel.vocab_stages import (
     embedding_stage,
     head_stage,
     shard_rows,
-    token_loss,
 )
 
 TP_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -345,7 +344,7 @@ def _schedule(config: ParallelConfig, layout: Layout, modules: dict[int, nn.Modu
     step. Builds no communicator: the stages' first step does."""
     stages = [PipelineStage(m, i, num_stages, layout.device, group=layout.pp_group) for i, m in modules.items()]
     cls = get_schedule_class(config.schedule)
-    loss = token_loss if config.vocab_stages else loss_fn
+    loss = step_loss(config)
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], config.microbatches, loss_fn=loss, scale_grads=False)
     return cls(stages, config.microbatches, loss_fn=loss, scale_grads=False)

@@ -44,7 +44,7 @@ from .parts import (
     saved_activation_bytes,
     token_ids,
 )
-from .zero_bubble import alone_group, zero_bubble_factor
+from .zero_bubble import alone_group, idle, zero_bubble_factor
 
 
 def measure_costs(
@@ -291,16 +291,12 @@ def _fit(
     """Seconds of ``make(n)()`` at every size n (the slowest rank's median), fitted; ``active``:
     run on the first ``active`` ranks only, the others idle (1: a part's speed-one time, see
     ModelCosts.slots; g: a tensor-parallel part on its group)."""
-    idle = active is not None and profiler.comm.rank >= active
-    return LinearFit.fit([(n, profiler.time(_idle if idle else make(n))) for n in sizes])
+    resting = active is not None and profiler.comm.rank >= active
+    return LinearFit.fit([(n, profiler.time(idle if resting else make(n))) for n in sizes])
 
 
 def _floats(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.ones(max(1, nbytes // FLOAT_BYTES), device=device)
-
-
-def _idle() -> None:
-    return None
 
 
 def _call(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Callable[[], Any]:

@@ -48,7 +48,7 @@ def zero_bubble_factor(
     ``tokens`` (its measured fit), ``alone`` a process group of this rank only, which the
     stages live on. At least 1."""
     if profiler.comm.rank >= active:
-        zbv, plain = profiler.time(_idle), profiler.time(_idle)
+        zbv, plain = profiler.time(idle), profiler.time(idle)
     else:
         x = make(MICROBATCHES * tokens).detach()
         target = torch.zeros(MICROBATCHES, device=x.device)
@@ -88,5 +88,5 @@ def _loss(y: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
     return y.float().pow(2).mean()
 
 
-def _idle() -> None:
-    return None
+def idle() -> None:
+    """Nothing: what a rank times while others time a part (`Profiler.time` is collective)."""
