@@ -91,6 +91,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `sparta` command's parser: one subcommand per verb (train, plan, profile, info; bench has its own)."""
     import sparta
 
     parser = argparse.ArgumentParser(
@@ -185,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`sparta ARGS`: run the subcommand; returns the process's exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # suites with flags of their own (nccl-tests' -b -e -f ...)
         from sparta_tools.bench import main as bench

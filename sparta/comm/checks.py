@@ -41,6 +41,7 @@ REASON_BYTES = 1024  # per rank, in the gather of reasons; longer reasons are cu
 
 
 def meta_row(x: torch.Tensor, failed: bool) -> list[int]:
+    """What every rank compares before data moves: [failed, dtype code, dims, dim 0, elements per row]."""
     dim0 = x.shape[0] if x.dim() > 0 else 1
     rest = x.numel() // dim0 if dim0 else int(torch.Size(x.shape[1:]).numel())
     return [int(failed), dtype_code(x.dtype), x.dim(), dim0, rest]

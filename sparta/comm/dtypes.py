@@ -56,10 +56,12 @@ _WIDEN: dict[torch.dtype, torch.dtype] = {
 
 
 def dtype_code(dtype: torch.dtype) -> int:
+    """The integer that stands for ``dtype`` in agreement rows (0: a dtype no engine moves)."""
     return DTYPE_CODES.get(dtype, 0)
 
 
 def dtype_name(code: int) -> str:
+    """The dtype's name for a `dtype_code`, for error messages."""
     dt = CODE_DTYPES.get(code)
     return str(dt).replace("torch.", "") if dt is not None else f"<unknown dtype code {code}>"
 
@@ -86,6 +88,7 @@ def as_bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Flat uint8 ``buf`` seen as ``dtype`` in ``shape`` (a view: no copy)."""
     return buf.view(dtype).view(shape)
 
 

@@ -25,10 +25,12 @@ class Handle(Generic[T]):
 
     @classmethod
     def completed(cls, value: T) -> Handle[T]:
+        """A handle whose result is ``value`` already."""
         handle: Handle[T] = cls(lambda: value)
         return handle
 
     def wait(self) -> T:
+        """Block until the collective is done and return its result (again on later calls)."""
         if not self._done:
             self._result = self._wait()
             self._done = True

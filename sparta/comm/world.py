@@ -44,18 +44,22 @@ class World:
 
     @property
     def backend(self) -> str:
+        """The engine's name: "torch", "horovod" or "mpi"."""
         return self.comm.backend
 
     @property
     def num_nodes(self) -> int:
+        """Nodes in the world (hosts, or the groups ``ranks_per_node`` posed)."""
         return len(self.node_ranks)
 
     @property
     def local_rank(self) -> int:
+        """This rank's index on its node."""
         return self.node_ranks[self.node].index(self.rank)
 
     @property
     def local_size(self) -> int:
+        """Ranks on this rank's node."""
         return len(self.node_ranks[self.node])
 
     def node_comms(self) -> tuple[Communicator, Communicator]:

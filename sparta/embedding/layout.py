@@ -70,6 +70,7 @@ class ShardLayout:
         return self.embedding_dim // self.world if self.sharding == "column" else self.embedding_dim
 
     def col_range(self, rank: int) -> tuple[int, int]:
+        """The embedding columns ``(start, stop)`` rank ``rank`` holds (all of them when row-sharded)."""
         if self.sharding == "row":
             return 0, self.embedding_dim
         return rank * self.shard_dim, (rank + 1) * self.shard_dim
@@ -77,6 +78,7 @@ class ShardLayout:
     # ---------------------------------------------------------------- shards
     @property
     def shard_shape(self) -> tuple[int, int]:
+        """``[rows, columns]`` of this rank's shard."""
         start, end = self.row_range(self.rank)
         return end - start, self.shard_dim
 

@@ -165,6 +165,7 @@ class MoELayer(nn.Module):
 
     @property
     def name(self) -> str:
+        """The layer's name in logs, stats and collective names (its router's)."""
         return self.router.name
 
     @name.setter

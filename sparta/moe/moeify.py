@@ -91,14 +91,17 @@ class DenseMLP:
 
     @property
     def has_bias(self) -> bool:
+        """Whether any of the MLP's projections has a bias."""
         return any(b is not None for b in (self.b1, self.b2, self.b3))
 
     @property
     def d_model(self) -> int:
+        """The MLP's input and output width."""
         return self.w1.shape[0]
 
     @property
     def d_ff(self) -> int:
+        """The MLP's hidden width."""
         return self.w1.shape[1]
 
 

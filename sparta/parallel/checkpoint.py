@@ -118,6 +118,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ listing
     @property
     def path(self) -> Path:
+        """The checkpoint directory."""
         assert isinstance(self.directory, Path)
         return self.directory
 

@@ -53,6 +53,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
+        """The ranks the degrees need: pp x dp x tp."""
         return self.pp * self.dp * self.tp
 
     def check(self, world_size: int) -> None:
@@ -118,14 +119,17 @@ class Layout:
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
+        """The process group of this rank's pipeline (its stages' ranks)."""
         return self.mesh.get_group("pp")
 
     @property
     def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel sub-mesh, for FSDP2 and DDP."""
         return self.mesh["dp"]
 
     @property
     def tp_mesh(self) -> DeviceMesh:
+        """The tensor-parallel sub-mesh, for `parallelize_module`."""
         return self.mesh["tp"]
 
 

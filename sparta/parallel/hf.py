@@ -182,11 +182,13 @@ class HFLlama(HFDecoder):
 
     @property
     def mlp_class(self) -> type[nn.Module]:
+        """The Hugging Face MLP class that moeify replaces."""
         from transformers.models.llama.modeling_llama import LlamaMLP
 
         return LlamaMLP
 
     def check_tp(self, tp_size: int) -> None:
+        """ConfigError unless ``tp_size`` divides the heads (and the MLP width while it is dense)."""
         cfg = self.config
         sizes = [("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads)]
         # the MLP width counts only while a dense MLP is left: moeify's experts are not in the

@@ -118,6 +118,7 @@ class ParallelModel:
         return [m for module in self.parts for m in module.modules() if isinstance(m, MoELayer)]
 
     def train(self, mode: bool = True) -> ParallelModel:
+        """Every stage module of this rank into training (or eval) mode, as `nn.Module.train`."""
         for module in self.parts:
             module.train(mode)
         return self

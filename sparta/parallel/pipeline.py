@@ -162,6 +162,8 @@ class ModelParts:
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelParts:
+        """``model``'s children before ``layers``, its layers, and those after; ConfigError when it has no
+        ``layers`` ModuleDict."""
         children = dict(model.named_children())
         layers = children.get("layers")
         if not isinstance(layers, nn.ModuleDict) or not len(layers):

@@ -58,6 +58,7 @@ class StepTracer:
         self.profiler: torch.profiler.profile | None = None
 
     def before(self, step: int) -> None:
+        """Start the profiler at the first traced step."""
         if self.path is not None and step == self.start:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
@@ -66,6 +67,7 @@ class StepTracer:
             self.profiler.start()
 
     def region(self, step: int) -> Any:
+        """The profiler's labelled region around step ``step`` (nothing when not tracing)."""
         return torch.profiler.record_function(f"step {step + 1}") if self.profiler is not None else nullcontext()
 
     def close(self) -> None:
@@ -75,6 +77,7 @@ class StepTracer:
             self.profiler = None
 
     def after(self, step: int, last: bool) -> None:
+        """Stop and write the trace after the last traced step (or the run's last)."""
         if self.profiler is not None and (step + 1 == self.stop or last):
             self.profiler.stop()
             assert self.path is not None
@@ -93,28 +96,33 @@ class MetricsFile:
             self.file = open(path, "a" if resume_step else "w")  # noqa: SIM115 - closed by close()
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append one step's record as a JSON line (rank 0), flushed."""
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
 
     def close(self) -> None:
+        """Close the file (rank 0)."""
         if self.file is not None:
             self.file.close()
 
 
 def say_above_bar(message: str) -> None:
+    """Print ``message`` above rank 0's progress bar."""
     from tqdm import tqdm
 
     tqdm.write(message)  # above the bar, not through it
 
 
 def progress_bar(show: bool, total: int, initial: int) -> Any:
+    """The tqdm bar over the run's steps (disabled where ``show`` is False)."""
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, disable=not show, unit="step", mininterval=0.5, dynamic_ncols=True)
 
 
 def postfix(record: dict[str, Any], spark: str) -> str:
+    """The bar's text for one step's record: loss, tokens/s, MFU, peak memory, expert load."""
     parts = [f"loss {record['loss']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
     if record["mfu"] is not None:
         parts.append(f"MFU {100 * record['mfu']:.1f}%")

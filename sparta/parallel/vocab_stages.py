@@ -108,6 +108,7 @@ class HeadStage(nn.Module):
 
     @property
     def head(self) -> VocabShard:
+        """This stage's rows of the output head."""
         module = self.get_submodule(self.head_name)
         assert isinstance(module, VocabShard)
         return module

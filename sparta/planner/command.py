@@ -38,6 +38,7 @@ def workload(config: RunConfig) -> Workload:
 
 
 def main(args: argparse.Namespace) -> int:
+    """`sparta plan`: measure costs (--measure), or search plans and print and write the best; the exit code."""
     try:
         config = load_config(args.config)
         if args.measure:

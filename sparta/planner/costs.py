@@ -198,10 +198,12 @@ class ModelCosts:
             )
 
     def save(self, path: str | Path) -> None:
+        """Write the costs as JSON (`load` reads them back)."""
         Path(path).write_text(json.dumps(asdict(self), indent=1, sort_keys=True))
 
     @classmethod
     def load(cls, path: str | Path) -> ModelCosts:
+        """Costs written by `save`; ConfigError naming the file when it is not one."""
         try:
             raw = json.loads(Path(path).read_text())
 

@@ -117,11 +117,13 @@ class SearchResult:
 
     @property
     def best(self) -> Ranked:
+        """The fastest plan within the budget; ConfigError saying what would fit when none does."""
         if not self.fits:
             raise ConfigError(self.no_fit_message())
         return self.fits[0]
 
     def no_fit_message(self) -> str:
+        """Why no plan fits: the smallest over-budget plan and what it needs, or every layout's refusal."""
         if not self.over_budget:
             reasons = "; ".join(f"{n} x {why}" for why, n in self.rejected.items())
             return f"no plan of this model runs on these ranks ({reasons})"

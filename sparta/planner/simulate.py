@@ -144,6 +144,7 @@ class Plan:
     config: ParallelConfig
 
     def describe(self) -> str:
+        """One line naming the layout, schedule, micro-batches and the choices that differ from the defaults."""
         d, c = self.dims, self.config
         where = ",".join(c.split_points or ())
         return (
@@ -175,6 +176,7 @@ class Prediction:
 
     @property
     def max_peak_bytes(self) -> float:
+        """The highest pipeline rank's predicted peak memory, in bytes."""
         return max(self.peak_bytes.values())
 
 

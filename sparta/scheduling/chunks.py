@@ -94,6 +94,8 @@ class Chunks:
 
     @classmethod
     def cut(cls, counts: Tensor, weights: Sequence[int], ranks: int) -> Chunks:
+        """The chunks of a buffer whose segments hold ``counts`` rows each ([ranks x slots]
+        segments, grouped by rank), in proportion to ``weights`` (see the class)."""
         counts = counts.to(torch.int64).cpu()
         starts = torch.cumsum(counts, 0) - counts
         total = sum(weights)

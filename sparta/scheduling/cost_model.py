@@ -55,6 +55,7 @@ class LayerShape:
 
     @property
     def rows(self) -> int:
+        """Rows this rank sends into the exchange: tokens x top_k."""
         return self.tokens * self.top_k
 
     @property
@@ -150,6 +151,7 @@ class SchedulePlan:
 
     @property
     def choice(self) -> Choice:
+        """The chosen degrees and all-to-all form as a `Choice`."""
         return Choice(self.degrees, self.hierarchical)
 
     def ranked(self, count: int) -> list[Choice]:

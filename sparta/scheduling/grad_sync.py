@@ -103,6 +103,7 @@ class GapRelease:
 
     @property
     def active(self) -> bool:
+        """Whether a step is under way (between `start` and its end)."""
         return self._send is not None
 
     def start(self, send: Callable[[int], None]) -> None:

@@ -253,12 +253,14 @@ class ParamGrads:
         self._sums: list[Tensor | None] = [None] * len(self.wanted)
 
     def add(self, grads: Sequence[Tensor | None]) -> None:
+        """Add one chunk's gradients, one per parameter (None where the chunk gave none)."""
         for k, g in enumerate(grads):
             if g is not None:
                 total = self._sums[k]
                 self._sums[k] = g if total is None else total + g
 
     def result(self) -> list[Tensor | None]:
+        """The summed gradient of each parameter, None where it needs none."""
         found = iter(self._sums)
         out: list[Tensor | None] = []
         for p, need in zip(self._params, self._needs, strict=True):

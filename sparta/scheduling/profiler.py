@@ -98,6 +98,7 @@ class Profile:
     fits: dict[str, LinearFit] = field(default_factory=dict)
 
     def fit(self, op: str, group: str) -> LinearFit:
+        """The fit of ``op`` on ``group`` (e.g. "all_to_all", "inter"); ConfigError naming the fits it has otherwise."""
         key = f"{op}/{group}"
         if key not in self.fits:
             raise ConfigError(f"the profile has no fit for {key!r}; it has {sorted(self.fits)}. Profile it first")
@@ -107,10 +108,12 @@ class Profile:
         return Profile({**self.fits, **other.fits})
 
     def save(self, path: str | Path) -> None:
+        """Write the fits as JSON (`load` reads them back)."""
         Path(path).write_text(json.dumps({k: asdict(f) for k, f in sorted(self.fits.items())}, indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
+        """A profile written by `save`."""
         raw = json.loads(Path(path).read_text())
         return cls(
             {

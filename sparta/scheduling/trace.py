@@ -56,6 +56,7 @@ class Tracer:
         self.context = ""
 
     def record(self, name: str, track: str, start_s: float, end_s: float, **args: Any) -> None:
+        """Add a span from ``start_s`` to ``end_s`` (seconds, the tracer's clock) on ``track``."""
         self.spans.append(Span(name, track, start_s, end_s, args))
 
     @contextmanager

@@ -116,5 +116,6 @@ class LinearRouter(Router):
         self.gate = nn.Linear(d_model, num_experts, bias=False)
 
     def logits(self, x: Tensor) -> Tensor:
+        """Router logits ``[T, num_experts]`` in float32 for tokens ``x [T, d_model]``."""
         logits = nn.functional.linear(x.float(), self.gate.weight.float())
         return logits

@@ -51,5 +51,7 @@ class SigmoidRouter(LinearRouter):
 
     @torch.no_grad()
     def update_load(self, load: Tensor) -> None:
+        """Move each expert's bias against its load ``[num_experts]`` (tokens routed there): up when under the mean,
+        down when over."""
         load = load.to(self.expert_bias.dtype)
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)

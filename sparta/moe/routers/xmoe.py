@@ -32,6 +32,8 @@ class XMoERouter(Router):
         nn.init.normal_(self.expert_embeddings, std=1.0 / math.sqrt(routing_dim))
 
     def logits(self, x: Tensor) -> Tensor:
+        """Cosine similarity of the projected tokens and the expert embeddings over the temperature, ``[T,
+        num_experts]``."""
         projected = nn.functional.linear(x.float(), self.proj.weight.float())
         tokens = nn.functional.normalize(projected, dim=-1)
         experts = nn.functional.normalize(self.expert_embeddings.float(), dim=-1)
