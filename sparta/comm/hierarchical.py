@@ -190,8 +190,14 @@ def _grid(table: list[list[int]], size: int, where: str) -> list[list[int]]:
         grid[n][lo] = rank
     for n in range(nodes):
         if len({table[grid[n][lo]][0] for lo in range(local)}) != 1:
-            raise ConfigError(f"hierarchical all-to-all on {where}: inter rank {n} is not one node on every group")
+            raise ConfigError(
+                f"hierarchical all-to-all on {where}: inter rank {n} is not one node on every group; "
+                "build intra and inter with World.node_comms()"
+            )
     for lo in range(local):
         if len({table[grid[n][lo]][3] for n in range(nodes)}) != 1:
-            raise ConfigError(f"hierarchical all-to-all on {where}: local rank {lo} spans several inter groups")
+            raise ConfigError(
+                f"hierarchical all-to-all on {where}: local rank {lo} spans several inter groups; "
+                "build intra and inter with World.node_comms()"
+            )
     return grid

@@ -53,7 +53,7 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """The launch environment, checked in this order: horovodrun, torchrun, mpirun, none."""
     env = os.environ if env is None else env
     master_addr = env.get("MASTER_ADDR")
-    master_port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None
+    master_port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else None
     if "HOROVOD_RANK" in env:
         return LaunchInfo(
             "horovodrun",

@@ -234,7 +234,9 @@ class GroupedExperts(nn.Module):
             raise ConfigError(f"the experts are already split over a tp group of {self.ff_split[1]}: split them once")
         self.check_ff_split(size)
         if not 0 <= rank < size:
-            raise ConfigError(f"split_ff: rank={rank} is not one of size={size}'s ranks")
+            raise ConfigError(
+                f"split_ff: rank={rank} is not one of size={size}'s ranks: pass 0 <= rank < size (tp.rank)"
+            )
         width = self.d_ff // size
         start = rank * width
         for name, weight in self.named_weights():

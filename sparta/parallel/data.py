@@ -89,7 +89,11 @@ def _build(texts: list[str], vocab_size: int, folder: Path) -> None:
     tokenizer.train_from_iterator(texts, trainer=trainer)
     eot = tokenizer.token_to_id(END_OF_TEXT)
     if eot != END_OF_TEXT_ID:  # documents (documents.py) end at this id
-        raise ConfigError(f"the tokenizer gave {END_OF_TEXT} id {eot}, not {END_OF_TEXT_ID}: tokenizers changed")
+        raise ConfigError(
+            f"the tokenizer gave {END_OF_TEXT} id {eot}, not {END_OF_TEXT_ID}: this tokenizers version numbers "
+            "special tokens otherwise; install one that gives the first special token id 0, or use "
+            "data.source = 'random'"
+        )
     ids: list[int] = []
     for encoding in tokenizer.encode_batch(texts):
         ids.extend(encoding.ids)

@@ -149,7 +149,7 @@ class DocumentBatches:
         if (global_batch, dp) != (self.global_batch, self.dp):
             raise ConfigError(
                 f"DocumentBatches was built for global_batch={self.global_batch}, dp={self.dp}; asked for "
-                f"global_batch={global_batch}, dp={dp}"
+                f"global_batch={global_batch}, dp={dp}: build it with the run's global_batch and dp"
             )
 
     @property

@@ -60,7 +60,9 @@ class MoESpec:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"MoESpec.{name}={value!r} must be a positive integer")
         if self.top_k > self.num_experts:
-            raise ConfigError(f"MoESpec.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+            raise ConfigError(
+                f"MoESpec.top_k={self.top_k} exceeds num_experts={self.num_experts}: lower top_k or raise num_experts"
+            )
         if self.router not in ROUTERS:
             raise ConfigError(f"MoESpec.router={self.router!r} is unknown: choose one of {', '.join(ROUTERS)}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:

@@ -124,7 +124,10 @@ class GradBuckets:
             sizes = {p.element_size() for p in ready}
             if len(sizes) != 1:
                 dtypes = sorted({str(p.dtype) for p in ready})
-                raise ConfigError(f"partition= needs dense parameters of one dtype, got {dtypes}")
+                raise ConfigError(
+                    f"partition= needs dense parameters of one dtype, got {dtypes}: cast the model to one dtype "
+                    "or leave the gradient partitioning off"
+                )
             self.release.bind([local_tensor(p).numel() for p in ready], sizes.pop())
             spans = [[(ready[i], lo, hi) for i, lo, hi in self.release.spans(k)] for k in range(len(self.release))]
         else:

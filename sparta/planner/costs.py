@@ -191,10 +191,15 @@ class ModelCosts:
             return f"all_reduce/g{g}" in self.comm or any(k.startswith(f"all_reduce/g{g}s") for k in self.comm)
 
         missing = [g for g in range(2, world + 1) if world % g == 0 and not has(g)]
-        if missing or (world > 1 and not any(k.startswith("p2p") for k in self.comm)):
+        if missing:
             raise ConfigError(
-                f"the costs were measured on {self.world} ranks and lack groups of {missing or [2]} ranks, which "
+                f"the costs were measured on {self.world} ranks and lack groups of {missing} ranks, which "
                 f"layouts of {world} ranks use: measure them on a launch of {world} ranks (sparta plan --measure)"
+            )
+        if world > 1 and not any(k.startswith("p2p") for k in self.comm):
+            raise ConfigError(
+                f"the costs hold no point-to-point fits, which the pipeline layouts of {world} ranks use: measure "
+                f"them on a launch of {world} ranks (sparta plan --measure)"
             )
 
     def save(self, path: str | Path) -> None:

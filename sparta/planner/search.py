@@ -126,7 +126,10 @@ class SearchResult:
         """Why no plan fits: the smallest over-budget plan and what it needs, or every layout's refusal."""
         if not self.over_budget:
             reasons = "; ".join(f"{n} x {why}" for why, n in self.rejected.items())
-            return f"no plan of this model runs on these ranks ({reasons})"
+            return (
+                f"no plan of this model runs on these ranks ({reasons}): change the world size, or widen the "
+                "space (--schedules, --max-microbatches)"
+            )
         small = self.over_budget[0]
         return (
             f"no plan fits the memory budget: the smallest found, {small.plan.describe()}, needs "

@@ -68,7 +68,10 @@ def check_counts(rows: Tensor, counts: Tensor, size: int, where: str) -> int:
             f"[{size} * slots] rows per (destination rank, slot)"
         )
     if int(counts.sum()) != rows.shape[0]:
-        raise InputError(f"{where}: counts sum to {int(counts.sum())} but rows has {rows.shape[0]} rows")
+        raise InputError(
+            f"{where}: counts sum to {int(counts.sum())} but rows has {rows.shape[0]} rows; counts must sum to "
+            "rows.shape[0]"
+        )
     return counts.numel() // size
 
 

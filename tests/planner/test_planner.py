@@ -520,6 +520,9 @@ def test_bad_input_is_refused_by_name(tmp_path: Path) -> None:
         search(c, other, 4, GIB, ParallelConfig())
     with pytest.raises(ConfigError, match=r"lack groups of \[8\] ranks.*launch of 8 ranks"):
         search(c, WORK, 8, GIB, ParallelConfig())
+    no_p2p = dataclasses.replace(c, comm={k: f for k, f in c.comm.items() if not k.startswith("p2p")})
+    with pytest.raises(ConfigError, match=r"no point-to-point fits, which the pipeline layouts of 4 ranks use"):
+        search(no_p2p, WORK, 4, GIB, ParallelConfig())
     with pytest.raises(ConfigError, match=r"other hardware \(\{'device': \('test', 'H100'\)\}"):
         c.check(MODEL, None, {"device": "H100", "device_type": "cpu", "torch": "x"})
     # a world no layout divides the batch over: every layout refused, with the reason
