@@ -76,6 +76,17 @@ def as_tensor(x: object) -> tuple[torch.Tensor, str | None]:
     return x, None
 
 
+def send_splits_of(
+    x: torch.Tensor, send_splits: Sequence[int] | None, size: int, problem: str | None
+) -> tuple[list[int], str | None]:
+    """The rows ``x`` sends to each of ``size`` ranks (equal blocks when ``send_splits`` is
+    None), and ``problem``, or else what is wrong with them."""
+    if send_splits is None or x.dim() == 0:
+        return [(x.shape[0] if x.dim() else 0) // size] * size, problem or blocks_problem(x, size)
+    send = [int(s) for s in send_splits]
+    return send, problem or splits_problem(send, size, x.shape[0], "send_splits")
+
+
 def blocks_problem(x: torch.Tensor, size: int) -> str | None:
     """What keeps `x` from being cut into `size` equal blocks along dim 0, or None."""
     if x.dim() == 0:

@@ -226,12 +226,7 @@ class Communicator(Exchange, abc.ABC):
         """Validate, settle the splits, and start the exchange (see `all_to_all`)."""
         name = self._op("all_to_all")
         x, problem = checks.as_tensor(x)
-        if send_splits is None or x.dim() == 0:
-            send = [(x.shape[0] if x.dim() else 0) // self.size] * self.size
-            problem = problem or checks.blocks_problem(x, self.size)
-        else:
-            send = [int(s) for s in send_splits]
-            problem = problem or checks.splits_problem(send, self.size, x.shape[0], "send_splits")
+        send, problem = checks.send_splits_of(x, send_splits, self.size, problem)
         problem = problem or checks.splits_problem(recv_splits, self.size, None, "recv_splits")
         checking = self.config.check_inputs if check is None else check
         # equal blocks with checks off: every rank sends n / size to each, as it receives

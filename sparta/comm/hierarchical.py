@@ -92,7 +92,8 @@ class HierarchicalAllToAll(Exchange):
         name = f"hierarchical all_to_all on {self.where} [{self.comm.backend}]"
         check = self.comm.config.check_inputs if check is None else check
         x, problem = checks.as_tensor(x)
-        send, problem = self._settle_send(x, send_splits, problem)
+        send, problem = checks.send_splits_of(x, send_splits, self.size, problem)
+        send = send if problem is None else [0] * self.size  # a bad input sends nothing while all agree
         problem = problem or checks.splits_problem(recv_splits, self.size, None, "recv_splits")
         if problem is not None and recv_splits is not None and not check:  # no step carries it to the peers
             raise InputError(f"{name}: {problem}")
@@ -142,18 +143,6 @@ class HierarchicalAllToAll(Exchange):
         sizes2 = [c2_list[n][lo] for n in range(n_nodes) for lo in range(local)]
         by_source = [n * local + lo for n, lo in (self.position[r] for r in range(self.size))]
         return PendingAllToAll(h2.then(lambda out: _reorder(out, sizes2, by_source)), send, recv)
-
-    def _settle_send(
-        self, x: torch.Tensor, send_splits: Sequence[int] | None, problem: str | None
-    ) -> tuple[list[int], str | None]:
-        """The rows for each rank (zeros where the input is bad), and what is wrong with it."""
-        if send_splits is None or x.dim() == 0:
-            problem = problem or checks.blocks_problem(x, self.size)
-            send = [x.shape[0] // self.size] * self.size if problem is None else [0] * self.size
-            return send, problem
-        send = [int(s) for s in send_splits]
-        problem = problem or checks.splits_problem(send, self.size, x.shape[0], "send_splits")
-        return (send if problem is None else [0] * self.size), problem
 
 
 def _reorder(x: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from sparta.comm import Communicator
-from sparta.errors import ConfigError, InputError
+from sparta.errors import ConfigError, InputError, SpartaError
 
 
 def inspect_ids(ids: object, num_embeddings: int, table: str) -> InputError | None:
@@ -68,10 +68,16 @@ def gather_with_verdict(comm: Communicator, value: int, error: InputError | None
     all-gather of two integers per rank, after which a bad id anywhere raises the same
     InputError on every rank. Called by every rank of `comm` in the same order.
     """
-    mine = torch.tensor([int(value), int(error is not None)], dtype=torch.int64)
+    return [int(row[0]) for row in _gathered(comm, [value], error, _where(comm, table))]
+
+
+def _gathered(comm: Communicator, values: Sequence[int], error: SpartaError | None, where: str) -> list[list[int]]:
+    """Every rank's ``values`` and verdict, [rank][values..., failed]; ``error`` raised on
+    every rank if any rank has one. One all-gather of a few integers per rank."""
+    mine = torch.tensor([*values, int(error is not None)], dtype=torch.int64)
     rows = [g.tolist() for g in comm.all_gather(mine)]  # type: ignore[union-attr]
-    comm.agree(error, _where(comm, table), failed=_flagged(rows))
-    return [int(value) for value, _ in rows]
+    comm.agree(error, where, failed=_flagged(rows))
+    return rows
 
 
 def agree_config(
@@ -84,10 +90,8 @@ def agree_config(
     (unraised), or None. Every rank raises the same ConfigError if any rank has a problem or
     the values differ. Returns rank 0's seed. One all-gather of a few integers per rank.
     """
-    mine = torch.tensor([*values, int(problem is not None)], dtype=torch.int64)
-    rows = [g.tolist() for g in comm.all_gather(mine)]  # type: ignore[union-attr]
     where = _where(comm, table)
-    comm.agree(problem, where, failed=_flagged(rows))
+    rows = _gathered(comm, values, problem, where)
     for r, row in enumerate(rows[1:], start=1):
         for name, v0, vr in zip(names[:-1], rows[0][:-2], row[:-2], strict=True):
             if v0 != vr:
