@@ -62,6 +62,17 @@ def require_launcher(launcher: str) -> None:
         pytest.skip(missing)
 
 
+def require_engine(engine: str) -> None:
+    """`require_launcher` for an engine a test starts itself ("mpi", "horovod")."""
+    from sparta_tools.bench.runner import engine_missing
+
+    missing = engine_missing(engine)
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the {engine} tests but {missing}")
+        pytest.skip(missing)
+
+
 def command(
     launcher: str, nprocs: int, script: Path, args: list[str], launcher_args: list[str] | None = None
 ) -> list[str]:

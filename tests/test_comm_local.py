@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import require_engine
 
 import sparta
 from sparta.comm import CommConfig, detect
@@ -240,7 +241,7 @@ def test_missing_engine_names_the_install_command() -> None:
 
 def test_world_size_mismatch_is_reported() -> None:
     """mpi4py sees a world of one while the (MPICH-style) launcher claims four ranks."""
-    pytest.importorskip("mpi4py")
+    require_engine("mpi")
     code = (
         "import sparta\n"
         "try:\n    sparta.init(backend='mpi')\n"

@@ -9,12 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 from sparta.errors import ConfigError
 from sparta.moe import MoELayer, moeify, read_dense_mlp
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB, D_MODEL, LAYERS = 64, 32, 2
 
