@@ -8,6 +8,8 @@ from sparta_tools.bench.moe_candidates import (  # noqa: F401
     DTYPES,
     EP_CANDIDATES,
     GPU_CONFIGS,
+    TOLERANCE,
+    UNCHECKED,
     BenchConfig,
     Place,
     Step,
@@ -16,4 +18,5 @@ from sparta_tools.bench.moe_candidates import (  # noqa: F401
     busiest_rank_load,
     make_input,
     reference_output,
+    wrong_values,
 )

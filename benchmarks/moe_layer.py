@@ -83,6 +83,8 @@ from moe_candidates import (
     DTYPES,
     EP_CANDIDATES,
     GPU_CONFIGS,
+    TOLERANCE,
+    UNCHECKED,
     BenchConfig,
     Place,
     Step,
@@ -90,6 +92,8 @@ from moe_candidates import (
     build,
     busiest_rank_load,
     make_input,
+    reference_output,
+    wrong_values,
 )
 
 if TYPE_CHECKING:
@@ -144,6 +148,23 @@ def profile_steps(steps: dict[str, Step], rows: int, device: str) -> None:
             print(prof.key_averages().table(sort_by=key, row_limit=rows), file=sys.stderr, flush=True)
 
 
+def _wrong(
+    cfg: BenchConfig, steps: dict[str, Step], rank: int, ranks: int, comm: Communicator | None
+) -> dict[str, int]:
+    """Each checked candidate's output values off the one-process dropless layer's, summed
+    over the ranks (each checks its own tokens), before any timing."""
+    reference = reference_output(cfg, rank, ranks)
+    atol, rtol = TOLERANCE[cfg.dtype]
+    names = [n for n in steps if n not in UNCHECKED]
+    counts = torch.zeros(len(names), dtype=torch.int64)
+    for i, name in enumerate(names):
+        with torch.no_grad():
+            counts[i] = wrong_values(steps[name].forward().detach().cpu(), reference.cpu(), atol, rtol)
+    if comm is not None:
+        dist.all_reduce(counts)
+    return dict(zip(names, counts.tolist(), strict=True))
+
+
 def time_candidates(
     cfg: BenchConfig,
     candidates: list[str],
@@ -151,7 +172,9 @@ def time_candidates(
     threads: int,
     comm: Communicator | None = None,
     profile_rows: int = 0,
-) -> None:
+) -> int:
+    """Time ``candidates`` on ``cfg`` and print a record each (rank 0); returns how many
+    output values the checked ones got wrong (0: all right), the same on every rank."""
     place = Place(comm)
     rank = 0 if comm is None else comm.rank
     bench = "moe_layer" if comm is None else "moe_layer_ep"
@@ -165,11 +188,12 @@ def time_candidates(
             continue
         step()  # warm-up: first-touch allocations and lazy init stay out of the timings
         steps[name] = step
+    wrong = _wrong(cfg, steps, rank, place.ranks, comm)
     wall, cpu = _timings(steps, repeats, comm)
     if profile_rows:
         profile_steps(steps, profile_rows, cfg.device)
     if rank != 0:
-        return
+        return sum(wrong.values())
     load = {"busiest_rank_load": round(busiest_rank_load(cfg, place.ranks), 4)} if place.ranks > 1 else {}
     for name in steps:
         _emit(
@@ -187,6 +211,8 @@ def time_candidates(
                 "min_ratio_to_dense": round(min(wall[name]) / min(wall["dense"]), 4),
                 "cpu_ratio_to_dense": round(statistics.median(cpu[name]) / statistics.median(cpu["dense"]), 4),
                 "min_cpu_ratio_to_dense": round(min(cpu[name]) / min(cpu["dense"]), 4),
+                "wrong": wrong.get(name),
+                **({"unchecked": UNCHECKED[name]} if name in UNCHECKED else {}),
                 "repeats": repeats,
                 "threads": threads,
                 **asdict(cfg),
@@ -194,6 +220,7 @@ def time_candidates(
                 **load,
             }
         )
+    return sum(wrong.values())
 
 
 def _status_mib(field: str) -> float:
@@ -258,9 +285,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(ranks: int, args: argparse.Namespace, configs: list[BenchConfig], candidates: list[str]) -> None:
+def launch_ranks(ranks: int, args: argparse.Namespace, configs: list[BenchConfig], candidates: list[str]) -> int:
     """Run the expert-parallel timings on ``ranks`` processes under torchrun (``--engine
-    torch``) or mpirun (``--engine mpi``); rank 0's JSON lines come out on our stdout."""
+    torch``) or mpirun (``--engine mpi``); rank 0's JSON lines come out on our stdout.
+    Returns the launches that failed (a wrong output value among them)."""
+    failed = 0
     # One thread per rank: the ranks share the machine's cores, more would only contend.
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for cfg in configs:
@@ -292,6 +321,7 @@ def launch_ranks(ranks: int, args: argparse.Namespace, configs: list[BenchConfig
         for line in lines:
             print(line, flush=True)
         if proc.returncode != 0 or not lines:
+            failed += 1
             _emit(
                 {
                     "bench": "moe_layer_ep",
@@ -302,6 +332,7 @@ def launch_ranks(ranks: int, args: argparse.Namespace, configs: list[BenchConfig
                     "output_tail": (proc.stdout + proc.stderr)[-2000:],
                 }
             )
+    return failed
 
 
 def ep_worker(cfg: BenchConfig, candidates: list[str], repeats: int, engine: str, port: int, bind: bool) -> None:
@@ -323,8 +354,8 @@ def ep_worker(cfg: BenchConfig, candidates: list[str], repeats: int, engine: str
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size)
     if cfg.num_experts % world.size or cfg.tokens % world.size:
         raise SystemExit(f"{cfg.name}: {world.size} ranks must divide {cfg.num_experts} experts and {cfg.tokens} rows")
-    time_candidates(cfg, candidates, repeats, threads=1, comm=world.comm)
-    world.exit()
+    wrong = time_candidates(cfg, candidates, repeats, threads=1, comm=world.comm)
+    world.exit(1 if wrong else 0)
 
 
 def main() -> None:
@@ -372,15 +403,18 @@ def main() -> None:
     if args._child:
         measure_peak(args._child, configs[0])
         return
+    wrong = failed = 0
     for ranks in (int(r) for r in args.ranks.split(",")):
         if ranks > 1:
-            launch_ranks(ranks, args, configs, candidates)
+            failed += launch_ranks(ranks, args, configs, candidates)
             continue
         for cfg in configs:
             if args.repeats > 0:
-                time_candidates(cfg, candidates, args.repeats, args.threads, profile_rows=args.profile)
+                wrong += time_candidates(cfg, candidates, args.repeats, args.threads, profile_rows=args.profile)
             if args.memory:
                 memory_candidates(cfg, candidates, args.threads)
+    if wrong or failed:
+        sys.exit(f"{wrong} output values off the one-process reference, {failed} launches failed: see the records")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ from sparta_tools.bench.moe_candidates import (
     CONFIGS,
     EP_CANDIDATES,
     GPU_CONFIGS,
+    TOLERANCE,
+    UNCHECKED,
     BenchConfig,
     Place,
     all_configs,
@@ -47,17 +49,12 @@ from sparta_tools.bench.moe_candidates import (
     busiest_rank_load,
     make_input,
     reference_output,
+    wrong_values,
 )
 from sparta_tools.bench.options import BenchOptions, human_size
 from sparta_tools.bench.rank import BenchContext
 
 SUITE_CONFIGS = {**CONFIGS, **GPU_CONFIGS, "tiny": BenchConfig("tiny", tokens=256, d_model=64, d_ff=128, num_experts=4)}
-TOLERANCE = {"float32": (1e-4, 1e-3), "bfloat16": (3e-2, 3e-2)}  # (atol, rtol) of the output check
-UNCHECKED = {
-    "dense": "the floor: an MLP on T * top_k rows, another function than the MoE layer",
-    "sparta_cap1.25": "capacity drops depend on each rank's tokens, unlike the one-process reference",
-    "deepspeed_cap1.25": "capacity drops depend on each rank's tokens, unlike the one-process reference",
-}
 
 
 def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,10 +163,7 @@ def _output_check(ctx: BenchContext, steps: dict[str, Any], reference: torch.Ten
     def check(name: str, _result: Any) -> int:
         with torch.no_grad():
             y = steps[name].forward().detach()
-        if y.shape != reference.shape:
-            return int(reference.numel())
-        want = ctx.plant(reference)
-        return int(((y.float() - want.float()).abs() > atol + rtol * want.float().abs()).sum().item())
+        return wrong_values(y, ctx.plant(reference), atol, rtol)
 
     return check
 

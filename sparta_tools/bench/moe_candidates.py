@@ -242,6 +242,23 @@ def busiest_rank_load(cfg: BenchConfig, ranks: int) -> float:
     return float(per_rank.max() / per_rank.mean())
 
 
+TOLERANCE = {"float32": (1e-4, 1e-3), "bfloat16": (3e-2, 3e-2)}  # (atol, rtol) of the output check
+UNCHECKED = {  # candidates the reference does not hold for, and why
+    "dense": "the floor: an MLP on T * top_k rows, another function than the MoE layer",
+    "sparta_cap1.25": "capacity drops depend on each rank's tokens, unlike the one-process reference",
+    "deepspeed_cap1.25": "capacity drops depend on each rank's tokens, unlike the one-process reference",
+}
+
+
+def wrong_values(y: Tensor, want: Tensor, atol: float, rtol: float) -> int:
+    """Elements of ``y`` off ``want`` by more than atol + rtol |want| (all of them when the
+    shapes differ)."""
+    if y.shape != want.shape:
+        return int(want.numel())
+    y, want = y.float(), want.float()
+    return int(((y - want).abs() > atol + rtol * want.abs()).sum().item())
+
+
 def reference_output(cfg: BenchConfig, rank: int = 0, ranks: int = 1) -> Tensor:
     """What every dropless top-k candidate must output on this rank's slice: the one-process
     dropless layer (the same seeded weights) on the whole input, its rows of this rank."""

@@ -36,6 +36,11 @@ def test_every_candidate_reports_on_one_process_and_two_ranks() -> None:
     for name in TIMED:
         assert one[name]["median_s"] > 0 and one[name]["ratio_to_dense"] > 0, one[name]
         assert one[name]["tokens"] == 4096 and one[name]["ranks"] == 1, one[name]
+    # the dropless candidates' outputs equal the one-process layer's; the others say why unchecked
+    for name in ("naive", "sparta_dropless"):
+        assert one[name]["wrong"] == 0, one[name]
+    assert one["dense"]["wrong"] is None and "floor" in one["dense"]["unchecked"], one["dense"]
+    assert one["sparta_cap1.25"]["wrong"] is None and "capacity" in one["sparta_cap1.25"]["unchecked"]
     assert one["dense"]["ratio_to_dense"] == 1.0
     for name in EXPERT_PARALLEL_ONLY:
         assert "expert parallel" in one[name]["skipped"], one[name]
@@ -50,6 +55,7 @@ def test_every_candidate_reports_on_one_process_and_two_ranks() -> None:
     for record in two.values():
         assert record["ranks"] == 2 and record["engine"] == "torch" and record["tokens_per_rank"] == 2048, record
         assert record["median_s"] > 0 and record["busiest_rank_load"] >= 1.0, record
+    assert two["sparta_dropless"]["wrong"] == 0, two["sparta_dropless"]
 
 
 @pytest.mark.parametrize(
