@@ -5,11 +5,14 @@ Run on 4 ranks by tests/test_comm_dist.py under torchrun, mpirun and horovodrun.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
-from runner import finish, raises, run_checks, start
+from runner import RESULTS_DIR, finish, raises, run_checks, start
 
 import sparta
 from sparta.comm import Communicator, World
@@ -163,8 +166,18 @@ def check_broadcast(world: World) -> None:
 
 
 def check_barrier(world: World) -> None:
-    world.comm.barrier()
-    world.comm.barrier(async_op=True).wait()
+    """No rank leaves a barrier before every rank reached it: rank r arrives 50 ms x r late
+    and leaves a mark first; past the barrier every mark is there."""
+    marks = Path(os.environ[RESULTS_DIR])
+    for form in ("sync", "async"):
+        time.sleep(0.05 * world.rank)
+        (marks / f"barrier-{form}-{world.rank}").touch()
+        if form == "sync":
+            world.comm.barrier()
+        else:
+            world.comm.barrier(async_op=True).wait()
+        missing = [r for r in range(world.size) if not (marks / f"barrier-{form}-{r}").exists()]
+        assert not missing, (form, missing)
 
 
 def check_sub_communicators(world: World) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from sparta.moe import MoELayer, TopKRouter
@@ -76,9 +78,15 @@ def test_aux_loss_not_applied_in_eval_or_with_zero_coefficients() -> None:
 
 
 def test_output_can_be_modified_in_place() -> None:
+    """A residual written into the output in place trains as the out-of-place sum does."""
     layer = MoELayer(8, 16, 4).train()
+    twin = copy.deepcopy(layer)
     x = torch.randn(6, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
     y = layer(x)
-    y += x  # a residual written in place must not trip autograd
-    y.sum().backward()
-    assert x.grad is not None and layer.router.gate.weight.grad is not None
+    y += x  # must not trip autograd
+    (y * torch.arange(8.0)).sum().backward()
+    (((twin(x2) + x2)) * torch.arange(8.0)).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    for (name, p), q in zip(layer.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
