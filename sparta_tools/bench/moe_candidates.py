@@ -256,7 +256,7 @@ def wrong_values(y: Tensor, want: Tensor, atol: float, rtol: float) -> int:
     if y.shape != want.shape:
         return int(want.numel())
     y, want = y.float(), want.float()
-    return int(((y - want).abs() > atol + rtol * want.abs()).sum().item())
+    return int((~((y - want).abs() <= atol + rtol * want.abs())).sum().item())  # NaN counts as wrong
 
 
 def reference_output(cfg: BenchConfig, rank: int = 0, ranks: int = 1) -> Tensor:

@@ -117,7 +117,7 @@ def _time_model(
         if calls[name].steps != 1:
             return 0
         expected = float(ctx.plant(torch.tensor([want], dtype=torch.float64))[0])  # --_plant-wrong proves it fails
-        return int(abs(loss - expected) > TOL)
+        return int(not abs(loss - expected) <= TOL)  # NaN counts as wrong
 
     tokens = spec.dp * shape.batch * shape.seq_len
     base = {

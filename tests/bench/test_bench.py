@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from launch import free_port, require_engine, run_killing_on_timeout
 
+from sparta.errors import ConfigError
 from sparta_tools.bench import main, records, traffic
 from sparta_tools.bench.oracle import Oracle
 from sparta_tools.bench.peers import parse_nccl_tests, parse_osu
@@ -210,6 +211,26 @@ def test_oracle_sums_exactly_in_every_dtype() -> None:
             assert torch.equal(oracle.summed(0, 1000).double(), exact.double()), (dtype, ranks)
             assert torch.equal(summed, exact.double()), (dtype, ranks)
             assert len(set(oracle.values(0, 0, 1000).tolist())) > 1, (dtype, ranks)  # not a constant
+            assert not torch.equal(oracle.values(0, 0, 64), oracle.values(1, 0, 64)), (dtype, ranks)
+    for seed in range(200):  # no seed gives neighbouring ranks one buffer (b a multiple of m did)
+        oracle = Oracle(seed, 2, torch.float32, torch.device("cpu"))
+        assert not torch.equal(oracle.values(0, 0, 8), oracle.values(1, 0, 8)), seed
+    # past the dtype's exact integers a sum cannot be checked: refused by name, gathers still fine
+    wide = Oracle(3, 512, torch.bfloat16, torch.device("cpu"))
+    assert len(set(wide.values(0, 0, 100).tolist())) > 1
+    with pytest.raises(ConfigError, match="-d bfloat16 on 512 ranks: a sum over them is not exact"):
+        wide.summed(0, 10)
+
+
+def test_a_nan_output_counts_as_wrong() -> None:
+    import torch
+
+    from sparta_tools.bench.moe_candidates import wrong_values
+
+    want = torch.tensor([0.5, 1.0, 2.0])
+    assert wrong_values(torch.tensor([float("nan"), 1.0, 2.0]), want, 1e-4, 1e-3) == 1
+    assert wrong_values(torch.tensor([0.5, float("inf"), 2.0 + 1e-6]), want, 1e-4, 1e-3) == 1
+    assert wrong_values(want.clone(), want, 0.0, 0.0) == 0
 
 
 def test_traffic_patterns() -> None:
