@@ -2,8 +2,11 @@
 
 Runs of different shape (suite, ranks, nodes, ranks per node, device, dtype, or a different
 set of points) are refused, exit 2, naming the differences, unless `--force` (then the
-common points are compared). A point whose [min, max] time ranges do not overlap is flagged
-SLOWER or FASTER; the exit status is 1 when any point got SLOWER, 0 otherwise.
+common points are compared). Points pair by the fields their suite names as their identity
+(`identity` in each point: e.g. op and bytes, or model and layout); a run that holds two
+points of one identity is refused. A point whose [min, max] time ranges over calls do not
+overlap is flagged SLOWER or FASTER; a point without such a range (a peer's line of
+nccl-tests) gets no verdict. The exit status is 1 when any point got SLOWER, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -34,17 +37,34 @@ def shape(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def key(point: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(point.get(k) for k in KEY)
+def key(point: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """What identifies ``point``: its suite's `identity` fields (KEY for records without)."""
+    names = point.get("identity") or KEY
+    return tuple((k, repr(point.get(k))) for k in names)
 
 
-def label(k: tuple[Any, ...]) -> str:
+def label(k: tuple[tuple[str, Any], ...]) -> str:
+    """The point's identity as one line: its values, sizes in bytes made readable."""
     from sparta_tools.bench.options import human_size
 
-    parts = dict(zip(KEY, k, strict=True))
-    size = human_size(int(parts["bytes"])) if parts["bytes"] is not None else None
-    return " ".join(str(v) for v in (parts["engine"], parts["op"] or parts["candidate"], parts["pattern"],
-                                     parts["config"], parts["variant"], size) if v is not None)  # fmt: skip
+    skip = {"suite", "ranks", "size", "count", "dtype"}
+    words = []
+    for name, value in k:
+        if name in skip or value == "None":
+            continue
+        words.append(human_size(int(value)) if name == "bytes" else value.strip("'"))
+    return " ".join(words)
+
+
+def _points(records: list[dict[str, Any]], which: str) -> dict[tuple[tuple[str, Any], ...], dict[str, Any]]:
+    out: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
+    for p in records:
+        if p.get("type") == "point":
+            k = key(p)
+            if k in out:
+                raise ValueError(f"the {which} run holds two points of one identity: {label(k)}")
+            out[k] = p
+    return out
 
 
 def differences(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[str]:
@@ -52,8 +72,7 @@ def differences(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[str]:
     out = []
     sa, sb = shape(a), shape(b)
     out += [f"{k}: {sa[k]} vs {sb[k]}" for k in sa if sa[k] != sb[k]]
-    ka = {key(p) for p in a if p.get("type") == "point"}
-    kb = {key(p) for p in b if p.get("type") == "point"}
+    ka, kb = set(_points(a, "first")), set(_points(b, "second"))
     if ka - kb:
         out.append(f"{len(ka - kb)} point(s) only in the first, e.g. {label(sorted(ka - kb, key=str)[0])}")
     if kb - ka:
@@ -63,16 +82,17 @@ def differences(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[str]:
 
 def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per common point: medians, ratio new/base, and the verdict on the ranges."""
-    pa = {key(p): p for p in a if p.get("type") == "point"}
-    pb = {key(p): p for p in b if p.get("type") == "point"}
+    pa, pb = _points(a, "first"), _points(b, "second")
     rows = []
     for k in [k for k in pa if k in pb]:
         x, y = pa[k], pb[k]
         if x.get("median_us") is None or y.get("median_us") is None:
             continue
-        lo_a, hi_a = x.get("min_us", x["median_us"]), x.get("max_us", x["median_us"])
-        lo_b, hi_b = y.get("min_us", y["median_us"]), y.get("max_us", y["median_us"])
-        verdict = "SLOWER" if lo_b > hi_a else "FASTER" if hi_b < lo_a else ""
+        ranged = all(p.get(f) is not None for p in (x, y) for f in ("min_us", "max_us"))
+        lo_a, hi_a = x.get("min_us") or x["median_us"], x.get("max_us") or x["median_us"]
+        lo_b, hi_b = y.get("min_us") or y["median_us"], y.get("max_us") or y["median_us"]
+        verdict = "" if not ranged else "SLOWER" if lo_b > hi_a else "FASTER" if hi_b < lo_a else ""
+        verdict = verdict if ranged else "no range"
         rows.append({"point": label(k), "base_us": x["median_us"], "new_us": y["median_us"],
                      "ratio": y["median_us"] / x["median_us"] if x["median_us"] else float("inf"),
                      "base_range": (lo_a, hi_a), "new_range": (lo_b, hi_b), "verdict": verdict})  # fmt: skip
@@ -82,10 +102,10 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[dict[str, 
 def run(args: argparse.Namespace) -> int:
     try:
         a, b = read_records(args.base), read_records(args.new)
+        diff = differences(a, b)
     except (OSError, ValueError) as exc:
         print(f"sparta bench compare: {exc}", file=sys.stderr)
         return 2
-    diff = differences(a, b)
     if diff and not args.force:
         print("sparta bench compare: the runs differ in shape (use --force to compare their common points):\n  "
               + "\n  ".join(diff), file=sys.stderr)  # fmt: skip

@@ -158,6 +158,7 @@ class BenchContext:
         for name in calls:
             stats = records.time_stats(per_rank[name], self.opts.combine)
             point = {"type": "point", "suite": self.opts.suite, "engine": self.engine, **base, "variant": name}
+            point["identity"] = ["suite", "engine", *base, "variant", "ranks"]  # what `compare` pairs points by
             point.update(stats)
             point.update(fields(stats["median_us"] / 1e6))
             checked = self.opts.check and check is not None and name not in unchecked

@@ -180,6 +180,37 @@ def test_compare_flags_ranges_apart_and_refuses_other_shapes(tmp_path: Path, cap
     assert "# differs: ranks: 2 vs 4" in capsys.readouterr().out
 
 
+def test_compare_pairs_points_by_their_suites_identity(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Trainer points differ by model and layout, not op or bytes: each layout is its own
+    point; two points of one identity are refused; a peer's point with no range over calls
+    gets no verdict, however far its median moved."""
+    head = {"type": "header", "suite": "trainer", "ranks": 4, "nodes": 1, "ranks_per_node": [4], "device": "cpu",
+            "options": {"dtype": "float32"}}  # fmt: skip
+    identity = ["suite", "engine", "model", "layout", "variant", "ranks"]
+
+    def run(name: str, dp4: float, layouts: tuple[str, ...] = ("dp4", "fsdp4")) -> Path:
+        lines = [head]
+        for layout in layouts:
+            med = dp4 if layout == "dp4" else 100.0
+            lines.append({"type": "point", "suite": "trainer", "engine": "torch", "model": "moe", "layout": layout,
+                          "variant": "sparta", "ranks": 4, "identity": identity, "median_us": med,
+                          "min_us": med - 5, "max_us": med + 5})  # fmt: skip
+        lines.append({"type": "point", "suite": "trainer", "engine": "nccl-tests", "op": "all_reduce",
+                      "bytes": 1024, "ranks": 4, "median_us": dp4})  # a peer's line: a median, no range
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+        return path
+
+    base, slow = run("a.jsonl", 100.0), run("b.jsonl", 500.0)
+    assert main(["compare", str(base), str(slow)]) == 1
+    out = capsys.readouterr().out
+    assert "moe dp4 sparta" in out and "moe fsdp4 sparta" in out and "3 points compared: 1 slower" in out, out
+    assert "no range" in out, out
+    twice = run("c.jsonl", 100.0, layouts=("dp4", "dp4"))
+    assert main(["compare", str(base), str(twice)]) == 2
+    assert "two points of one identity: torch moe dp4 sparta" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
