@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -39,6 +38,7 @@ from sparta.scheduling.cost_model import CostModel, LayerShape
 from sparta.scheduling.profiler import Profile, ProfileConfig, Profiler
 from sparta.scheduling.trace import TracedExchange, Tracer, draw_timeline, gather, write_chrome_trace
 from sparta_tools.cluster import ClusterConfig, EmulatedCluster
+from sparta_tools.processes import run_bounded
 
 TRACKS = ("step", "compute", "intra-node comm", "inter-node comm", "world comm")
 
@@ -132,11 +132,12 @@ def launch(run: ProfileRun) -> int:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={run.nprocs}",
            "--master-addr=127.0.0.1", f"--master-port={port}", *worker]  # fmt: skip
-    try:
-        return subprocess.run(cmd, env={**os.environ, **env}, timeout=run.timeout_s).returncode
-    except subprocess.TimeoutExpired:
+    code, out, timed_out = run_bounded(cmd, {**os.environ, **env}, run.timeout_s)
+    print(out, end="", flush=True)
+    if timed_out:
         print(f"sparta profile: ranks ran past {run.timeout_s:g} s and were stopped", file=sys.stderr)
         return 1
+    return code
 
 
 def fit_lines(profile: Profile) -> list[dict[str, Any]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from sparta_tools.processes import run_bounded
 
 DIST = Path(__file__).parent / "dist"
 LAUNCHERS = ("torchrun", "mpirun", "horovodrun", "horovod-mpirun", "env")
@@ -132,16 +133,10 @@ def command(
 def run_killing_on_timeout(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> tuple[int, str]:
     """Run a launch in its own process group; (exit code, output). One that outlives
     `timeout` is killed whole and fails the test with the tail of its output."""
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{what} hung for {timeout:g} s and was killed; last output:\n{out[-4000:]}")
-    return proc.returncode, out
+    code, out, timed_out = run_bounded(cmd, env, timeout)  # stopped with every rank it started
+    if timed_out:
+        pytest.fail(f"{what} hung for {timeout:g} s and was stopped; last output:\n{out[-4000:]}")
+    return code, out
 
 
 def launch_raw(

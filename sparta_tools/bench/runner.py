@@ -14,9 +14,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -27,6 +25,7 @@ from typing import Any
 
 from sparta_tools.bench import records
 from sparta_tools.bench.options import ENGINES, BenchOptions
+from sparta_tools.processes import run_bounded
 
 
 @dataclass(frozen=True)
@@ -89,21 +88,14 @@ def launch_command(engine: str, nprocs: int, argv: Sequence[str]) -> list[str]:
 
 
 def run_launch(cmd: list[str], timeout_s: float) -> tuple[int, str]:
-    """(exit status, output tail); a launch past its timeout is killed with its whole session."""
+    """(exit status, output tail); a launch past its timeout, or on Ctrl-C, is stopped with
+    every rank it started (`sparta_tools.processes`)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return 124, (out or "")[
-            -4000:
-        ] + f"\nsparta bench: the launch ran past --timeout {timeout_s:g} s and was killed"
-    return proc.returncode, (out or "")[-4000:]
+    code, out, timed_out = run_bounded(cmd, env, timeout_s)
+    if timed_out:
+        out += f"\nsparta bench: the launch ran past --timeout {timeout_s:g} s and was stopped, its ranks with it"
+    return code, out[-4000:]
 
 
 def run_on_cluster(opts: BenchOptions, argv: list[str], engine: str) -> tuple[int, str]:

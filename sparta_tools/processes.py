@@ -1,0 +1,77 @@
+"""A launch (torchrun, mpirun, horovodrun) run to completion or stopped whole.
+
+torchrun starts each rank in a session of its own, so killing the launcher's process group
+leaves the ranks running, holding the output pipe open: the caller then waits on them, and
+they on one another's collectives. `run_bounded` stops the whole tree instead, on a timeout
+and on Ctrl-C alike: SIGTERM to every descendant and the launcher's group (torchrun passes
+it to its ranks), then SIGKILL to what is left after a grace period. Linux (/proc).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+GRACE_S = 5.0  # from SIGTERM to SIGKILL
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children first), read from /proc."""
+    parent_of: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # the command name may hold spaces and parentheses: the ppid follows its last ")"
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parent_of[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [c for c, p in parent_of.items() if p in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _signal_all(pids: Sequence[int], group: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, sig)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def stop(proc: subprocess.Popen[str], grace_s: float = GRACE_S) -> None:
+    """Stop ``proc`` (started with ``start_new_session=True``) and everything it started."""
+    tree = descendants(proc.pid)
+    _signal_all(tree, proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_all(tree + descendants(proc.pid), proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+
+
+def run_bounded(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float) -> tuple[int, str, bool]:
+    """Run ``cmd`` with stdout and stderr together; (exit status, output, whether it ran past
+    ``timeout_s`` and was stopped). Ctrl-C stops the launch whole before it propagates."""
+    proc = subprocess.Popen(
+        list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out or "", False
+    except subprocess.TimeoutExpired:
+        stop(proc)
+    except BaseException:
+        stop(proc)
+        raise
+    try:
+        out, _ = proc.communicate(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:  # a grandchild out of reach still holds the pipe
+        out = ""
+    return 124, out or "", True

@@ -1,0 +1,38 @@
+"""A launch past its timeout is stopped whole: torchrun starts each rank in a session of its
+own, which killing the launcher's process group alone left running (sparta_tools.processes)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from launch import free_port
+
+from sparta_tools.processes import run_bounded
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has exited; its parent has not reaped it yet
+
+
+def test_a_launch_past_its_timeout_is_stopped_with_its_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "stuck.py"
+    script.write_text("import os, time\nprint('RANK', os.environ['RANK'], os.getpid(), flush=True)\ntime.sleep(600)\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", str(script)]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    code, out, timed_out = run_bounded(cmd, env, 20)
+    assert timed_out and code == 124, out[-2000:]
+    ranks = [int(line.split()[2]) for line in out.splitlines() if line.startswith("RANK")]
+    assert len(ranks) == 2, out[-2000:]
+    time.sleep(0.5)
+    assert not [pid for pid in ranks if _running(pid)], ranks
+    # and a launch that ends in time gives its status and output
+    code, out, timed_out = run_bounded([sys.executable, "-c", "print('done'); raise SystemExit(3)"], env, 60)
+    assert (code, out.strip(), timed_out) == (3, "done", False)
