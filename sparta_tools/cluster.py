@@ -39,6 +39,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ from sparta.errors import ConfigError, SpartaError
 _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit)$")
 LAUNCHERS = ("torchrun", "horovodrun")
 NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` mounts NETNS_ETC/NS/* over /etc/*
+
+_SH_TIMEOUT_S = 30  # an ip or tc call; a stuck one raises instead of hanging the run
 
 
 class ClusterUnavailableError(SpartaError, RuntimeError):
@@ -129,6 +132,7 @@ class EmulatedCluster:
         self._made_etc = False
         self._procs: list[subprocess.Popen[bytes]] = []
         self._rendezvous: subprocess.Popen[bytes] | None = None  # Horovod's, for the ranks of one start()
+        self._sigterm: Any = None  # the handler before ours, while the cluster stands
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> EmulatedCluster:
@@ -136,6 +140,10 @@ class EmulatedCluster:
         if why:
             raise ClusterUnavailableError(f"cannot start an emulated cluster: {why}")
         atexit.register(self.close)
+        if threading.current_thread() is threading.main_thread():
+            # atexit does not run on SIGTERM (a CI cancel, `timeout`): as SystemExit it unwinds
+            # through close() and the namespaces, links and ranks go with it
+            self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             self._build()
         except BaseException:
@@ -153,7 +161,8 @@ class EmulatedCluster:
         self._procs.clear()
         self._rendezvous = None
         for ns in reversed(self._made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=_SH_TIMEOUT_S)
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
         self._made.clear()
         if self._made_etc:  # /etc/netns did not exist before this cluster: gone, unless another uses it
@@ -161,6 +170,9 @@ class EmulatedCluster:
                 NETNS_ETC.rmdir()
             self._made_etc = False
         atexit.unregister(self.close)
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
 
     def _build(self) -> None:
         c = self.config
@@ -349,8 +361,15 @@ class EmulatedCluster:
         return [int(p.returncode) for p in procs]
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _sh(*args: str) -> None:
-    done = subprocess.run(args, capture_output=True, text=True)
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=_SH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ClusterUnavailableError(f"`{' '.join(args)}` did not finish in {_SH_TIMEOUT_S} s") from None
     if done.returncode != 0:
         raise ClusterUnavailableError(f"`{' '.join(args)}` failed ({done.returncode}): {done.stderr.strip()}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -85,3 +86,33 @@ def test_teardown_on_error() -> None:
     except ClusterUnavailableError as e:
         pytest.skip(str(e))
     assert config.prefix not in _namespaces()
+
+
+def test_sigterm_takes_the_cluster_down() -> None:
+    """atexit does not run on SIGTERM (a CI cancel, `timeout`); the cluster turns it into
+    SystemExit while it stands, so its namespaces and links go with the process."""
+    why = can_emulate()
+    if why:
+        pytest.skip(why)
+    code = (
+        "import time\n"
+        "from sparta_tools.cluster import ClusterConfig, EmulatedCluster\n"
+        "with EmulatedCluster(ClusterConfig(nodes=2, ranks_per_node=1, rate='100mbit')) as cluster:\n"
+        "    print('UP', cluster.config.prefix, flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.startswith("UP"):
+            proc.kill()
+            pytest.skip(f"the cluster did not start: {proc.communicate()[1][-2000:]}")
+        prefix = line.split()[1]
+        assert prefix + "n1" in _namespaces()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert prefix not in _namespaces(), "namespaces left behind"
+    assert not list(Path("/etc/netns").glob(f"{prefix}*")), "host files left behind"
