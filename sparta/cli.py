@@ -43,17 +43,22 @@ def _info(_: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     """Launch the ranks (sparta_tools.profile), or, on a rank, run the MoE block."""
+    from sparta.errors import ConfigError
     from sparta_tools.profile import ProfileRun, launch, run_worker
 
     if args.worker:
         run_worker(ProfileRun.from_json(args.worker))
         return 0
-    run = ProfileRun(
-        out=args.out, nprocs=args.nprocs, ranks_per_node=args.ranks_per_node, tokens=args.tokens,
-        d_model=args.d_model, d_ff=args.d_ff, experts=args.experts, top_k=args.top_k,
-        pipeline_degree=args.pipeline_degree, hierarchical=not args.flat, steps=args.steps, rate=args.rate,
-        timeout_s=args.timeout,
-    )  # fmt: skip
+    try:
+        run = ProfileRun(
+            out=args.out, nprocs=args.nprocs, ranks_per_node=args.ranks_per_node, tokens=args.tokens,
+            d_model=args.d_model, d_ff=args.d_ff, experts=args.experts, top_k=args.top_k,
+            pipeline_degree=args.pipeline_degree, hierarchical=not args.flat, steps=args.steps, rate=args.rate,
+            timeout_s=args.timeout,
+        )  # fmt: skip
+    except ConfigError as exc:  # a bad flag: exit 2 with the message, as argparse does
+        print(exc, file=sys.stderr)
+        return 2
     return launch(run)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -211,8 +212,10 @@ def run_worker(run: ProfileRun) -> None:
 
     step()  # warm-up: connections, first-call allocations
     tracer.spans.clear()
-    times = sorted(step() for _ in range(run.steps))
-    slowest = torch.stack(world.comm.all_gather(torch.tensor(times, dtype=torch.float64))).max(0).values  # type: ignore[arg-type]
+    times = [step() for _ in range(run.steps)]
+    # each step's slowest rank, then the median over the steps
+    every = torch.stack(world.comm.all_gather(torch.tensor(times, dtype=torch.float64)))  # type: ignore[arg-type]
+    step_s = statistics.median(every.max(0).values.tolist())
     spans = gather(world.comm, tracer)
     if spans is not None:
         out = Path(run.out)
@@ -250,7 +253,7 @@ def run_worker(run: ProfileRun) -> None:
                 "predicted_exchange_s": round(layer_plan.forward_s + layer_plan.backward_s, 4),
                 "router_s": [round(t, 5) for t in layer_plan.router_s],
             },
-            "step_s": round(float(slowest[len(times) // 2]), 4),
+            "step_s": round(step_s, 4),
             "trace": str(out / "trace.json"),
             "png": str(out / "timeline.png"),
         }

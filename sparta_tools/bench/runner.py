@@ -115,7 +115,9 @@ def run_on_cluster(opts: BenchOptions, argv: list[str], engine: str) -> tuple[in
         return 1, f"sparta bench: the emulated cluster could not start the job: {exc}"
     except TimeoutError as exc:
         return 124, str(exc)
-    return max(codes, key=abs), f"emulated cluster {config}: rank exit codes {codes}"
+    # the first rank's own failure, not the SIGKILL the cluster then sent the others
+    failed = [c for c in codes if c > 0] or [c for c in codes if c != 0] or [0]
+    return failed[0], f"emulated cluster {config}: rank exit codes {codes}"
 
 
 def merge(headers: list[dict[str, Any]], command: Sequence[str], output: str) -> dict[str, Any]:
@@ -157,7 +159,11 @@ def drive(opts: BenchOptions, argv: Sequence[str], command: Sequence[str], engin
                 cmd = launch_command(engine, opts.nprocs, worker)
                 print(f"# {opts.suite}: {engine} on {opts.nprocs} ranks ({LAUNCHER_OF[engine]})", file=sys.stderr)
                 code, tail = run_launch(cmd, opts.timeout_s)
-            got = records.read_records(out) if out.exists() and out.stat().st_size else []
+            try:
+                got = records.read_records(out) if out.exists() and out.stat().st_size else []
+            except ValueError as exc:  # a job stopped mid-write: its engine fails, the others' records stand
+                got, code = [], code or 1
+                print(f"# {engine}: {exc}", file=sys.stderr)
             if got:
                 got[0]["launch_command"] = cmd
                 headers.append(got[0])

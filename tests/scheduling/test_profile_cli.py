@@ -21,6 +21,10 @@ def test_run_config_validated() -> None:
     assert parse_degree("2,4") == (2, 4) and parse_degree("auto") == "auto" and parse_degree("8,8,2") == (8, 8, 2)
     with pytest.raises(ConfigError, match="taper in \\[0, 3\\]"):
         parse_degree("8,8,4")
+    # from the command line: exit 2 and the message, as argparse's own refusals
+    cli = [sys.executable, "-m", "sparta.cli", "profile", "--experts", "3", "--nprocs", "2"]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--experts 3 cannot be spread over --nprocs 2" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("degree", ["3,2", "1", "auto"])
