@@ -122,9 +122,9 @@ def raw_call(ctx: BenchContext, op: str, x: torch.Tensor, send: list[int] | None
         if op == "all_to_all":
             out = torch.empty_like(x)
             return lambda: (dist.all_to_all_single(out, x, group=g), out)[1]
-        if op == "broadcast":
+        if op == "broadcast":  # refilled each call, as all_reduce's: a call that moved nothing shows
             buf = x.clone()
-            return lambda: (dist.broadcast(buf, group_src=0, group=g), buf)[1]
+            return lambda: (buf.copy_(x), dist.broadcast(buf, group_src=0, group=g), buf)[2]
         assert send is not None and recv is not None
         outv = x.new_empty(sum(recv))
         return lambda: (dist.all_to_all_single(outv, x, recv, send, group=g), outv)[1]
@@ -163,9 +163,9 @@ def raw_call(ctx: BenchContext, op: str, x: torch.Tensor, send: list[int] | None
     if op == "all_to_all":
         out = torch.empty_like(x)
         return lambda: (c.Alltoall(src, _mpi_view(out)), out)[1]
-    if op == "broadcast":
+    if op == "broadcast":  # refilled each call, as above
         buf = x.clone()
-        return lambda: (c.Bcast(_mpi_view(buf), root=0), buf)[1]
+        return lambda: (buf.copy_(x), c.Bcast(_mpi_view(buf), root=0), buf)[2]
     assert send is not None and recv is not None
     outv = x.new_empty(sum(recv))
     sdispl = [sum(send[:i]) for i in range(n)]
