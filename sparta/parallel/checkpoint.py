@@ -20,9 +20,13 @@ built).
 Atomic writes. DCP writes into ``directory/.tmp-step_<N>`` (each file fsynced, the metadata
 last); after every rank has written, rank 0 fsyncs that directory and renames it to
 ``step_<N>`` (one ``rename``, atomic on POSIX), fsyncs ``directory``, then removes the oldest
-complete checkpoints beyond ``keep``. A crash at any point leaves the previous ``step_*``
-directories whole: a partial ``.tmp-*`` directory is never read, and rank 0 removes it at the
-next ``save`` or ``load``. Every rank must see the same ``directory`` (a shared filesystem).
+complete checkpoints beyond ``keep`` (each renamed to ``.del-*`` first, so a half-removed one
+is never read). A crash at any point leaves the previous ``step_*`` directories whole: a
+partial ``.tmp-*`` or ``.del-*`` directory is never read, and rank 0 removes it at the next
+``save`` or ``load``. Saving a step below complete checkpoints already there (a run that went
+back, or started afresh in the same directory) sets those aside as ``later-step_<N>``: kept,
+but never what a later ``load`` resumes. Every rank must see the same ``directory`` (a
+shared filesystem).
 
 Errors. Any failure on any rank (a full disk, an unwritable directory, a checkpoint that
 does not fit the model) raises ``CheckpointError`` on every rank, after the ranks agree on
@@ -48,6 +52,7 @@ one with exactly the losses of a run never stopped.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import warnings
@@ -65,7 +70,15 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from sparta.comm.launch import detect
 from sparta.errors import ConfigError, SpartaError
-from sparta.parallel.checkpoint_files import STEP_PREFIX, TMP_PREFIX, complete_checkpoints, publish, remove_partial
+from sparta.parallel.checkpoint_files import (
+    STEP_PREFIX,
+    TMP_PREFIX,
+    complete_checkpoints,
+    prune,
+    publish,
+    remove_partial,
+    set_aside_later,
+)
 from sparta.parallel.checkpoint_planners import Piece, PieceLoadPlanner, PieceSavePlanner
 from sparta.parallel.checkpoint_state import (
     PARAM_GROUPS,
@@ -77,11 +90,14 @@ from sparta.parallel.checkpoint_state import (
     key_sizes,
     materialise_optimizer_state,
     model_slots,
+    never_stepped,
     restore_param_groups,
     restore_scalars,
 )
 
 _EXTRA, _RNG = "extra", "rng."
+
+log = logging.getLogger("sparta.parallel.checkpoint")
 
 
 class CheckpointError(SpartaError, RuntimeError):
@@ -193,12 +209,15 @@ class Checkpointer:
                 publish(tmp, final)
             except OSError as exc:
                 problem = f"cannot move the complete checkpoint {tmp} to {final}: {exc}"
-            if problem is None and self.keep is not None:
-                # the oldest others, never the one just written (a resumed run may save a
-                # lower step than a checkpoint left from before)
-                others = [old for _, old in complete_checkpoints(self.path) if old != final]
-                for old in others[: max(len(others) - (self.keep - 1), 0)]:
-                    shutil.rmtree(old, ignore_errors=True)
+            try:
+                if problem is None:
+                    for aside in set_aside_later(self.path, step):
+                        log.warning("checkpoint %s is past step %d, saved again now: set aside as %s", aside.name,
+                                    step, aside)  # fmt: skip
+                if problem is None and self.keep is not None:
+                    prune(self.path, self.keep, final)
+            except OSError as exc:  # the new checkpoint stands; only the tidying failed
+                problem = f"step {step} was saved to {final}, but tidying {self.path} failed: {exc}"
         group.agree(problem, f"saving step {step}")
         return final
 
@@ -252,6 +271,11 @@ class Checkpointer:
             try:
                 slots = model_slots(_as_list(model_parts))
                 created = materialise_optimizer_state(optimizers)
+                assert metadata is not None
+                unstepped = never_stepped(created, slots, metadata.state_dict_metadata)
+                forget_optimizer_state(unstepped)  # left without state, as when it was saved
+                gone = {id(param) for _, param in unstepped}
+                created = [(opt, param) for opt, param in created if id(param) not in gone]
                 state, pieces, scalars = dcp_state_dict(slots, optimizers, group.rank, with_groups=False)
             except Exception as exc:  # on this rank only: agreed on below, so no rank waits alone
                 problem = _describe(exc)
@@ -284,11 +308,13 @@ class Checkpointer:
             raise CheckpointError(f"loading {path} failed: reading it failed: {_reason(exc)}") from None
         # DCP filled the tensors in place; objects it loads by replacing them in the dict.
         restore_scalars(state, scalars)
+        problem = None
         if PARAM_GROUPS in state:
             try:
                 restore_param_groups(state[PARAM_GROUPS], optimizers, path)
-            except StateError as exc:  # the same saved groups and optimizers on every rank
-                raise CheckpointError(str(exc)) from None
+            except StateError as exc:  # this rank's optimizers alone may differ: agreed on below
+                problem = str(exc)
+        group.agree(problem, f"loading {path}")
         if mine in state:
             _set_rng_state(state[mine])
         return dict(state[_EXTRA])

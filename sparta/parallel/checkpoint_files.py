@@ -5,6 +5,9 @@ and the durable rename that makes a written checkpoint complete (see `checkpoint
     directory/step_<N>       complete (its DCP ``.metadata`` is in it); the only kind read
     directory/.tmp-step_<N>  being written, or left by a crash; never read, removed
     directory/.old-step_<N>  a complete checkpoint of step N that a new one replaces
+    directory/.del-step_<N>  a checkpoint being pruned; never read, removed
+    directory/later-step_<N> a checkpoint past the step a run went back to and saved again
+                             (kept, never read: a later load would resume the abandoned run)
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from pathlib import Path
 STEP_PREFIX = "step_"  # a complete checkpoint: directory/step_<N>
 TMP_PREFIX = ".tmp-step_"  # being written; never read
 OLD_PREFIX = ".old-step_"  # a complete checkpoint of the same step being replaced
+DEL_PREFIX = ".del-step_"  # being pruned: renamed first, so a half-removed one is never read
+LATER_PREFIX = "later-step_"  # set aside: past the step a run went back to
 STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -34,8 +39,8 @@ def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 
 
 def remove_partial(directory: Path) -> None:
-    """Remove what crashed saves left: ``.tmp-*`` (never complete) and ``.old-*`` (a
-    checkpoint that a complete one of the same step replaced, or is about to)."""
+    """Remove what crashed saves left: ``.tmp-*`` (never complete), ``.del-*`` (being pruned)
+    and ``.old-*`` (a checkpoint that a complete one of the same step replaced, or is about to)."""
     if not directory.is_dir():
         return
     for entry in directory.iterdir():
@@ -44,7 +49,7 @@ def remove_partial(directory: Path) -> None:
             if not step_dir.exists():  # the crash came between the two renames: put it back
                 os.rename(entry, step_dir)
                 continue
-        if entry.name.startswith((TMP_PREFIX, OLD_PREFIX)):
+        if entry.name.startswith((TMP_PREFIX, OLD_PREFIX, DEL_PREFIX)):
             try:
                 shutil.rmtree(entry)
             except OSError as exc:
@@ -70,3 +75,28 @@ def publish(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
     if old.exists():
         shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(directory: Path, keep: int, new: Path) -> None:
+    """Leave ``keep`` complete checkpoints: ``new`` and the newest others. Each one removed is
+    renamed out of the complete ones first (atomic), then deleted."""
+    others = [old for _, old in complete_checkpoints(directory) if old != new]
+    for old in others[: max(len(others) - (keep - 1), 0)]:
+        doomed = old.with_name(old.name.replace(STEP_PREFIX, DEL_PREFIX, 1))
+        os.rename(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def set_aside_later(directory: Path, step: int) -> list[Path]:
+    """Rename every complete checkpoint past ``step`` to ``later-step_<N>``: a run that went
+    back to an earlier step and saved again has abandoned them, and a later load must not
+    resume them. Kept, not deleted; returns where they went."""
+    moved = []
+    for n, path in complete_checkpoints(directory):
+        if n > step:
+            aside = path.with_name(f"{LATER_PREFIX}{n}")
+            if aside.exists():
+                shutil.rmtree(aside)
+            os.rename(path, aside)
+            moved.append(aside)
+    return moved

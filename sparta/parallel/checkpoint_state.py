@@ -289,6 +289,27 @@ def materialise_optimizer_state(
     return created
 
 
+def never_stepped(
+    created: list[tuple[torch.optim.Optimizer, Tensor]], slots: list[Slot], held: Any
+) -> list[tuple[torch.optim.Optimizer, Tensor]]:
+    """Of the (optimizer, parameter) pairs ``materialise_optimizer_state`` just created, those
+    whose state the checkpoint (``held``: its keys) lacks altogether: the parameter had not
+    been stepped when it was saved (no gradient yet), so after the load it has no state
+    either, as in the run that saved it. None when no optimizer was saved with it (its
+    ``PARAM_GROUPS`` absent): loading an optimizer from it is a mistake to name."""
+    if PARAM_GROUPS not in held:
+        return []
+    out = []
+    for opt, param in created:
+        mine = [slot.key for slot in slots if slot.tensor is param]
+        keys = [f"{_OPTIM}{key}.{name}" for key in mine for name in opt.state[param]]
+        # the parameter itself in the checkpoint: else it is another model's, named as such
+        saved = bool(mine) and all(f"{_MODEL}{key}" in held for key in mine)
+        if saved and keys and not any(key in held for key in keys):
+            out.append((opt, param))
+    return out
+
+
 def forget_optimizer_state(created: list[tuple[torch.optim.Optimizer, Tensor]]) -> None:
     """Drop the state ``materialise_optimizer_state`` made, when the load does not happen."""
     for opt, param in created:

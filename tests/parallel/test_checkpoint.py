@@ -81,6 +81,42 @@ def test_a_checkpoint_restores_the_model_the_optimizer_and_extra(tmp_path: Path)
         assert torch.equal(a, b), f"{key} after one more step"
 
 
+def test_parameters_not_yet_stepped_load_without_state(tmp_path: Path) -> None:
+    """A parameter the optimizer has not stepped when the checkpoint is written (no gradient
+    yet, or step 0 itself) has no state in it, and none after the load: the resumed run then
+    steps it as the run that saved it does."""
+    model, opt = trained(steps=0)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(0, model, opt)  # before any step: no optimizer state at all
+    fresh, fresh_opt = trained(seed=1, steps=0)
+    assert ckpt.load(fresh, fresh_opt) == {"step": 0} and not fresh_opt.state
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # one step in which the head alone gets a gradient
+    model.out(torch.randn(3, 16)).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    ckpt.save(1, model, opt)
+    fresh, fresh_opt = trained(seed=1, steps=0)
+    ckpt.load(fresh, fresh_opt)
+    stepped = {name for name, p in fresh.named_parameters() if fresh_opt.state.get(p)}
+    assert stepped == {"out.weight", "out.bias"}, stepped
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        for key, value in opt.state.get(p, {}).items():
+            assert torch.equal(value, fresh_opt.state[q][key]), (name, key)
+    # the next step, with every parameter's gradient, lands alike on both
+    ids = torch.randint(0, 20, (4, 5))
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten()).backward()
+        o.step()
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    # saved without an optimizer, a load with one is still refused by name
+    ckpt.save(2, model)
+    with pytest.raises(CheckpointError, match="missing keys"):
+        ckpt.load(fresh, fresh_opt, step=2)
+
+
 def test_partial_checkpoints_are_ignored_and_removed(tmp_path: Path) -> None:
     model, opt = trained()
     ckpt = Checkpointer(tmp_path, keep=2)
@@ -102,11 +138,22 @@ def test_keep_prunes_the_oldest_after_the_new_one_is_complete(tmp_path: Path) ->
     for step in (1, 2, 3):
         ckpt.save(step, model, opt)
     assert ckpt.steps() == [2, 3]
-    ckpt.save(1, model, opt)  # a resumed run may save a lower step: never prune the new one
-    assert ckpt.steps() == [1, 3]
+    # a run that went back to step 1 and saved it again: steps 2 and 3 are the abandoned
+    # run's, set aside (kept, never resumed)
+    ckpt.save(1, model, opt, {"run": "again"})
+    assert ckpt.steps() == [1]
+    assert all((tmp_path / f"later-step_{n}" / ".metadata").is_file() for n in (2, 3))
+    assert ckpt.load(model, opt) == {"run": "again", "step": 1}
     every = Checkpointer(tmp_path, keep=None)
-    every.save(5, model, opt)
-    assert every.steps() == [1, 3, 5]
+    for step in (4, 5):
+        every.save(step, model, opt)
+    assert every.steps() == [1, 4, 5]
+    # a prune that died half way left a renamed directory: never read, removed at the next call
+    (tmp_path / ".del-step_0").mkdir()
+    (tmp_path / ".del-step_0" / ".metadata").write_text("half removed")
+    assert every.steps() == [1, 4, 5]
+    every.load(model, opt)
+    assert not (tmp_path / ".del-step_0").exists()
 
 
 def test_saving_a_step_again_replaces_it_whole(tmp_path: Path) -> None:
