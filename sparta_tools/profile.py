@@ -44,9 +44,10 @@ from sparta_tools.processes import run_bounded
 TRACKS = ("step", "compute", "intra-node comm", "inter-node comm", "world comm")
 
 
-def parse_degree(text: str) -> int | tuple[int, ...] | str:
+def parse_degree(text: str, flag: str = "--pipeline-degree") -> int | tuple[int, ...] | str:
     """ "auto" (tuned by sparta.moe.tune_schedule), or "3", "2,4" (forward, backward) or
-    "8,8,2" (and a taper), as MoELayer's pipeline_degree takes it."""
+    "8,8,2" (and a taper), as MoELayer's pipeline_degree takes it; ConfigError naming
+    ``flag`` otherwise."""
     if text == "auto":
         return text
     try:
@@ -54,7 +55,7 @@ def parse_degree(text: str) -> int | tuple[int, ...] | str:
         PipelineDegrees.of(parts)
     except (ValueError, ConfigError):
         raise ConfigError(
-            f"--pipeline-degree {text!r}; give 'auto' or {DEGREES_HELP}, comma-separated (e.g. 2,4 or 8,8,2)"
+            f"{flag} {text!r}; give 'auto' or {DEGREES_HELP}, comma-separated (e.g. 2,4 or 8,8,2)"
         ) from None
     return parts[0] if len(parts) == 1 else parts
 

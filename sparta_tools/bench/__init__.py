@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from sparta.errors import ConfigError
-from sparta_tools.bench.options import add_common, options_from
+from sparta_tools.bench.options import add_common, comma_subset, options_from
 from sparta_tools.bench.runner import Suite
 
 COMMON_DESTS = frozenset(
@@ -45,7 +45,7 @@ def _collectives() -> list[Suite]:
     return [
         Suite("collectives", "every collective on every engine: Sparta's Communicator beside the engine's own call",
               c.add_collectives_arguments, c.check_collectives_options, c.run_collectives,
-              lambda opts, extra: run_peers(opts, c.comma_subset(str(extra["ops"]), c.OPS, "--ops"))),
+              lambda opts, extra: run_peers(opts, comma_subset(str(extra["ops"]), c.OPS, "--ops"))),
         Suite("alltoallv", "uneven all-to-all: uniform, Zipf, a byte-matrix file, or a real MoE router's counts",
               c.add_alltoallv_arguments, c.check_alltoallv_options, c.run_alltoallv,
               lambda opts, extra: run_peers(opts, ["alltoallv"])),

@@ -25,7 +25,7 @@ import torch
 
 from sparta.errors import ConfigError
 from sparta_tools.bench import records, traffic
-from sparta_tools.bench.options import BenchOptions, human_size
+from sparta_tools.bench.options import BenchOptions, comma_subset, human_size
 from sparta_tools.bench.oracle import Oracle
 from sparta_tools.bench.rank import BenchContext
 
@@ -53,16 +53,6 @@ def add_alltoallv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-counts", default="", help="JSON rows per global expert recorded on each rank")
 
 
-def comma_subset(text: str, known: tuple[str, ...], flag: str) -> list[str]:
-    """The names of a comma-separated flag value (`--ops`, `--variants`, `--patterns`), each
-    one of `known`; ConfigError naming `flag` and the known names otherwise."""
-    chosen = [t for t in text.split(",") if t]
-    bad = [t for t in chosen if t not in known]
-    if bad or not chosen:
-        raise ConfigError(f"{flag} {text!r}: use a comma-separated subset of {','.join(known)}")
-    return chosen
-
-
 def check_collectives_options(opts: BenchOptions) -> None:
     extra = opts.extra
     comma_subset(str(extra["ops"]), OPS, "--ops")
@@ -80,6 +70,16 @@ def check_alltoallv_options(opts: BenchOptions) -> None:
         extra["patterns"] = ",".join(patterns)
     if float(str(extra["zipf_s"])) <= 0:
         raise ConfigError(f"--zipf-s {extra['zipf_s']}: give an exponent > 0 (about 1.1 for token ids)")
+    if extra["matrix"]:  # read here, before any rank starts: a bad file is one message, exit 2
+        try:
+            traffic.matrix_file(str(extra["matrix"]), opts.nprocs, 1)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"--matrix {extra['matrix']}: cannot read it ({exc}); give a JSON n x n matrix of bytes"
+            ) from None
+    experts = int(str(extra["moe_experts"]))
+    if experts and experts % opts.nprocs:
+        raise ConfigError(f"--moe-experts {experts} cannot be spread over {opts.nprocs} ranks; use a multiple of it")
 
 
 # ------------------------------------------------------------------------------ raw calls

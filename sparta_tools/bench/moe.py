@@ -103,21 +103,10 @@ def check_layer(opts: BenchOptions) -> None:
 
 
 def parse_degrees(text: str) -> list[int | tuple[int, ...] | str]:
-    from sparta.scheduling.chunks import PipelineDegrees
+    """``--degrees``: pipeline degrees separated by ";" (each as `sparta profile` takes one)."""
+    from sparta_tools.profile import parse_degree
 
-    out: list[int | tuple[int, ...] | str] = []
-    for part in (p.strip() for p in text.split(";") if p.strip()):
-        if part == "auto":
-            out.append(part)
-            continue
-        try:
-            numbers = tuple(int(v) for v in part.split(","))
-            PipelineDegrees.of(numbers)
-        except (ValueError, ConfigError):
-            raise ConfigError(
-                f"--degrees {part!r}: give 'auto' or 1-3 comma-separated ints (e.g. 4 or 8,8,2)"
-            ) from None
-        out.append(numbers[0] if len(numbers) == 1 else numbers)
+    out = [parse_degree(part.strip(), "--degrees") for part in text.split(";") if part.strip()]
     if not out:
         raise ConfigError("--degrees is empty; e.g. --degrees '1;4;auto'")
     return out
@@ -144,6 +133,8 @@ def check_dispatch(opts: BenchOptions) -> None:
     e, k = int(str(opts.extra["experts"])), int(str(opts.extra["top_k"]))
     if not 1 <= k <= e:
         raise ConfigError(f"--top-k {k} with --experts {e}: need 1 <= top_k <= experts")
+    if int(str(opts.extra["d_model"])) < 1:
+        raise ConfigError(f"--d-model {opts.extra['d_model']}: give a row width >= 1")
     if not opts.torch_dtype.is_floating_point:
         raise ConfigError(f"-d {opts.dtype}: dispatch moves activations; use a floating dtype")
     bad = [v for v in str(opts.extra["variants"]).split(",") if v not in ("sparta", "naive")]

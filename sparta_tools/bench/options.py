@@ -222,3 +222,13 @@ def options_from(args: argparse.Namespace, suite: str, extra: dict[str, object])
         peak_gbps=args.peak,
         extra=extra,
     )
+
+
+def comma_subset(text: str, known: tuple[str, ...], flag: str) -> list[str]:
+    """The names of a comma-separated flag value (`--ops`, `--variants`, `--patterns`), each
+    one of `known`; ConfigError naming `flag` and the known names otherwise."""
+    chosen = [t for t in text.split(",") if t]
+    bad = [t for t in chosen if t not in known]
+    if bad or not chosen:
+        raise ConfigError(f"{flag} {text!r}: use a comma-separated subset of {','.join(known)}")
+    return chosen

@@ -14,12 +14,14 @@ torchtitan is benchmarks/trainer.py's alone (its CPU patches stay out of Sparta'
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from sparta.errors import ConfigError
+from sparta_tools.bench.options import BenchOptions, comma_subset
+from sparta_tools.bench.rank import BenchContext
 from sparta_tools.bench.trainer import (
     LAYOUTS,
     SIZES,
@@ -45,15 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", default=default, help=f"of {', '.join(SUITE_CANDIDATES)}")
 
 
-def _names(opts: Any, flag: str, known: Any) -> list[str]:
-    given = [n for n in str(opts.extra[flag]).split(",") if n]
-    unknown = [n for n in given if n not in known]
-    if unknown or not given:
-        raise ConfigError(f"--{flag} {opts.extra[flag]!r}: unknown {unknown}; choose among {', '.join(known)}")
-    return given
+def _names(opts: BenchOptions, flag: str, known: Iterable[str]) -> list[str]:
+    return comma_subset(str(opts.extra[flag]), tuple(known), f"--{flag}")
 
 
-def check(opts: Any) -> None:
+def check(opts: BenchOptions) -> None:
     """ConfigError for an unknown size, model, layout or candidate (before any rank starts)."""
     if opts.extra["size"] not in SIZES:
         raise ConfigError(f"--size {opts.extra['size']!r}: choose one of {', '.join(SIZES)}")
@@ -78,7 +76,7 @@ class _Stepper:
         return loss
 
 
-def run(ctx: Any) -> None:
+def run(ctx: BenchContext) -> None:
     """Every rank: each asked-for layout of ctx.size ranks, each model, its candidates timed together."""
     from sparta.parallel import ParallelDims, build_layout
 

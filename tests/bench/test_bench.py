@@ -222,6 +222,9 @@ def test_compare_pairs_points_by_their_suites_identity(tmp_path: Path, capsys: p
         (["collectives", "--engines", "nccl"], "--engines nccl: unknown"),
         (["alltoallv", "--patterns", "file"], "--patterns file needs --matrix"),
         (["collectives", "--bind", "socket"], "invalid choice: 'socket'"),
+        (["alltoallv", "--matrix", "/nonexistent.json"], "--matrix /nonexistent.json: cannot read it"),
+        (["alltoallv", "--patterns", "moe", "--moe-experts", "3"], "--moe-experts 3 cannot be spread over 2 ranks"),
+        (["dispatch", "--d-model", "0"], "--d-model 0: give a row width >= 1"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
