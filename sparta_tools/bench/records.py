@@ -43,7 +43,9 @@ BANDWIDTH = {
     "busbw_noself": "the busiest rank's max(sent, received) bytes to and from OTHER ranks / time (DeepEP's "
     "definition: a rank's own traffic excluded; for the uniform collectives it equals busbw)",
     "internode_busbw": "the busiest rank's max(sent, received) bytes to and from ranks on OTHER nodes / time, for "
-    "the traffic any algorithm must move (all_reduce as reduce-scatter + all-gather); null on one node",
+    "the traffic of the flat algorithm (every rank's block to every rank; all_reduce as reduce-scatter + "
+    "all-gather); a two-level algorithm crosses with 1/ranks-per-node of it for the reducing and gathering "
+    "ops, so its figure here reads that much higher than its links carried; null on one node",
     "imbalance": "the busiest rank's max(sent, received) bytes / the mean over ranks (1.0 when even)",
     "pct_peak": "busbw / --peak * 100, when --peak was given",
 }
@@ -283,9 +285,11 @@ def traffic_fields(
 
 
 def collective_matrix(op: str, size: int, n: int, root: int = 0) -> list[list[float]]:
-    """The bytes any algorithm must move for `op` at nccl-tests' `size`, as a matrix: every
+    """The bytes the flat algorithm moves for `op` at nccl-tests' `size`, as a matrix: every
     rank's block reaches every other rank (all_reduce: twice, reduce-scatter then all-gather);
-    broadcast: the root's buffer reaches every other rank."""
+    broadcast: the root's buffer reaches every other rank. Within a node it is what any
+    algorithm moves; across nodes a two-level one moves less (see BANDWIDTH's
+    internode_busbw)."""
     if op == "broadcast":
         return [[float(size) if i == root and j != root else 0.0 for j in range(n)] for i in range(n)]
     block = size / n * (2 if op == "all_reduce" else 1)
