@@ -175,6 +175,7 @@ def raw_call(ctx: BenchContext, op: str, x: torch.Tensor, send: list[int] | None
 
 def sparta_call(comm: Any, op: str, x: torch.Tensor, send: list[int] | None = None,
                 recv: list[int] | None = None) -> Callable[[], Any]:  # fmt: skip
+    """Sparta's Communicator call for ``op`` on ``x``: what a user's code issues."""
     if op == "all_reduce":
         return lambda: comm.all_reduce(x)
     if op == "all_gather":  # checks off: the sizes given, as tuned code that knows them does
@@ -200,6 +201,8 @@ def flat(result: Any) -> torch.Tensor:
 
 def build_calls(ctx: BenchContext, op: str, x: torch.Tensor, variants: list[str], send: list[int] | None = None,
                 recv: list[int] | None = None) -> dict[str, Callable[[], Any]]:  # fmt: skip
+    """The call of each variant (raw: the engine's own; sparta: the Communicator's) on input ``x``; a variant the
+    engine cannot run records a skip instead."""
     calls: dict[str, Callable[[], Any]] = {}
     for variant in variants:
         if variant == "raw":
@@ -227,6 +230,7 @@ def shapes(op: str, size: int, elem: int, n: int) -> tuple[int, int]:
 
 
 def expected(oracle: Oracle, op: str, count: int, rank: int, n: int) -> torch.Tensor:
+    """What ``op`` must give on ``rank`` of ``n`` for the oracle's inputs of ``count`` elements."""
     if op == "all_reduce":
         return oracle.summed(0, count)
     if op == "broadcast":

@@ -31,6 +31,7 @@ def add_parser(sub: Any) -> None:
 
 
 def shape(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What two runs must share to be compared: suite, ranks, nodes, ranks per node, device and dtype."""
     head = records[0]
     out = {k: head.get(k) for k in SHAPE}
     out["dtype"] = (head.get("options") or {}).get("dtype")
@@ -100,6 +101,7 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[dict[str, 
 
 
 def run(args: argparse.Namespace) -> int:
+    """`sparta bench compare`: the table; exit 1 when a point got slower, 2 when the runs cannot be compared."""
     try:
         a, b = read_records(args.base), read_records(args.new)
         diff = differences(a, b)

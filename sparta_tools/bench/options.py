@@ -52,6 +52,7 @@ def parse_size(text: str) -> int:
 
 
 def dtype_name(text: str) -> str:
+    """The dtype's name for ``-d`` (nccl-tests' float, half, double taken too); ConfigError for others."""
     name = DTYPE_ALIASES.get(text, text)
     if name not in DTYPES:
         raise ConfigError(f"--datatype {text!r}: use one of {', '.join(DTYPES)} (or nccl-tests' float, half, double)")
@@ -59,6 +60,7 @@ def dtype_name(text: str) -> str:
 
 
 def human_size(nbytes: int) -> str:
+    """``nbytes`` as nccl-tests writes sizes: 4K, 64M, 1G where exact, else the number."""
     for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
         if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
             return f"{nbytes >> shift}{unit}"

@@ -24,6 +24,7 @@ def add_parser(sub: Any) -> None:
 
 
 def header_text(head: dict[str, Any], width: int = 170) -> str:
+    """The run's header as lines of at most ``width`` characters, printed under each plot."""
     git = head.get("git") or {}
     opts = head.get("options") or {}
     lines = [
@@ -41,6 +42,7 @@ def header_text(head: dict[str, Any], width: int = 170) -> str:
 
 
 def draw(records: list[dict[str, Any]], out: str) -> None:
+    """The run's plots into PNG ``out``: busbw against size and the latency band per variant, the header under them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,6 +102,7 @@ def draw(records: list[dict[str, Any]], out: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`sparta bench plot`: draw the run file; exit 2 when it cannot be read."""
     try:
         records = read_records(args.file)
     except (OSError, ValueError) as exc:

@@ -188,6 +188,7 @@ def pin(bind: str) -> None:
 
 
 def gather_json(comm: Any, obj: Any) -> list[Any]:
+    """Every rank's JSON-serialisable ``obj``, in rank order (collective over ``comm``)."""
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
     return [json.loads(bytes(t.tolist())) for t in comm.all_gather(data)]
 

@@ -88,6 +88,7 @@ def git_commit() -> dict[str, Any]:
 
 
 def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor where that is absent."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -113,6 +114,7 @@ def mpi_library(engine: str) -> str | None:
 
 
 def nccl_version() -> str | None:
+    """NCCL's version as torch reports it, or None without CUDA or NCCL."""
     if not torch.cuda.is_available():
         return None
     try:
@@ -123,6 +125,7 @@ def nccl_version() -> str | None:
 
 
 def relevant_env() -> dict[str, str]:
+    """The environment variables that change a run's figures (threads, NCCL, MPI, Horovod, ...), for the header."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) and k not in ENV_SKIP}
 
 
@@ -318,6 +321,7 @@ def bandwidth(op: str, size: int, matrix: Sequence[Sequence[float]], node_of: Se
 
 # ------------------------------------------------------------------------------ files
 def write_records(records: Iterable[dict[str, Any]], stream: IO[str]) -> None:
+    """``records`` as JSON lines on ``stream``, flushed."""
     for record in records:
         stream.write(json.dumps(record) + "\n")
     stream.flush()

@@ -49,12 +49,14 @@ LAUNCHER_OF = {"torch": "torchrun", "mpi": "mpirun", "horovod": "horovodrun"}
 
 # ------------------------------------------------------------------------------ driver
 def free_port() -> int:
+    """A TCP port free on this host now (for a launch's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def horovodrun() -> str | None:
+    """The horovodrun beside this interpreter, or on PATH, or None."""
     beside = Path(sys.executable).parent / "horovodrun"
     return str(beside) if beside.exists() else shutil.which("horovodrun")
 

@@ -30,11 +30,14 @@ PATTERNS = ("uniform", "zipf", "moe", "file")
 
 
 def uniform(n: int, count: int) -> list[list[int]]:
+    """Every rank sends ``count / n`` elements to every rank: [sender][receiver] counts."""
     each = max(1, count // n)
     return [[each] * n for _ in range(n)]
 
 
 def zipf(n: int, count: int, s: float, seed: int) -> list[list[int]]:
+    """Every rank sends to receiver j in proportion to 1 / rank(j)^s, the receivers' order shuffled by ``seed``: hot
+    experts' ranks take more ([sender][receiver] counts, ``count`` per sender)."""
     order = list(range(n))
     random.Random(seed).shuffle(order)
     weights = [1.0 / (order[j] + 1) ** s for j in range(n)]
@@ -78,6 +81,8 @@ def counts_file(path: str, n: int) -> list[list[int]]:
 
 
 def matrix_file(path: str, n: int, elem: int) -> list[list[int]]:
+    """[sender][receiver] element counts from a JSON n x n matrix of bytes (or {"matrix_bytes": ...}); ConfigError
+    naming the file when it does not fit ``n`` ranks or ``elem``-byte elements."""
     data = json.loads(Path(path).read_text())
     matrix = data["matrix_bytes"] if isinstance(data, dict) else data
     if len(matrix) != n or any(len(row) != n for row in matrix):

@@ -153,6 +153,7 @@ def global_batch(shape: ModelShape, dp: int, step: int) -> tuple[torch.Tensor, t
 
 
 def local_batch(shape: ModelShape, dp: int, dp_rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data-parallel rank ``dp_rank``'s rows of step ``step``'s global batch: (ids, targets)."""
     ids, targets = global_batch(shape, dp, step)
     rows = slice(dp_rank * shape.batch, (dp_rank + 1) * shape.batch)
     return ids[rows], targets[rows]
@@ -258,6 +259,7 @@ def _plain_step(
 
 
 def build_eager(shape: ModelShape, device: torch.device | str = "cpu") -> Step:
+    """Plain one-process PyTorch: the model's forward, backward and AdamW step (the one-rank floor)."""
     model = one_process_model(shape).to(device)
     opt = adamw(model.parameters())
 
@@ -268,6 +270,7 @@ def build_eager(shape: ModelShape, device: torch.device | str = "cpu") -> Step:
 
 
 def build_ddp(shape: ModelShape, device: torch.device | str = "cpu") -> Step:
+    """A plain DDP script's step over the default process group (the pure data-parallel floor)."""
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(one_process_model(shape).to(device))
