@@ -101,6 +101,8 @@ class ModelCosts:
     sit behind one network link (the launcher's local size): a pipeline hop between ranks of
     two nodes crosses it (`hop`). The two differ on the emulated cluster, whose nodes share
     this machine's cores unpinned: 8 ranks on one host, 4 behind each link.
+    link_per_rank: each rank has a network link of its own (a GPU's NIC, in published
+    figures), where measured links are one per node, shared by its ranks' sends.
     """
 
     parts: dict[str, PartCost]
@@ -113,6 +115,7 @@ class ModelCosts:
     slots: int = 1 << 30
     ranks_per_host: int = 1
     ranks_per_node: int = 1
+    link_per_rank: bool = False
 
     def collective(self, op: str, group: int, nbytes: float, stride: int = 1) -> float:
         """Seconds of ``op`` ("all_reduce", "all_gather", "all_to_all", "p2p") over ``group``
@@ -151,7 +154,8 @@ class ModelCosts:
         across = [s for s in range(node, self.world, node) if measured(s)]
         if self.link(first, second, replicas) is None or not across:
             return self.collective("p2p", 2, nbytes, replicas)
-        share = min(replicas, node) / node  # of the measurement's pairs on one link
+        # of the measurement's pairs on one link; a link of each rank's own carries its pair alone
+        share = 1.0 if self.link_per_rank else min(replicas, node) / node
         return self.collective("p2p", 2, nbytes * share, across[0])
 
     def link(self, first: int, second: int, replicas: int) -> tuple[int, int] | None:
@@ -237,6 +241,7 @@ class ModelCosts:
                 slots=raw.get("slots", 1 << 30),
                 ranks_per_host=raw.get("ranks_per_host", 1),
                 ranks_per_node=raw.get("ranks_per_node", raw.get("ranks_per_host", 1)),
+                link_per_rank=raw.get("link_per_rank", False),
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{path} is not a costs file written by sparta plan --measure: {exc}") from exc

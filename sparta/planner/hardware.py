@@ -87,16 +87,24 @@ def analytic_costs(hw: Hardware, model: DecoderConfig, moe: MoESpec | None, worl
         return PartCost(_fit(fwd), _fit(2 * fwd), _fit(fwd), saved_per_token, params)
 
     mlp_params = 2 * d * f + f + d
+    # saved per token, in elements, after Korthikanti et al. (2022) without dropout: the
+    # trainer's attention is torch's scaled_dot_product_attention (flash / memory-efficient on
+    # CUDA), which keeps q, k, v, its output and a statistic per head and row, not their s x s
+    # scores (the 5as term); the norm's input and the projections' inputs make up 6.5d with
+    # them. An MLP keeps its norm's and its own input and its hidden layer before and after the
+    # activation: 2d + 2f (their 10.5d at f = 4d)
+    attention_saved = 13 * d / 2 + a
+    mlp_saved = 2 * d + 2 * f
     parts = {
         "embed": part(0.0, 0.0, v * d + s * d),
-        "attention": part(8 * d * d + 4 * s * d, (13 * d + 5 * a * s) / 2 * e, 4 * d * d + 6 * d),
-        "mlp": part(4 * d * f, 21 * d / 2 * e, mlp_params + 2 * d),
+        "attention": part(8 * d * d + 4 * s * d, attention_saved * e, 4 * d * d + 6 * d),
+        "mlp": part(4 * d * f, mlp_saved * e, mlp_params + 2 * d),
         "head": part(2 * d * v, 4 * v + d * e, v * d + 2 * d),
     }
     if moe is not None:
         parts["moe"] = part(
             moe.top_k * 4 * d * f + 2 * d * moe.num_experts,
-            (moe.top_k * 19 * d + 2 * d) / 2 * e,
+            (moe.top_k * mlp_saved + 2 * d + moe.num_experts) * e,  # and the router's input and logits
             moe.num_experts * mlp_params + d * moe.num_experts + 2 * d,
         )
     comm: dict[str, LinearFit] = {}
@@ -113,7 +121,9 @@ def analytic_costs(hw: Hardware, model: DecoderConfig, moe: MoESpec | None, worl
     return ModelCosts(
         parts=parts,
         comm=comm,
-        optimizer=_fit(16 / hw.memory_bw),
+        # fused AdamW in float32 reads the parameter, its gradient and two moments and writes
+        # three back (28 bytes), and the clip reads the gradient once more
+        optimizer=_fit(32 / hw.memory_bw),
         model=model_fingerprint(model, moe),
         hardware={"device": hw.name, "device_type": "cuda", "torch": "analytic (published figures)"},
         world=world,
@@ -121,6 +131,7 @@ def analytic_costs(hw: Hardware, model: DecoderConfig, moe: MoESpec | None, worl
         slots=hw.devices_per_node,
         ranks_per_host=hw.devices_per_node,
         ranks_per_node=hw.devices_per_node,
+        link_per_rank=True,
     )
 
 

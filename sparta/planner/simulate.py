@@ -265,16 +265,23 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
             pieces = 1 if config.data_parallel == "horovod" else ceil(dense * grad / (bucket_mb * 2**20))
         if config.data_parallel == "fsdp" and not streamed:  # gloo: each ran inside the backward
             sync = reduce
+        elif zero_bubble:
+            # the weight passes set .grad by hand (torch's stage_backward_weight): no bucket's
+            # hooks fire, and every bucket goes once the pipeline is done (DataParallel.finish)
+            sync = reduce
         else:  # the last micro-batch's backward hides what its pieces sent before it ended
             sync = _exposed(reduce, sum(s.bwd + s.bwd_comm for s in mine), pieces)
         gathered = 0.0
         if config.data_parallel == "fsdp":
             held = held - dense + dense / dims.dp
-            # FSDP2's units whole, parameters and gradients: under torch's schedules every
-            # unit of the rank from its first gather to the step's reduction (their backward
-            # turns resharding and reducing off but for the last micro-batch), without one
-            # (one stage) the largest unit at a time
-            gathered = 2 * FLOAT_BYTES * (max(units, default=0.0) if len(stages) == 1 else sum(units))
+            # FSDP2's units whole, parameters and gradients: under torch's schedules, and in one
+            # stage over several micro-batches, every unit of the rank from its first gather to
+            # the step's reduction (resharding and reducing are off but for the last
+            # micro-batch); one stage and one micro-batch, the largest unit at a time
+            alone = len(stages) == 1 and config.microbatches == 1
+            gathered = 2 * FLOAT_BYTES * (max(units, default=0.0) if alone else sum(units))
+        elif config.data_parallel == "sparta" and dims.dp > 1:
+            gathered = dense * grad  # each bucket's flat buffer, kept from step to step (grad_buckets.py)
         sync += costs.collective("all_reduce", dims.dp // dims.ep, expert * grad, dims.tp * dims.ep)
         # the clip's norm and the reported loss: one scalar all-reduce over the world each
         opt = costs.optimizer(held) * max(1.0, dims.pp / share)  # every rank steps at once

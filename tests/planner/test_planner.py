@@ -23,6 +23,7 @@ from sparta.planner import (
     Prediction,
     Space,
     Workload,
+    layouts,
     model_fingerprint,
     search,
     simulate,
@@ -198,6 +199,12 @@ def test_collectives_enter_where_the_layout_puts_them() -> None:
     # DDP takes torch's own 25 MiB buckets whatever bucket_mb says: one bucket here
     ddp = Plan(quarter.dims, dataclasses.replace(quarter.config, data_parallel="ddp"))
     assert simulate(c, WORK, ddp).sync_s == pytest.approx(0.25)
+    # under a zero-bubble schedule the weight passes set .grad by hand: no bucket goes during
+    # the backward, and the whole all-reduce shows however small the buckets
+    zb = Plan(ParallelDims(pp=2, dp=2), ParallelConfig(schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=2,
+                                                       split_points=("layers.1", "layers.2", "layers.3"),
+                                                       bucket_mb=quarter_mib))  # fmt: skip
+    assert simulate(c, WORK, zb).sync_s == pytest.approx(0.25)
 
 
 def test_fsdp_gathers_each_unit_where_a_traced_step_does() -> None:
@@ -236,18 +243,21 @@ def test_fsdp_holds_its_units_whole_where_a_schedule_defers_their_reduction() ->
     # 4 layer units of 2000 parameters (two 1000-parameter halves). Under fsdp over dp2 the
     # AdamW state halves (16 bytes a parameter over dp), but torch's schedules keep every
     # unit gathered and its gradient whole until the step's reduction: 8 bytes a parameter
-    # more. Without a schedule (one stage) only the unit at hand is whole
+    # more; so does one stage over several micro-batches. One stage and one micro-batch: only
+    # the unit at hand is whole. "sparta" keeps each bucket's flat buffer: 4 bytes a parameter
     c = costs()
     layers = 4 * 2000
 
-    def peak(strategy: str, pp: int) -> float:
+    def peak(strategy: str, pp: int, microbatches: int = 2) -> float:
         split = ("layers.2",) if pp == 2 else ()
-        config = ParallelConfig(schedule="GPipe", microbatches=2, split_points=split, data_parallel=strategy)
+        config = ParallelConfig(schedule="GPipe", microbatches=microbatches, split_points=split,
+                                data_parallel=strategy)  # fmt: skip
         return simulate(c, WORK, Plan(ParallelDims(pp=pp, dp=2), config)).peak_bytes[0]
 
     per_rank = layers / 2  # pp2: two layers a pipeline rank
-    assert peak("sparta", 2) - peak("fsdp", 2) == pytest.approx(16 * per_rank / 2 - 8 * per_rank)
-    assert peak("sparta", 1) - peak("fsdp", 1) == pytest.approx(16 * layers / 2 - 8 * 2000)
+    assert peak("sparta", 2) - peak("fsdp", 2) == pytest.approx(20 * per_rank - 16 * per_rank / 2 - 8 * per_rank)
+    assert peak("sparta", 1) - peak("fsdp", 1) == pytest.approx(20 * layers - 16 * layers / 2 - 8 * layers)
+    assert peak("sparta", 1, 1) - peak("fsdp", 1, 1) == pytest.approx(20 * layers - 16 * layers / 2 - 8 * 2000)
 
 
 def test_a_parts_fixed_cost_is_not_split_over_tp() -> None:
@@ -535,6 +545,18 @@ def test_bad_input_is_refused_by_name(tmp_path: Path) -> None:
         simulate(c, WORK, plan(2, "1F1B", 2, ("layers.9",)))
 
 
+def test_the_search_chooses_recomputation_itself_and_only_expert_splits_the_trainer_takes() -> None:
+    """A run file's own recompute list is no plan's (it named stages of its own layout); and
+    tp goes only where the trainer can split the experts' hidden units (rows of 16 bytes)."""
+    moe = MoESpec(num_experts=4, top_k=2)
+    result = search(costs(moe=moe), Workload(MODEL, moe, 8), 4, GIB, ParallelConfig(moe=moe, recompute=(0,)))
+    assert result.fits and not [r for r in result.fits if r.plan.config.recompute]
+    odd = dataclasses.replace(MODEL, d_ff=8)  # tp2: 4 units, rows of 16 bytes; tp4: 2 units, 8 bytes
+    tps = {d.tp for d in layouts(4, Workload(odd, moe, 8))}
+    assert tps == {1, 2}, tps
+    assert {d.tp for d in layouts(4, Workload(odd, dataclasses.replace(moe, expert_tp=False), 8))} == {1, 2, 4}
+
+
 def test_plans_the_trainer_will_not_recompute_stay_over_budget_not_rejected() -> None:
     """Over budget, a plan is tried with recomputation; where the trainer refuses that (the
     sigmoid router moves its bias in the forward), the plan is kept as it is, over budget."""
@@ -587,6 +609,14 @@ def test_published_figures_give_costs_by_link_and_a_narrower_space() -> None:
     assert c.collective("all_reduce", 2, 1e6) == pytest.approx(1e-5 + 1e6 / 1e10)
     assert c.collective("all_reduce", 2, 1e6, stride=4) == pytest.approx(1e-5 + 1e6 / 1e9)
     assert c.collective("p2p", 2, 1e6, stride=4) == pytest.approx(1e6 / 1e9)
+    # a pipeline hop across nodes: each GPU's own NIC carries its pair at full rate (measured
+    # links are one a node, shared by its ranks' sends, and scaled so)
+    assert c.hop(1e6, 3, 4, 1) == pytest.approx(1e6 / 1e9)
+    assert dataclasses.replace(c, link_per_rank=False).hop(1e6, 3, 4, 1) == pytest.approx(1e6 / 4 / 1e9)
+    # what a block keeps for backward: no s x s attention scores (the trainer's attention is
+    # SDPA), and the MLP's rows by its own width: 6.5d + heads and 2d + 2 d_ff elements
+    assert c.parts["attention"].saved_bytes_per_token == (13 * 16 / 2 + 4) * hw.element_bytes
+    assert c.parts["mlp"].saved_bytes_per_token == (2 * 16 + 2 * 32) * hw.element_bytes
     assert model_flops_per_step(MODEL, None, 8) == 3 * 8 * 8 * (
         4 * (8 * 16**2 + 4 * 8 * 16 + 4 * 16 * 32) + 2 * 16 * 64
     )
