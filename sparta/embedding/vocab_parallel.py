@@ -26,7 +26,11 @@ from sparta.errors import ConfigError, InputError
 
 
 class _VocabParallelCE(torch.autograd.Function):
-    """logits [T, V_r] (this rank's vocabulary columns), targets [T] -> losses [T]."""
+    """logits [T, V_r] (this rank's vocabulary columns), targets [T] -> losses [T] (float32).
+
+    The softmax statistics are float32 whatever the logits' dtype: a half-precision sum of
+    exponentials over a large vocabulary overflows (fp16: an infinite loss at 131,072 words)
+    or rounds each rank's share before the ranks add them (bf16)."""
 
     @staticmethod
     def forward(
@@ -35,14 +39,16 @@ class _VocabParallelCE(torch.autograd.Function):
     ) -> torch.Tensor:  # fmt: skip
         # agreed: T is the same on every rank, checked by the caller; else each collective checks it
         check, sizes = (False, [logits.shape[0]] * comm.size) if agreed else (None, None)
-        local_max = logits.detach().max(dim=1).values
+        ctx.dtype = logits.dtype
+        logits = logits.detach().float()
+        local_max = logits.max(dim=1).values
         # the Communicator reduces by sum only: gather the [world, T] maxima and take the max
         top = torch.stack(comm.all_gather(local_max, sizes=sizes, check=check)).max(dim=0).values  # type: ignore[arg-type]
-        exp = (logits.detach() - top.unsqueeze(1)).exp()
+        exp = (logits - top.unsqueeze(1)).exp()
         local = targets - start
         mine = (local >= 0) & (local < logits.shape[1])
         safe = local.clamp(0, logits.shape[1] - 1)
-        target_logit = torch.where(mine, logits.detach().gather(1, safe.unsqueeze(1)).squeeze(1) - top, 0.0)
+        target_logit = torch.where(mine, logits.gather(1, safe.unsqueeze(1)).squeeze(1) - top, 0.0)
         stats = comm.all_reduce(torch.stack([exp.sum(dim=1), target_logit], dim=1), check=check)
         assert isinstance(stats, torch.Tensor)
         sum_exp, target_logit = stats.unbind(1)
@@ -53,11 +59,12 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
         softmax, safe, mine = ctx.saved_tensors
+        grad = grad.float()
         if ctx.sum_grads:  # each rank's loss covers its own tokens: every rank needs all of them
             grad = ctx.comm.all_reduce(grad.contiguous(), check=ctx.check)
         out = softmax * grad.unsqueeze(1)
         out.scatter_add_(1, safe.unsqueeze(1), -(grad * mine).unsqueeze(1))
-        return out, None, None, None, None, None
+        return out.to(ctx.dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(

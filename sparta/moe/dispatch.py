@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -52,8 +53,10 @@ class Dispatched(DispatchPlan):
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Pairs an expert may take: ``ceil(capacity_factor * num_tokens * top_k / num_experts)``."""
-    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+    """Pairs an expert may take: ``ceil(capacity_factor * num_tokens * top_k / num_experts)``,
+    in exact arithmetic on the factor as written (1.1 x 100 x 2 / 4 is 55, where floats give
+    55.00000000000001 and a ceiling of 56)."""
+    return math.ceil(Fraction(str(capacity_factor)) * num_tokens * top_k / num_experts)
 
 
 def plan_dispatch(

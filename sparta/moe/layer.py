@@ -59,13 +59,13 @@ class _AuxLossInBackward(torch.autograd.Function):
     custom Function could not be modified in place by the caller (``y += x``)."""
 
     @staticmethod
-    def forward(ctx: Any, carrier: Tensor, aux_loss: Tensor) -> Tensor:
-        ctx.aux_dtype, ctx.aux_device = aux_loss.dtype, aux_loss.device
+    def forward(ctx: Any, carrier: Tensor, aux_loss: Tensor, scale: float) -> Tensor:
+        ctx.aux_dtype, ctx.aux_device, ctx.scale = aux_loss.dtype, aux_loss.device, scale
         return carrier.view_as(carrier)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
-        return grad, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=ctx.aux_device), None
 
 
 class MoELayer(nn.Module):
@@ -75,7 +75,9 @@ class MoELayer(nn.Module):
     name (``MoELayer(512, 1024, 8, top_k=2, router="topk")``); see ``MoEConfig`` for every
     option. Each token goes to experts chosen by the router; their outputs are summed with
     the routing weights. In training, backward also applies ``aux_loss_coef * aux_loss +
-    z_loss_coef * z_loss`` to the router: do not add them to your loss. After each forward,
+    z_loss_coef * z_loss`` to the router: do not add them to your loss (a loss back-propagated
+    scaled, by a GradScaler or 1 / N over N accumulated backwards: set ``aux_loss_scale`` to
+    that scale, so the aux loss keeps its weight beside it). After each forward,
     ``aux_loss`` holds that weighted sum (detached, float32) and ``last_stats`` the
     per-expert counts (``MoEStats``, read from the device when first asked for).
 
@@ -147,6 +149,10 @@ class MoELayer(nn.Module):
         self.name = name
         self.tp: Communicator | None = None  # the group the experts' hidden units split over (split_experts)
         self.aux_loss: Tensor = torch.zeros(())
+        # the gradient the aux and z losses enter backward with: 1, as if added to a loss
+        # back-propagated as it is. Set it to the scale your loss is back-propagated with
+        # (a GradScaler's scale, 1 / N when N backwards accumulate) to keep their weight
+        self.aux_loss_scale = 1.0
         self._stats: Tensor | None = None
         self._counts_checked = False  # the counts exchange's layout, proven at the first forward
         self._stats_checked = False  # and the counts summed over stats_comm
@@ -293,7 +299,7 @@ class MoELayer(nn.Module):
         ``aux_loss`` keeps ``total`` detached."""
         self.aux_loss = total.detach()
         if self.training and total.requires_grad and carrier.requires_grad:
-            return _AuxLossInBackward.apply(carrier, total)
+            return _AuxLossInBackward.apply(carrier, total, self.aux_loss_scale)
         return carrier
 
     def record_counts(self, local: Tensor, summed: Tensor | None = None) -> None:

@@ -15,9 +15,11 @@ exact GELU to ``gelu``; every tanh approximation of GELU (GPT-2's ``gelu_new``,
 MLP, a norm inside the MLP, ...) has no exact expert form, and upcycling it raises.
 
 Upcycling copies the dense weights, and biases, into every expert (an MLP with biases gets
-experts with biases, ``expert_bias=True``). The top-k router's weights sum to 1 per token, so
-an MLP upcycled under ``router="topk"`` (dropless) computes exactly what it did (dropout
-inside the MLP is not carried over: equal in eval mode).
+experts with biases, ``expert_bias=True``). The top-k router's weights sum to 1 per token at
+top_k >= 2, so an MLP upcycled under ``router="topk"`` (dropless) computes exactly what it
+did (dropout inside the MLP is not carried over: equal in eval mode). At top_k = 1 (and
+under ``switch``) a token's one weight is its expert's probability, so the upcycled layer
+starts out scaling the MLP's output by it; moeify warns.
 """
 
 from __future__ import annotations
@@ -260,6 +262,14 @@ def moeify(
         moe = MoELayer(dense.d_model, dense.d_ff, num_experts, top_k, comm=comm, name=path, **options)
         moe.to(device=dense.w1.device, dtype=dense.w1.dtype)
         if upcycle:
+            if top_k == 1 and moe.config.router in ("topk", "switch"):
+                log.warning(
+                    "moeify: %s upcycled at top_k=1: each token's weight is its expert's probability (about "
+                    "1 / %d at first), not 1, so the layer no longer computes what the MLP did; use top_k >= 2 "
+                    "for an exact start",
+                    path,
+                    num_experts,
+                )
             if dense.has_bias and not options["expert_bias"]:
                 log.warning("moeify: %s has biases but expert_bias=False, so they are not upcycled", path)
             with torch.no_grad():

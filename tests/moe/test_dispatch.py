@@ -39,6 +39,8 @@ def test_capacity_keeps_highest_weights_and_counts_drops() -> None:
 
 def test_expert_capacity_rounds_up() -> None:
     assert expert_capacity(num_tokens=10, top_k=2, num_experts=8, capacity_factor=1.25) == 4
+    # exact where the product is whole: 1.1 * 100 * 2 / 4 is 55 (in floats 55.00000000000001)
+    assert expert_capacity(num_tokens=100, top_k=2, num_experts=4, capacity_factor=1.1) == 55
     assert expert_capacity(num_tokens=16, top_k=1, num_experts=4, capacity_factor=1.0) == 4
 
 

@@ -77,6 +77,19 @@ def test_aux_loss_not_applied_in_eval_or_with_zero_coefficients() -> None:
     assert torch.equal(_gate_grad(layer, x), torch.zeros(4, 8))
 
 
+def test_aux_loss_follows_the_scale_the_loss_is_back_propagated_with() -> None:
+    """A loss scaled by s (GradScaler, accumulation over 1/s) scales every gradient by s,
+    the aux loss's too once aux_loss_scale says s: balancing keeps its weight."""
+    x = torch.randn(32, 8)
+    layer = MoELayer(8, 16, 4, aux_loss_coef=0.1).train()
+    scaled = copy.deepcopy(layer)
+    scaled.aux_loss_scale = 1000.0
+    layer(x).sum().backward()
+    (1000.0 * scaled(x).sum()).backward()
+    for (name, p), q in zip(layer.named_parameters(), scaled.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, 1000.0 * p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_output_can_be_modified_in_place() -> None:
     """A residual written into the output in place trains as the out-of-place sum does."""
     layer = MoELayer(8, 16, 4).train()

@@ -146,6 +146,12 @@ def test_gpt2_biases_are_upcycled_unless_turned_off(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.WARNING, logger="sparta.moe"):
         moeify(gpt2(), num_experts=2, top_k=1, router="switch", expert_bias=False)
     assert "transformer.h.0.mlp has biases but expert_bias=False" in caplog.text
+    # one expert a token: its weight is the probability, so the start is no longer exact, and said
+    assert "upcycled at top_k=1: each token's weight is its expert's probability" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sparta.moe"):
+        moeify(gpt2(), num_experts=2, top_k=2)
+    assert "top_k=1" not in caplog.text
 
 
 def test_no_upcycle_keeps_fresh_experts_and_options_reach_the_layer() -> None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+from sparta.moe.dispatch import expert_capacity
 from sparta.moe.routers.base import LinearRouter, RouterOutput, router_z_loss
 
 
@@ -26,8 +25,7 @@ class ExpertChoiceRouter(LinearRouter):
 
     def capacity(self, num_tokens: int) -> int:
         """Tokens each expert picks from a batch of ``num_tokens``."""
-        fair_share = num_tokens * self.top_k / self.num_experts
-        return min(num_tokens, math.ceil(self.capacity_factor * fair_share))
+        return min(num_tokens, expert_capacity(num_tokens, self.top_k, self.num_experts, self.capacity_factor))
 
     def forward(self, x: Tensor) -> RouterOutput:
         logits = self.logits(x)

@@ -26,7 +26,9 @@ class SigmoidRouter(LinearRouter):
     ``aux_loss`` is still computed (the balance formula with scores normalised per token as
     ``P``) for DeepSeek-V3's small complementary loss; set ``aux_loss_coef=0`` to rely on
     the bias alone. Under data parallelism the bias must see the same load on every
-    replica: report a load summed over replicas, or synchronise the buffer.
+    replica: report a load summed over replicas, or synchronise the buffer. Not under
+    activation recomputation: a recomputed forward would route with the bias its first
+    forward already moved, and move it again (the trainer refuses recompute with it).
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, bias_update_rate: float = 1e-3) -> None:
