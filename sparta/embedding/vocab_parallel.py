@@ -68,17 +68,28 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, comm: Communicator
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, comm: Communicator, ignore_index: int = -100
 ) -> torch.Tensor:
     """Per-token cross-entropy over a vocabulary split by columns across `comm`.
 
     logits: [T, V_r], this rank's columns `vocab_start .. vocab_start + V_r` of the full
     `[T, vocab]` logits; targets: [T] full-vocabulary ids, the same T tokens on every rank.
-    Returns [T] losses, equal to `F.cross_entropy(full_logits, targets, reduction="none")`
-    on every rank; the gradient reaches each rank's slice of the logits. Two small
-    collectives forward (an all-gather of [T] maxima, an all-reduce of [T, 2]), none back.
+    Returns [T] float32 losses, equal to `F.cross_entropy(full_logits, targets,
+    reduction="none", ignore_index=ignore_index)` on every rank: 0 where a target is
+    ``ignore_index`` (padding), with no gradient there. The gradient reaches each rank's
+    slice of the logits. Two small collectives forward (an all-gather of [T] maxima, an
+    all-reduce of [T, 2]), none back.
     """
-    return _VocabParallelCE.apply(logits, targets.long(), int(vocab_start), comm, False, False)
+    return _masked_losses(logits, targets.long(), int(vocab_start), comm, False, False, ignore_index)
+
+
+def _masked_losses(
+    logits: torch.Tensor, targets: torch.Tensor, start: int, comm: Communicator, sum_grads: bool, agreed: bool,
+    ignore_index: int,
+) -> torch.Tensor:  # fmt: skip
+    kept = targets != ignore_index
+    losses = _VocabParallelCE.apply(logits, torch.where(kept, targets, 0), start, comm, sum_grads, agreed)
+    return losses * kept  # an ignored target's loss, and its gradient, 0
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -125,6 +136,8 @@ class VocabParallelHead(nn.Module):
     gather_tokens: True when each rank has its own tokens (data parallel); False when the
         tokens are the same on every rank of `comm` (tensor parallel), which skips the
         gather and keeps the loss's gradient as is.
+    ignore_index: a target of this value (padding) adds no loss and no gradient, and the
+        mean is over the other tokens, as `F.cross_entropy`'s; NaN where all are ignored.
     """
 
     def __init__(
@@ -134,9 +147,10 @@ class VocabParallelHead(nn.Module):
         comm: Communicator,
         tie: SparseEmbedding | None = None,
         gather_tokens: bool = True,
+        ignore_index: int = -100,
     ) -> None:
         super().__init__()
-        self.comm, self.gather_tokens = comm, gather_tokens
+        self.comm, self.gather_tokens, self.ignore_index = comm, gather_tokens, ignore_index
         if tie is not None:
             if tie.sharding != "row" or tie.comm is not comm or tie.weight.shape[1] != in_features:
                 raise ConfigError(
@@ -158,7 +172,8 @@ class VocabParallelHead(nn.Module):
         """hidden [*, d], targets [*] -> scalar mean loss over this rank's tokens."""
         x = hidden.reshape(-1, hidden.shape[-1])
         name = f"VocabParallelHead({x.shape[-1]}, {self.layout.num_embeddings}) targets"
-        error = inspect_ids(targets, self.layout.num_embeddings, name)
+        ids = torch.where(targets == self.ignore_index, 0, targets) if isinstance(targets, torch.Tensor) else targets
+        error = inspect_ids(ids, self.layout.num_embeddings, name)
         if error is None and hidden.shape[:-1] != targets.shape:
             error = InputError(
                 f"{name} got hidden states of {hidden.shape[:-1].numel()} tokens but {targets.numel()} targets; "
@@ -178,8 +193,11 @@ class VocabParallelHead(nn.Module):
             weight = _ScaleGrad.apply(weight, 1.0 / self.comm.size)
         start = self.layout.row_range(self.comm.rank)[0]
         # the token counts are agreed (gather_with_verdict): the loss's collectives move data only
-        losses = _VocabParallelCE.apply(x @ weight.t(), t, start, self.comm, self.gather_tokens, True)
+        logits = x @ weight.t()
+        losses = _masked_losses(logits, t.long(), start, self.comm, self.gather_tokens, True, self.ignore_index)
+        kept = t != self.ignore_index
         if self.gather_tokens:
             first = sum(counts[: self.comm.rank])
             losses = losses[first : first + counts[self.comm.rank]]
-        return losses.mean()
+            kept = kept[first : first + counts[self.comm.rank]]
+        return losses.sum() / kept.sum()

@@ -25,3 +25,32 @@ def test_half_precision_logits_over_a_large_vocabulary(dtype: torch.dtype) -> No
     assert losses.dtype == torch.float32 and logits.grad is not None and logits.grad.dtype == dtype
     torch.testing.assert_close(losses, F.cross_entropy(full.detach(), targets, reduction="none"), atol=1e-5, rtol=0)
     torch.testing.assert_close(logits.grad.float(), full.grad, atol=1e-5, rtol=0)
+
+
+def test_padding_targets_are_ignored_as_cross_entropy_ignores_them() -> None:
+    """Targets of ignore_index (-100, the usual padding label) add no loss and no gradient,
+    and the head's mean is over the other tokens, as F.cross_entropy's."""
+    from sparta.embedding import VocabParallelHead
+
+    world = sparta.init(backend="torch")
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 5, 8, generator=gen)
+    targets = torch.randint(0, 40, (2, 5), generator=gen)
+    targets[0, :2] = -100
+    head = VocabParallelHead(8, 40, world.comm)
+    weight = head.weight.detach().clone().requires_grad_()
+    h, ref_h = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    loss = head(h, targets)
+    loss.backward()
+    want = F.cross_entropy((ref_h @ weight.t()).flatten(0, 1), targets.flatten())
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(h.grad, ref_h.grad)
+    torch.testing.assert_close(head.weight.grad, weight.grad)
+    assert not h.grad[0, :2].any()  # the padded tokens: no gradient
+    logits = torch.randn(6, 40, generator=gen, requires_grad=True)
+    ids = torch.tensor([3, -100, 7, -100, 0, 39])
+    losses = vocab_parallel_cross_entropy(logits, ids, 0, world.comm)
+    torch.testing.assert_close(losses, F.cross_entropy(logits.detach(), ids, reduction="none"))
+    losses.sum().backward()
+    assert not logits.grad[[1, 3]].any()
