@@ -221,7 +221,9 @@ def search(
     rejected: Counter[str] = Counter()
     blocks = _searched_blocks(base, space, exchange_hides(costs))
     beside = embedding_tables(costs, work.model)[1] > 0  # a table the embedding stages leave (positions)
-    for dims in layouts(world, work, space.max_tp):
+    # without tensor_parallel a tp group would replicate the blocks, which the simulator prices
+    # split: such layouts are left out
+    for dims in layouts(world, work, space.max_tp if base.tensor_parallel else 1):
         per_dp = work.global_batch // dims.dp if work.global_batch % dims.dp == 0 else 0
         if not per_dp:
             rejected[f"global_batch={work.global_batch} does not divide over dp"] += 1

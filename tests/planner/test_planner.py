@@ -552,6 +552,8 @@ def test_the_search_chooses_recomputation_itself_and_only_expert_splits_the_trai
     moe = MoESpec(num_experts=4, top_k=2)
     result = search(costs(moe=moe), Workload(MODEL, moe, 8), 4, GIB, ParallelConfig(moe=moe, recompute=(0,)))
     assert result.fits and not [r for r in result.fits if r.plan.config.recompute]
+    plain = search(costs(moe=moe), Workload(MODEL, moe, 8), 4, GIB, ParallelConfig(moe=moe, tensor_parallel=False))
+    assert plain.fits and {r.plan.dims.tp for r in plain.fits} == {1}  # no tp plan: nothing would split
     odd = dataclasses.replace(MODEL, d_ff=8)  # tp2: 4 units, rows of 16 bytes; tp4: 2 units, 8 bytes
     tps = {d.tp for d in layouts(4, Workload(odd, moe, 8))}
     assert tps == {1, 2}, tps
