@@ -60,6 +60,7 @@ def stage_cost(
     # [fwd, bwd, bwd_input, saved, zb_bwd] of the stage's blocks and of its extras
     # (embedding, head), and the collectives' seconds inside fwd, bwd and bwd_input
     blocks, extras, comms = [0.0] * 5, [0.0] * 5, [0.0] * 3
+    outside_blocks = 0.0  # forward collectives of the stage that are not its blocks' (not recomputed)
     largest_block = dense = expert = sharded = 0.0
     grid = ep_grid_of(dims, costs)  # the ep groups over the nodes, for two-level exchanges
     units: list[tuple[float, bool]] = []
@@ -121,6 +122,7 @@ def stage_cost(
             forward, backward = sparse_rows_exchange(costs, cfg, dims, tokens, held)
             comms[0] += forward
             comms[1] += backward
+            outside_blocks += forward
         else:
             dense += sum(held)
             # the token table a unit of its own, the position table left to the stage
@@ -242,8 +244,10 @@ def stage_cost(
         for i in (1, 2, 4):
             blocks[i] += blocks[0]
         blocks[3], transient = len(layers) * act, largest_block
-        comms[1] += comms[0]  # the forward's collectives run again too
-        comms[2] += comms[0]
+        # the blocks' forward collectives run again too (recompute_layers wraps the blocks
+        # alone: the embedding's row exchange does not)
+        comms[1] += comms[0] - outside_blocks
+        comms[2] += comms[0] - outside_blocks
     fwd, bwd, bwd_input, saved, zb_bwd = (b + e for b, e in zip(blocks, extras, strict=True))
     held = tuple((float(n), again) for n, again in units if n > 0)  # a module without parameters is no unit
     params = dense + expert + sharded

@@ -336,6 +336,10 @@ def test_sparse_tables_are_held_in_shards_and_exchange_their_rows() -> None:
     assert sparse.fwd_comm - dense.fwd_comm == pytest.approx(2 * 3 * 0.25)
     assert sparse.bwd_comm - dense.bwd_comm == pytest.approx(2 * 0.25)
     assert sum(n for n, _ in dense.units) - sum(n for n, _ in first("sparse", "fsdp").units) == tables
+    # recomputation runs the blocks' forward again, not the embedding's row exchange
+    again = ParallelConfig(split_points=("layers.2",), embedding="sparse", recompute=(0,))
+    recomputed = stage_cost(c, WORK, Plan(ParallelDims(pp=2, dp=2), again), 0, [0, 1], 32.0)
+    assert recomputed.bwd_comm == pytest.approx(sparse.bwd_comm) and recomputed.fwd_comm == sparse.fwd_comm
     # a rank's memory: the shards' 16 bytes a row parameter once (fsdp divides them no second
     # time); the dense tables' half more replicated, and 4 bytes in sparta's bucket buffers
     # (the shards stay out of them), or under fsdp gathered whole with gradients
