@@ -73,7 +73,7 @@ def replay(
         "F": lambda st: (st.fwd, st.fwd_comm),
         "B": lambda st: (st.bwd, st.bwd_comm),
         "I": lambda st: (st.bwd_input, st.bwd_input_comm),
-        "W": lambda st: (max(st.zb_bwd - st.bwd_input, 0.0), 0.0),
+        "W": lambda st: (max(st.zb_bwd - st.bwd_input, 0.0), st.weight_comm),
     }
 
     def inputs(stage: int, kind: str, mb: int) -> list[tuple[int, str, int]]:

@@ -48,6 +48,9 @@ class StageCost:
     # FSDP2's units under "fsdp" (dp_rules.fsdp_units): each one's parameters on this
     # rank before dp shards them, and whether it reshards after forward (the head does not)
     units: tuple[tuple[float, bool], ...] = ()
+    # zero-bubble schedules only: collective seconds inside the weight pass W (the sparse
+    # tables' row gradients, which the embedding's own backward sends)
+    weight_comm: float = 0.0
 
 
 def stage_cost(
@@ -61,6 +64,7 @@ def stage_cost(
     # (embedding, head), and the collectives' seconds inside fwd, bwd and bwd_input
     blocks, extras, comms = [0.0] * 5, [0.0] * 5, [0.0] * 3
     outside_blocks = 0.0  # forward collectives of the stage that are not its blocks' (not recomputed)
+    weight_comm = 0.0
     largest_block = dense = expert = sharded = 0.0
     grid = ep_grid_of(dims, costs)  # the ep groups over the nodes, for two-level exchanges
     units: list[tuple[float, bool]] = []
@@ -123,6 +127,7 @@ def stage_cost(
             comms[0] += forward
             comms[1] += backward
             outside_blocks += forward
+            weight_comm += backward
         else:
             dense += sum(held)
             # the token table a unit of its own, the position table left to the stage
@@ -251,7 +256,7 @@ def stage_cost(
     fwd, bwd, bwd_input, saved, zb_bwd = (b + e for b, e in zip(blocks, extras, strict=True))
     held = tuple((float(n), again) for n, again in units if n > 0)  # a module without parameters is no unit
     params = dense + expert + sharded
-    return StageCost(fwd, bwd, bwd_input, zb_bwd, *comms, saved, transient, params, dense, expert, held)
+    return StageCost(fwd, bwd, bwd_input, zb_bwd, *comms, saved, transient, params, dense, expert, held, weight_comm)
 
 
 def block_candidates(plan: Plan, sequences: float, grid: EpGrid | None) -> Sequence[tuple[int, bool]]:

@@ -335,6 +335,9 @@ def test_sparse_tables_are_held_in_shards_and_exchange_their_rows() -> None:
     assert sparse.params == sparse.dense_params + tables / 2 and sparse.expert_params == 0
     assert sparse.fwd_comm - dense.fwd_comm == pytest.approx(2 * 3 * 0.25)
     assert sparse.bwd_comm - dense.bwd_comm == pytest.approx(2 * 0.25)
+    # under zero-bubble schedules the rows' gradients go in the weight pass W, the embedding's
+    # own backward (replay.py prices W with it)
+    assert sparse.weight_comm == pytest.approx(2 * 0.25) and dense.weight_comm == 0
     assert sum(n for n, _ in dense.units) - sum(n for n, _ in first("sparse", "fsdp").units) == tables
     # recomputation runs the blocks' forward again, not the embedding's row exchange
     again = ParallelConfig(split_points=("layers.2",), embedding="sparse", recompute=(0,))
