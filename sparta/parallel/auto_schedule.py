@@ -144,7 +144,7 @@ class AutoSchedule:
 def _tune_overlap(
     block: Block, sample: Tensor, trials: int, dedup: HierarchicalAllToAll | None
 ) -> tuple[tuple[int, bool], dict[tuple[int, bool], float]]:
-    """The micro-batches (1, 2 or 4, at most the sample's sequences), and whether its
+    """The micro-batches (1, 2 or 4, at most the fewest sequences a rank's sample holds), and whether its
     tokens go through ``dedup`` (where given), that run ``block``'s forward and backward on
     ``sample`` fastest, timed round robin after one warm-up each, agreed over its MoE
     layer's group (slowest rank); (1, False), the block as it was, unless another is 3 %
@@ -152,7 +152,10 @@ def _tune_overlap(
     router's state and the RNG as they were. Collective over the layer's ``comm``."""
     layer = block.mlp
     assert isinstance(layer, MoELayer) and layer.comm is not None
-    counts = [m for m in BLOCK_MICROBATCHES if m <= sample.shape[0]]
+    # the fewest sequences any rank of the group recorded: ranks may hold batches of other
+    # shapes (documents), and every rank must try the same candidates in the same order
+    rows = min(int(t) for t in layer.comm.all_gather(torch.tensor([sample.shape[0]]), sizes=[1] * layer.comm.size))
+    counts = [m for m in BLOCK_MICROBATCHES if m <= rows]
     candidates = [(m, False) for m in counts] + [(m, True) for m in counts if dedup is not None]
     tuner = OnlineTuner(layer.comm, candidates, trials=trials, baseline=(1, False), margin=0.03, warmup=1)
     params = [p for p in block.parameters() if p.requires_grad]

@@ -443,6 +443,23 @@ def check_overlapped_block_equals_the_plain_block(world: World) -> None:
             overlapped_moe_block(layer, torch.randn(4, SEQ, D_MODEL), 2, lambda t: (t, t), [])
 
 
+def check_block_tuning_agrees_on_candidates_when_ranks_hold_other_shapes(world: World) -> None:
+    """The block tuner (pipeline_degree="auto") tries micro-batch counts up to the fewest
+    sequences any rank of the group recorded: under documents the ranks' batches differ (4
+    sequences on rank 0, 1 elsewhere), and a rank trying 2 and 4 micro-batches where another
+    tries 1 would pair their exchanges wrongly."""
+    from sparta.parallel.auto_schedule import _tune_overlap
+    from sparta.parallel.decoder import Block, DecoderConfig
+
+    cfg = DecoderConfig(vocab_size=32, seq_len=SEQ, d_model=D_MODEL, n_layers=1, n_heads=2, d_ff=D_FF)
+    torch.manual_seed(0)
+    block = Block(cfg)
+    block.mlp = MoELayer(D_MODEL, D_FF, EXPERTS, ep_size=world.size, comm=world.comm)
+    sample = torch.randn(4 if world.rank == 0 else 1, SEQ, D_MODEL)
+    chosen, seconds = _tune_overlap(block, sample, trials=1, dedup=None)
+    assert chosen == (1, False) and sorted(seconds) == [(1, False)], (chosen, seconds)
+
+
 CHECKS = [
     check_every_router_sharded_over_all_ranks,
     check_every_router_with_expert_data_parallel_groups,
@@ -453,6 +470,7 @@ CHECKS = [
     check_gradients_equal_one_process_on_the_global_batch,
     check_expert_tensor_parallel_equals_whole_experts,
     check_bad_input_on_one_rank_raises_on_every_rank,
+    check_block_tuning_agrees_on_candidates_when_ranks_hold_other_shapes,
 ]
 
 
