@@ -61,7 +61,10 @@ def partition_gradients(
     for i, gap in enumerate(gaps_s):
         if left == 0:
             break
-        fits = left if all_reduce.beta == 0 else int((gap - all_reduce.alpha) / all_reduce.beta)
+        if all_reduce.beta == 0:  # a flat fit (LinearFit.fit clamps a negative slope): any size or none
+            fits = left if gap >= all_reduce.alpha else 0
+        else:
+            fits = int((gap - all_reduce.alpha) / all_reduce.beta)
         n = min(left, fits) // element_bytes * element_bytes
         if n >= min(min_bytes, left) and n > 0:
             pieces.append(n)

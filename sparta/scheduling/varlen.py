@@ -94,7 +94,8 @@ class LengthCost:
     @classmethod
     def fit(cls, shapes: Sequence[tuple[int, int]], seconds: Sequence[float]) -> LengthCost:
         """Least squares over measured (rows, length) -> seconds; a negative coefficient is
-        dropped and the rest refitted (a cost never falls as a shape grows)."""
+        dropped and the rest refitted (a cost never falls as a shape grows). Shapes of one
+        length alone cannot tell the quadratic term from the linear one: then it is 0."""
         if len(shapes) != len(seconds) or len({r * n for r, n in shapes}) < 3:
             raise InputError(
                 f"LengthCost.fit needs one time per shape and three or more token counts, got {len(shapes)} "
@@ -105,7 +106,7 @@ class LengthCost:
             [float(r * n) for r, n in shapes],
             [float(r * n * n) for r, n in shapes],
         ]
-        keep = [0, 1, 2]
+        keep = [0, 1, 2] if len({n for _, n in shapes}) > 1 else [0, 1]
         t = torch.tensor([float(s) for s in seconds], dtype=torch.float64)
         while True:
             a = torch.tensor([columns[k] for k in keep], dtype=torch.float64).T
@@ -193,7 +194,10 @@ def pack_batches(lengths: Sequence[int], row_length: int, max_tokens: int) -> li
 def dynamic_batches(lengths: Sequence[int], cost: LengthCost, max_tokens: int, stages: int = 1) -> list[MicroBatch]:
     """DynaPipe's grouping: the samples sorted by length, cut into contiguous groups padded
     to their longest sample, each at most ``max_tokens`` tokens, minimising
-    `pipeline_seconds` over ``stages``. Groups come shortest first."""
+    `pipeline_seconds` over ``stages``. Groups come shortest first. With one stage the
+    programme is exact; with several, the bound on the largest group's cost is tried at
+    ``BOUND_CANDIDATES`` quantiles, not at every cost, so the grouping may miss the optimum
+    by a little (a review's 300 random cases of 20-60 samples: 19 worse, by 0.58 % at most)."""
     lengths = _check_lengths(lengths)
     if stages < 1:
         raise InputError(f"stages={stages} must be >= 1")

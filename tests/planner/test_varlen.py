@@ -140,6 +140,10 @@ def test_length_cost_fit_flops_and_measured_parts() -> None:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
     # a cost that does not grow with the square of the length drops that term instead of going negative
     flat = LengthCost.fit(shapes, [0.001 + 1e-5 * r * n - 1e-9 * r * n * n for r, n in shapes])
+    # one length alone cannot split the linear term from the quadratic one: no quadratic term
+    one_length = [(r, 128) for r in (1, 2, 4, 8)]
+    linear_only = LengthCost.fit(one_length, [0.01 + 1e-5 * r * n for r, n in one_length])
+    assert linear_only.per_token_len == 0 and linear_only(1, 1024) == pytest.approx(0.01 + 1e-5 * 1024)
     assert flat.per_token_len == 0 and flat.per_token > 0
     # from the planner's parts: each block's attention + mlp 0.5 s fwd + 1 s bwd per 16 tokens
     linear = length_cost(costs(), Workload(MODEL, None, 8))

@@ -42,6 +42,11 @@ def test_pieces_fill_gaps_that_fit_and_the_rest_is_exposed() -> None:
         partition_gradients(6, [1.0], AR, element_bytes=4)
     with pytest.raises(ConfigError, match="gaps_s"):
         partition_gradients(1, [-1.0], AR)
+    # a flat fit (a noisy one's negative slope clamped to 0): a gap shorter than the call holds none
+    flat = LinearFit(1e-3, 0.0, 0.0, ())
+    short = partition_gradients(10_000_000, [1e-6, 1e-6], flat, element_bytes=4)
+    assert short.gaps == (-1,) and short.exposed_s == pytest.approx(1e-3)
+    assert partition_gradients(10_000_000, [2e-3], flat, element_bytes=4).gaps == (0,)
 
 
 def test_gaps_of_a_planned_backward() -> None:
