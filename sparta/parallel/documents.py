@@ -14,7 +14,8 @@ of one:
   seeded by ``(seed, p)``. `bucketed_steps` cuts it, sorted by length, into steps: each one
   `ParallelModel.step` call of ``microbatches`` micro-batches of one shape, padded to the
   smallest of ``parallel.lengths`` that holds its longest piece, at most ``max_tokens =
-  global_batch / (dp * microbatches) * seq_len`` tokens a micro-batch (the windows' size),
+  global_batch / (dp * microbatches) * L`` tokens a micro-batch (the windows' size, padded:
+  L is the smallest length that holds ``seq_len``),
   minimising the predicted time over the ``pp`` stages on the model's FLOPs
   (`LengthCost.of_flops`). The pool's steps are shuffled (its generator), and the pools'
   steps in order make one sequence: optimizer step ``t`` runs entry ``t * dp + d`` on dp rank
@@ -89,14 +90,18 @@ class DocumentBatches:
                     f"the {name} split has {len(s)} document pieces, fewer than train.global_batch={global_batch}: "
                     "raise data.corpus_mb (or data.random_tokens) or lower train.global_batch"
                 )
+        # a whole piece (seq_len tokens) pads to the smallest bucket that holds it; longer
+        # buckets hold nothing, and the budget is a window batch's once padded to that bucket
+        # (at seq_len alone, a bucket past seq_len held no row when a micro-batch is one row)
+        longest = min(b for b in buckets if b >= seq_len)
         self.buckets, self.global_batch, self.dp, self.microbatches, self.stages = (
-            buckets,
+            tuple(b for b in buckets if b <= longest),
             global_batch,
             dp,
             microbatches,
             stages,
         )
-        self.max_tokens = global_batch // (dp * microbatches) * seq_len
+        self.max_tokens = global_batch // (dp * microbatches) * longest
         self.cost = cost
         # the sequence of steps so far: (pieces [n] as indices into the training split, micro-batches)
         self._steps: list[tuple[Tensor, list[MicroBatch]]] = []

@@ -55,6 +55,18 @@ def test_steps_are_buckets_of_whole_pieces_and_the_same_for_a_seed() -> None:
         batches.train_batch(0, 16, 0, 1)
 
 
+def test_a_micro_batch_of_one_row_takes_a_bucket_past_seq_len() -> None:
+    """One row a micro-batch (global_batch = dp x microbatches) and no bucket at seq_len: a
+    whole piece pads to the next bucket, which the budget must hold (it had been seq_len
+    tokens, less than one such row, and every step raised)."""
+    tokens = random_tokens(30_000, 64, seed=3)
+    batches = DocumentBatches(tokens, 16, 1, (8, 24, 32), 4, 2, 2, 1, LengthCost.of_flops(10_000, 2, 32))
+    assert batches.buckets == (8, 24) and batches.max_tokens == 24
+    for step in range(4):
+        ids, _ = batches.train_batch(step, 4, 0, 2)
+        assert ids.shape[0] == 2 and ids.shape[1] in (8, 24), ids.shape
+
+
 def test_runs_on_documents_are_refused_without_lengths_that_hold_seq_len() -> None:
     model = DecoderConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=32)
     data = DataConfig(source="random", samples="documents")
