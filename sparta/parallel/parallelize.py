@@ -60,6 +60,7 @@ from sparta.parallel.pipeline import (
     split_by_points,
     stage_ids,
     stage_module,
+    tied_across_parts,
 )
 from sparta.parallel.vocab_stages import (
     HeadStage,
@@ -198,6 +199,13 @@ def parallelize(
     config.check(dims, len(parts.layers), layout.world.backend)
     apart = _apart(model, parts, config, dims.pp, dims.tp)  # checks the head / table where they split
     stages = plan_stages(model, body, config.split_points, None, apart)  # validates split points / stage count
+    tie = tied_across_parts(model, parts) if num_stages > 1 else None
+    if tie is not None:
+        raise ConfigError(
+            f"{tie[1]} is {tie[0]} (a tied weight), but {num_stages} pipeline stages each hold a copy of their own "
+            "parts, so the tie would come apart and the two train apart: untie it (e.g. "
+            "`model.output.weight = nn.Parameter(model.output.weight.detach().clone())`), or run one stage"
+        )
     if config.split_points is None and body > 1:
         if sample is None:
             raise ConfigError(

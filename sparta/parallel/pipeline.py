@@ -173,10 +173,27 @@ class ModelParts:
             )
         names = list(children)
         at = names.index("layers")
-        shared = tuple(n for n in names if n != "layers" and not any(True for _ in children[n].parameters()))
+        # parameter-free children before the layers (rotary tables, dropout) run on every
+        # stage; after the layers everything is the last stage's (a final norm without
+        # weights included, which every stage would otherwise apply)
+        shared = tuple(n for n in names[:at] if not any(True for _ in children[n].parameters()))
         first = tuple(n for n in names[:at] if n not in shared)
-        last = tuple(n for n in names[at + 1 :] if n not in shared)
+        last = tuple(names[at + 1 :])
         return cls(first, tuple(f"layers.{k}" for k in layers), last, shared)
+
+
+def tied_across_parts(model: nn.Module, parts: ModelParts) -> tuple[str, str] | None:
+    """Two parameter names of ``model`` that share one tensor across its parts (a child before
+    or after the layers, or a layer), or None. Pipeline stages hold deep copies of their
+    parts, so such a tie would come apart into two parameters that train apart. Pure."""
+    seen: dict[int, tuple[str, str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        top = name.split(".")
+        part = ".".join(top[:2]) if top[0] == "layers" else top[0]
+        other = seen.setdefault(id(param), (part, name))
+        if other[0] != part:
+            return other[1], name
+    return None
 
 
 def split_by_points(parts: ModelParts, num_stages: int, split_points: Sequence[str]) -> list[list[str]]:

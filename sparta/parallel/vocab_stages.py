@@ -242,10 +242,11 @@ def check_head(model: nn.Module, parts: ModelParts) -> str:
         )
     name = parts.last[-1]
     head = model.get_submodule(name)
-    if not isinstance(head, nn.Linear) or head.bias is not None:
+    # the exact class: a subclass's own forward (a scale, a cap) would not run in the head stages
+    if type(head) is not nn.Linear or head.bias is not None:
         raise ConfigError(
-            f"vocab_stages splits the output head {name!r} by vocabulary rows; it must be an nn.Linear without bias, "
-            f"not {type(head).__name__}{' with a bias' if isinstance(head, nn.Linear) else ''}"
+            f"vocab_stages splits the output head {name!r} by vocabulary rows; it must be a plain nn.Linear without "
+            f"bias, not {type(head).__name__}{' with a bias' if type(head) is nn.Linear else ''}"
         )
     tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is head.weight and not n.startswith(name)]
     if tied:
@@ -265,10 +266,10 @@ def check_embedding(model: nn.Module, parts: ModelParts) -> str:
     depend on the whole batch's ids); ConfigError otherwise. Pure."""
     name = parts.first[0] if parts.first else None
     table = model.get_submodule(name) if name else None
-    if not isinstance(table, nn.Embedding):
+    if type(table) is not nn.Embedding:  # as the head: a subclass's forward would not run
         raise ConfigError(
             f"embedding_stages splits the token embedding by vocabulary rows; {type(model).__name__}'s first child "
-            f"before `layers` must be an nn.Embedding, not {type(table).__name__}"
+            f"before `layers` must be a plain nn.Embedding, not {type(table).__name__}"
         )
     extras = {"max_norm": table.max_norm is not None, "scale_grad_by_freq": table.scale_grad_by_freq,
               "sparse": table.sparse}  # fmt: skip

@@ -341,6 +341,10 @@ def bad_inputs(layout: Layout) -> None:
                                                                microbatches=dims.pp, moe=MOE))  # fmt: skip
         with raises(ConfigError, "name no layer"):
             parallelize(Decoder(MODEL), layout, ParallelConfig(split_points=("layers.9",), microbatches=2, moe=MOE))
+        tied = Decoder(MODEL)
+        tied.output.weight = tied.tok_emb.weight  # type: ignore[union-attr]
+        with raises(ConfigError, "output.weight is tok_emb.weight .a tied weight."):
+            parallelize(tied, layout, ParallelConfig(split_points=_even_split(dims.pp), microbatches=2, moe=MOE))
     with raises(ConfigError, "unknown"):
         ParallelConfig(schedule="Zigzag")
     with raises(ConfigError, "ddp"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from sparta.errors import ConfigError
 from sparta.parallel import (
@@ -26,6 +27,7 @@ from sparta.parallel.pipeline import (
     split_by_points,
     stage_ids,
     stage_module,
+    tied_across_parts,
 )
 
 CFG = DecoderConfig(vocab_size=300, seq_len=8, d_model=16, n_layers=6, n_heads=2, d_ff=32)
@@ -69,6 +71,19 @@ def test_stage_cuts_keep_full_names_and_chain_to_the_whole() -> None:
     for cut in cuts:
         h = cut(h)
     torch.testing.assert_close(h, model(ids), rtol=0, atol=0)
+    # a final norm without weights is the last stage's alone, as one with them: were it
+    # shared, every stage would apply it to its output
+    model.norm = nn.LayerNorm(CFG.d_model, elementwise_affine=False)
+    parts = ModelParts.of(model)
+    assert parts.last == ("norm", "output") and "norm" not in parts.shared
+    h = ids
+    for i, s in enumerate(stages):
+        h = stage_module(model, parts, s, i == 0, i == 2)(h)
+    torch.testing.assert_close(h, model(ids), rtol=0, atol=0)
+    # a weight shared by two parts would come apart in the stages' copies: found by name
+    assert tied_across_parts(model, parts) is None
+    model.output.weight = model.tok_emb.weight  # type: ignore[union-attr]
+    assert tied_across_parts(model, parts) == ("tok_emb.weight", "output.weight")
 
 
 def test_balanced_split_counts_embedding_and_head() -> None:

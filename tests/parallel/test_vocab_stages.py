@@ -95,6 +95,15 @@ def test_the_head_must_be_an_untied_bias_free_linear() -> None:
     model.output = nn.Linear(CFG.d_model, CFG.vocab_size)  # with a bias
     with pytest.raises(ConfigError, match="nn.Linear without bias, not Linear with a bias"):
         head_stage(model, parts_of(model), 0, 2)
+
+    class Capped(nn.Linear):  # a forward of its own, which the head stages would skip
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x).clamp(-5, 5)
+
+    model = Decoder(CFG)
+    model.output = Capped(CFG.d_model, CFG.vocab_size, bias=False)
+    with pytest.raises(ConfigError, match="a plain nn.Linear without bias, not Capped"):
+        head_stage(model, parts_of(model), 0, 2)
     model = Decoder(CFG)
     model.output.weight = model.tok_emb.weight  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match="shares its weight with tok_emb.weight.*untie"):
@@ -155,7 +164,15 @@ def test_the_token_embedding_must_be_a_plain_table() -> None:
     with pytest.raises(ConfigError, match=r"\['scale_grad_by_freq'\] cannot follow"):
         embedding_stage(model, ModelParts.of(model), 0, 2)
     model.tok_emb = nn.Linear(2, 2)  # type: ignore[assignment]
-    with pytest.raises(ConfigError, match="must be an nn.Embedding, not Linear"):
+    with pytest.raises(ConfigError, match="must be a plain nn.Embedding, not Linear"):
+        embedding_stage(model, ModelParts.of(model), 0, 2)
+
+    class Scaled(nn.Embedding):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) * 4
+
+    model.tok_emb = Scaled(CFG.vocab_size, CFG.d_model)
+    with pytest.raises(ConfigError, match="must be a plain nn.Embedding, not Scaled"):
         embedding_stage(model, ModelParts.of(model), 0, 2)
     model.tok_emb = nn.Embedding(2**24 + 1, CFG.d_model, device="meta")  # ids past float32's exact integers
     with pytest.raises(ConfigError, match="exact up to 16,777,216, but 'tok_emb' has 16,777,217 rows"):
