@@ -215,6 +215,15 @@ def parallelize(
             raise InputError(
                 f"sample= is {tuple(sample.shape)} {sample.dtype}: give one micro-batch of integer ids [b, T]"
             )
+    moe = config.moe
+    if moe is not None and moe.overlap_asked and dims.ep > 1:
+        # moe_layers checks this per stage, where a stage of other layers would not raise
+        odd = [k for k, layer in model.layers.items() if moe.is_moe(int(k)) and not isinstance(layer, Block)]  # type: ignore[union-attr, operator]
+        if odd:
+            raise ConfigError(
+                f"MoESpec.{moe.overlap_asked} runs a sparta.parallel.Decoder's Block over micro-batches; layer "
+                f"{odd[0]} is a {type(model.layers[odd[0]]).__name__}: leave it off"  # type: ignore[index]
+            )
     check_tp = getattr(model, "check_tp", None)  # adapters that know their own limits (sparta.parallel.hf)
     if config.tensor_parallel and check_tp is not None:
         check_tp(dims.tp)
