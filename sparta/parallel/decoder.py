@@ -153,6 +153,11 @@ class Decoder(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
+    @property
+    def max_length(self) -> int:
+        """The longest sequence the model takes: its position table's rows."""
+        return self.cfg.seq_len
+
     def forward(self, x: Tensor) -> Tensor:
         if self.tok_emb is not None:
             # a tok_emb with takes_vectors (embedding stages' rows, vocab_stages.py) takes them instead

@@ -243,6 +243,11 @@ class HFGPT2(HFDecoder):
         self.output = _head(model, inner.wte, untie)
 
     @property
+    def max_length(self) -> int:
+        """The longest sequence GPT-2 takes: its learned positions (n_positions)."""
+        return int(self.config.n_positions)
+
+    @property
     def mlp_class(self) -> type[nn.Module]:
         from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 

@@ -215,6 +215,13 @@ def parallelize(
             raise InputError(
                 f"sample= is {tuple(sample.shape)} {sample.dtype}: give one micro-batch of integer ids [b, T]"
             )
+    # a position past the model's table fails on the first stage alone, at the first step
+    limit, longest = getattr(model, "max_length", None), (config.lengths or (config.seq_len,))[-1]
+    if limit is not None and longest is not None and longest > limit:
+        raise ConfigError(
+            f"sequences of {longest} tokens (seq_len / lengths) exceed the {limit} positions "
+            f"{type(model).__name__} takes: pad to at most {limit}, or build the model with more positions"
+        )
     moe = config.moe
     if moe is not None and moe.overlap_asked and dims.ep > 1:
         # moe_layers checks this per stage, where a stage of other layers would not raise

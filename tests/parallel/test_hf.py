@@ -78,6 +78,8 @@ def test_adapter_computes_what_the_model_computes(build) -> None:
     assert {id(p) for p in adapter.parameters()} == {id(p) for p in model.parameters()}
     tops = {name.split(".")[0] for name, _ in adapter.named_parameters()}
     assert tops == {"tok_emb", "layers", "norm", "output"} | ({"pos_emb"} if isinstance(adapter, HFGPT2) else set())
+    # GPT-2's learned positions bound its length, which parallelize checks before any step
+    assert getattr(adapter, "max_length", None) == (32 if isinstance(adapter, HFGPT2) else None)
     loss = nn.functional.cross_entropy(ours.flatten(0, 1), y.flatten())
     grads = torch.autograd.grad(loss, list(adapter.parameters()))
     ref_loss = nn.functional.cross_entropy(theirs.flatten(0, 1), y.flatten())

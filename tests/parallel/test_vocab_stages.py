@@ -235,3 +235,14 @@ def test_the_run_file_takes_vocab_stages() -> None:
         load_config(None, [*base, "parallel.split_points=['layers.1', 'layers.2', 'layers.3']"])
     with pytest.raises(ConfigError, match="vocab_stages with data_parallel = 'fsdp' and a checkpoint.dir"):
         load_config(None, [*base, "parallel.data_parallel='fsdp'", "checkpoint.dir='/tmp/x'"])
+
+
+def test_sequences_past_the_models_positions_are_refused_before_any_step() -> None:
+    """A padded length past the position table failed on the first stage alone, at the
+    first step, while the other stages waited: now parallelize refuses it on every rank."""
+    world = sparta.init(backend="torch")
+    layout = build_layout(ParallelDims(), world)
+    too_long = f"sequences of {CFG.seq_len + 4} tokens .* exceed the {CFG.seq_len} positions"
+    with pytest.raises(ConfigError, match=too_long):
+        parallelize(Decoder(CFG), layout, ParallelConfig(lengths=(4, CFG.seq_len + 4)))
+    assert parallelize(Decoder(CFG), layout, ParallelConfig(seq_len=CFG.seq_len)).plan is not None
