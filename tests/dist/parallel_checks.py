@@ -326,17 +326,6 @@ def _even_split(stages: int) -> tuple[str, ...]:
     return tuple(f"layers.{per * s}" for s in range(1, stages))
 
 
-class Wrapped(nn.Module):
-    """A decoder layer inside a module of its own: not the Decoder's Block."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x)
-
-
 def bad_inputs(layout: Layout) -> None:
     dims = layout.dims
     with raises(ConfigError, "multiply to"):
@@ -365,9 +354,9 @@ def bad_inputs(layout: Layout) -> None:
         # a block over micro-batches needs the Decoder's Block in every MoE layer: refused on
         # every rank, not only on the stage that holds the odd one
         odd = Decoder(MODEL)
-        odd.layers["0"] = Wrapped(odd.layers["0"])  # type: ignore[index]
+        odd.layers["0"] = nn.Sequential(odd.layers["0"])  # type: ignore[index]  # the Block inside another module
         split = _even_split(dims.pp) if dims.pp > 1 else None
-        with raises(ConfigError, "layer 0 is a Wrapped: leave it off"):
+        with raises(ConfigError, "layer 0 is a Sequential: leave it off"):
             parallelize(odd, layout, ParallelConfig(split_points=split, microbatches=2, moe=OVERLAPPED))
     if dims.ep > 1:
         with raises(ConfigError, "does not divide over ep"):
