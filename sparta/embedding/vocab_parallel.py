@@ -80,16 +80,17 @@ def vocab_parallel_cross_entropy(
     slice of the logits. Two small collectives forward (an all-gather of [T] maxima, an
     all-reduce of [T, 2]), none back.
     """
-    return _masked_losses(logits, targets.long(), int(vocab_start), comm, False, False, ignore_index)
+    return _masked_losses(logits, targets.long(), int(vocab_start), comm, False, False, ignore_index)[0]
 
 
 def _masked_losses(
     logits: torch.Tensor, targets: torch.Tensor, start: int, comm: Communicator, sum_grads: bool, agreed: bool,
     ignore_index: int,
-) -> torch.Tensor:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(losses [T], 0 where a target is ``ignore_index``, with no gradient there; the targets kept [T])."""
     kept = targets != ignore_index
     losses = _VocabParallelCE.apply(logits, torch.where(kept, targets, 0), start, comm, sum_grads, agreed)
-    return losses * kept  # an ignored target's loss, and its gradient, 0
+    return losses * kept, kept
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -194,8 +195,7 @@ class VocabParallelHead(nn.Module):
         start = self.layout.row_range(self.comm.rank)[0]
         # the token counts are agreed (gather_with_verdict): the loss's collectives move data only
         logits = x @ weight.t()
-        losses = _masked_losses(logits, t.long(), start, self.comm, self.gather_tokens, True, self.ignore_index)
-        kept = t != self.ignore_index
+        losses, kept = _masked_losses(logits, t.long(), start, self.comm, self.gather_tokens, True, self.ignore_index)
         if self.gather_tokens:
             first = sum(counts[: self.comm.rank])
             losses = losses[first : first + counts[self.comm.rank]]

@@ -209,15 +209,15 @@ class Checkpointer:
                 publish(tmp, final)
             except OSError as exc:
                 problem = f"cannot move the complete checkpoint {tmp} to {final}: {exc}"
-            try:
-                if problem is None:
+            if problem is None:
+                try:
                     for aside in set_aside_later(self.path, step):
                         log.warning("checkpoint %s is past step %d, saved again now: set aside as %s", aside.name,
                                     step, aside)  # fmt: skip
-                if problem is None and self.keep is not None:
-                    prune(self.path, self.keep, final)
-            except OSError as exc:  # the new checkpoint stands; only the tidying failed
-                problem = f"step {step} was saved to {final}, but tidying {self.path} failed: {exc}"
+                    if self.keep is not None:
+                        prune(self.path, self.keep, final)
+                except OSError as exc:  # the new checkpoint stands; only the tidying failed
+                    problem = f"step {step} was saved to {final}, but tidying {self.path} failed: {exc}"
         group.agree(problem, f"saving step {step}")
         return final
 

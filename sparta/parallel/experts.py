@@ -115,6 +115,17 @@ class MoESpec:
         return self.pipeline_degree == AUTO
 
 
+def check_overlap_layers(spec: MoESpec, layers: dict[str, nn.Module]) -> None:
+    """ConfigError unless every MoE layer of ``layers`` (decoder layer key -> module) is the
+    Decoder's Block, which ``spec.overlap`` (or dedup) runs over micro-batches. Pure."""
+    for key, layer in layers.items():
+        if spec.overlap_asked and spec.is_moe(int(key)) and not isinstance(layer, Block):
+            raise ConfigError(
+                f"MoESpec.{spec.overlap_asked} runs a sparta.parallel.Decoder's Block over micro-batches; layer "
+                f"{key} is a {type(layer).__name__}: leave it off"
+            )
+
+
 def moe_layers(
     module: nn.Module,
     spec: MoESpec,
@@ -156,11 +167,7 @@ def moe_layers(
             if tp is not None and spec.expert_tp:
                 moe.split_experts(tp)
         if spec.overlap_asked and ep is not None:  # one process: nothing travels to overlap
-            if not isinstance(layer, Block):
-                raise ConfigError(
-                    f"MoESpec.{spec.overlap_asked} runs a sparta.parallel.Decoder's Block over micro-batches; layer "
-                    f"{key} is a {type(layer).__name__}: leave it off"
-                )
+            check_overlap_layers(spec, {key: layer})
             if spec.dedup and dedup is None:
                 raise ConfigError("MoESpec.dedup=True: pass moe_layers the two-level all-to-all over ep as dedup=")
             layer.set_overlap(spec.overlap, dedup if spec.dedup else None)

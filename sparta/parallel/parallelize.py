@@ -47,7 +47,13 @@ from sparta.parallel.auto_schedule import AutoSchedule
 from sparta.parallel.data_parallel import DataParallel
 from sparta.parallel.decoder import Block
 from sparta.parallel.dims import Layout
-from sparta.parallel.experts import check_expert_tp, hierarchical_ep, moe_layers, two_level_pays
+from sparta.parallel.experts import (
+    check_expert_tp,
+    check_overlap_layers,
+    hierarchical_ep,
+    moe_layers,
+    two_level_pays,
+)
 from sparta.parallel.model import VOCAB_STYLE, ParallelModel, step_loss
 from sparta.parallel.parallel_config import ParallelConfig, tunes_blocks
 from sparta.parallel.pipeline import (
@@ -222,15 +228,9 @@ def parallelize(
             f"sequences of {longest} tokens (seq_len / lengths) exceed the {limit} positions "
             f"{type(model).__name__} takes: pad to at most {limit}, or build the model with more positions"
         )
-    moe = config.moe
-    if moe is not None and moe.overlap_asked and dims.ep > 1:
+    if config.moe is not None and dims.ep > 1:
         # moe_layers checks this per stage, where a stage of other layers would not raise
-        odd = [k for k, layer in model.layers.items() if moe.is_moe(int(k)) and not isinstance(layer, Block)]  # type: ignore[union-attr, operator]
-        if odd:
-            raise ConfigError(
-                f"MoESpec.{moe.overlap_asked} runs a sparta.parallel.Decoder's Block over micro-batches; layer "
-                f"{odd[0]} is a {type(model.layers[odd[0]]).__name__}: leave it off"  # type: ignore[index]
-            )
+        check_overlap_layers(config.moe, dict(model.layers.items()))  # type: ignore[union-attr, operator]
     check_tp = getattr(model, "check_tp", None)  # adapters that know their own limits (sparta.parallel.hf)
     if config.tensor_parallel and check_tp is not None:
         check_tp(dims.tp)

@@ -87,8 +87,9 @@ which is what a traced step shows (``FSDP::all_gather`` per unit).
 
 Memory per pipeline rank: parameters, gradients and AdamW's two moments (16 bytes per
 float32 parameter; fsdp divides them by dp, and adds its units' whole parameters and
-gradients: all of the rank's under a schedule, which holds them to the step's reduction,
-the largest in one stage), plus the activations of the micro-batches in
+gradients: all of the rank's under a schedule or over several micro-batches, which hold
+them to the step's reduction, else the largest; "sparta" at dp > 1 adds its buckets'
+buffers, 4 bytes a dense parameter), plus the activations of the micro-batches in
 flight, tracked through the replay (saved at F, freed at B, or at W under zero-bubble).
 Stages in ``config.recompute`` keep only each block's input (tokens x d_model) and run the
 blocks' forward again before their backward (B, or I under zero-bubble), one block's
@@ -271,7 +272,7 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
             sync = reduce
         else:  # the last micro-batch's backward hides what its pieces sent before it ended
             sync = _exposed(reduce, sum(s.bwd + s.bwd_comm for s in mine), pieces)
-        gathered = 0.0
+        whole = 0.0  # bytes beside the sharded state: FSDP2's units gathered, or sparta's bucket buffers
         if config.data_parallel == "fsdp":
             held = held - dense + dense / dims.dp
             # FSDP2's units whole, parameters and gradients: under torch's schedules, and in one
@@ -279,9 +280,9 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
             # the step's reduction (resharding and reducing are off but for the last
             # micro-batch); one stage and one micro-batch, the largest unit at a time
             alone = len(stages) == 1 and config.microbatches == 1
-            gathered = 2 * FLOAT_BYTES * (max(units, default=0.0) if alone else sum(units))
+            whole = 2 * FLOAT_BYTES * (max(units, default=0.0) if alone else sum(units))
         elif config.data_parallel == "sparta" and dims.dp > 1:
-            gathered = dense * grad  # each bucket's flat buffer, kept from step to step (grad_buckets.py)
+            whole = dense * grad  # each bucket's flat buffer, kept from step to step (grad_buckets.py)
         sync += costs.collective("all_reduce", dims.dp // dims.ep, expert * grad, dims.tp * dims.ep)
         # the clip's norm and the reported loss: one scalar all-reduce over the world each
         opt = costs.optimizer(held) * max(1.0, dims.pp / share)  # every rank steps at once
@@ -290,7 +291,7 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
         if trace:
             spans[rank].append(Span("grad sync", "comm", finish[rank], finish[rank] + sync))
             spans[rank].append(Span("optimizer", "compute", finish[rank] + sync, total))
-        peak_bytes[rank] = held * ADAMW_BYTES + gathered + peak[rank]
+        peak_bytes[rank] = held * ADAMW_BYTES + whole + peak[rank]
         if total > step:
             step, pipeline_s, sync_s, opt_s = total, finish[rank], sync, opt
     return Prediction(step, pipeline_s, sync_s, opt_s, peak_bytes, spans if trace else {})
