@@ -4,7 +4,8 @@
     world = sparta.init()          # torchrun, mpirun or horovodrun; a world of one without
     world.comm.all_to_all(x, send_splits)
 
-Subpackages: comm (engines and collectives), moe, embedding, scheduling, parallel.
+Subpackages: comm (engines and collectives), scheduling, moe, embedding, parallel (the 3D
+trainer), planner (plans and the step simulator).
 """
 
 from sparta.comm import CommConfig, World, init
