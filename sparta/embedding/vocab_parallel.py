@@ -26,9 +26,10 @@ from sparta.errors import ConfigError, InputError
 
 
 class _VocabParallelCE(torch.autograd.Function):
-    """logits [T, V_r] (this rank's vocabulary columns), targets [T] -> losses [T] (float32).
+    """logits [T, V_r] (this rank's vocabulary columns), targets [T] -> losses [T] (float32;
+    float64 for float64 logits).
 
-    The softmax statistics are float32 whatever the logits' dtype: a half-precision sum of
+    The softmax statistics are at least float32 whatever the logits' dtype: a half-precision sum of
     exponentials over a large vocabulary overflows (fp16: an infinite loss at 131,072 words)
     or rounds each rank's share before the ranks add them (bf16)."""
 
@@ -40,7 +41,7 @@ class _VocabParallelCE(torch.autograd.Function):
         # agreed: T is the same on every rank, checked by the caller; else each collective checks it
         check, sizes = (False, [logits.shape[0]] * comm.size) if agreed else (None, None)
         ctx.dtype = logits.dtype
-        logits = logits.detach().float()
+        logits = logits.detach().to(torch.promote_types(logits.dtype, torch.float32))
         local_max = logits.max(dim=1).values
         # the Communicator reduces by sum only: gather the [world, T] maxima and take the max
         top = torch.stack(comm.all_gather(local_max, sizes=sizes, check=check)).max(dim=0).values  # type: ignore[arg-type]
@@ -59,7 +60,7 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
         softmax, safe, mine = ctx.saved_tensors
-        grad = grad.float()
+        grad = grad.to(softmax.dtype)
         if ctx.sum_grads:  # each rank's loss covers its own tokens: every rank needs all of them
             grad = ctx.comm.all_reduce(grad.contiguous(), check=ctx.check)
         out = softmax * grad.unsqueeze(1)
@@ -74,7 +75,7 @@ def vocab_parallel_cross_entropy(
 
     logits: [T, V_r], this rank's columns `vocab_start .. vocab_start + V_r` of the full
     `[T, vocab]` logits; targets: [T] full-vocabulary ids, the same T tokens on every rank.
-    Returns [T] float32 losses, equal to `F.cross_entropy(full_logits, targets,
+    Returns [T] losses (float32, float64 for float64 logits), equal to `F.cross_entropy(full_logits, targets,
     reduction="none", ignore_index=ignore_index)` on every rank: 0 where a target is
     ``ignore_index`` (padding), with no gradient there. The gradient reaches each rank's
     slice of the logits. Two small collectives forward (an all-gather of [T] maxima, an
@@ -138,7 +139,9 @@ class VocabParallelHead(nn.Module):
         tokens are the same on every rank of `comm` (tensor parallel), which skips the
         gather and keeps the loss's gradient as is.
     ignore_index: a target of this value (padding) adds no loss and no gradient, and the
-        mean is over the other tokens, as `F.cross_entropy`'s; NaN where all are ignored.
+        mean is over the other tokens, as `F.cross_entropy`'s. A rank whose targets are all
+        ignored returns 0 with a zero gradient: `F.cross_entropy`'s NaN there would reach every
+        rank's weights through the gradients' sums.
     """
 
     def __init__(
@@ -200,4 +203,4 @@ class VocabParallelHead(nn.Module):
             first = sum(counts[: self.comm.rank])
             losses = losses[first : first + counts[self.comm.rank]]
             kept = kept[first : first + counts[self.comm.rank]]
-        return losses.sum() / kept.sum()
+        return losses.sum() / kept.sum().clamp(min=1)

@@ -54,3 +54,25 @@ def test_padding_targets_are_ignored_as_cross_entropy_ignores_them() -> None:
     torch.testing.assert_close(losses, F.cross_entropy(logits.detach(), ids, reduction="none"))
     losses.sum().backward()
     assert not logits.grad[[1, 3]].any()
+    # a rank whose targets are all padding (a tail micro-batch): 0 with zero gradients, where
+    # F.cross_entropy's NaN would be summed into every rank's weights
+    head.weight.grad = None
+    hidden_all = hidden.clone().requires_grad_()
+    empty = head(hidden_all, torch.full((2, 5), -100))
+    empty.backward()
+    assert empty.item() == 0.0 and head.weight.grad is not None and hidden_all.grad is not None
+    assert not head.weight.grad.any() and not hidden_all.grad.any()
+
+
+def test_float64_logits_keep_float64() -> None:
+    world = sparta.init(backend="torch")
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 30, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 30, (5,), generator=gen)
+    losses = vocab_parallel_cross_entropy(logits, targets, 0, world.comm)
+    losses.sum().backward()
+    full = logits.detach().clone().requires_grad_()
+    F.cross_entropy(full, targets, reduction="sum").backward()
+    assert losses.dtype == torch.float64 and logits.grad is not None and logits.grad.dtype == torch.float64
+    torch.testing.assert_close(losses, F.cross_entropy(full.detach(), targets, reduction="none"), atol=1e-12, rtol=0)
+    torch.testing.assert_close(logits.grad, full.grad, atol=1e-12, rtol=0)
