@@ -115,7 +115,8 @@ class DataParallel:
     queue: "sparta" sends through a PriorityQueue (True) or straight to the engine (False);
         queue_config: its chunking and schedule. partition / openings: "sparta" sends the
         dense gradients in these pieces, released in an MoE layer's backward gaps (see
-        `watch`), instead of buckets.
+        `watch`), instead of buckets. find_unused_parameters: "ddp" only, torch DDP's flag (for
+        dense parameters some step's loss does not reach).
     Call `wrap` on each module that trains (each pipeline stage) before its first forward,
     `start` before each step's backward, `finish` after it (collective over the dp group:
     every rank of it calls it), `close` at the end.
@@ -133,6 +134,7 @@ class DataParallel:
         queue_config: QueueConfig | None = None,
         partition: GradientPartition | None = None,
         openings: Sequence[int] = (),
+        find_unused_parameters: bool = False,
     ) -> None:
         check_strategy(strategy, zero_bubble, layout.dims.tp, layout.world.backend)
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
@@ -144,6 +146,11 @@ class DataParallel:
                 f"queue, queue_config and partition choose how data_parallel='sparta' sends; with {strategy!r} "
                 "leave them out, or pass strategy 'sparta'"
             )
+        if find_unused_parameters and strategy != "ddp":
+            raise ConfigError(
+                f"DataParallel(find_unused_parameters=True) is torch DDP's flag; {strategy!r} counts the gradient of "
+                "a parameter no loss reached as zero already: leave it False, or use strategy 'ddp'"
+            )
         if partition is not None and (zero_bubble or microbatches > 1):
             raise ConfigError(
                 "partition= releases gradient pieces into one backward's network gaps: it needs microbatches=1 and "
@@ -151,6 +158,7 @@ class DataParallel:
             )
         self.layout, self.strategy, self.microbatches = layout, strategy, microbatches
         self.zero_bubble, self.bucket_bytes = zero_bubble, int(bucket_mb * 2**20)
+        self.find_unused_parameters = find_unused_parameters
         # one data-parallel rank and no table rows to queue: nothing to send, only the scaling (a
         # sum over one rank would still copy every gradient twice: 10% of a small MoE model's step)
         self._alone = (
@@ -199,7 +207,10 @@ class DataParallel:
             # the one way DDP takes parameters it must not reduce
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
             module = DistributedDataParallel(
-                module, process_group=self.layout.mesh.get_group("dp"), broadcast_buffers=False
+                module,
+                process_group=self.layout.mesh.get_group("dp"),
+                broadcast_buffers=False,
+                find_unused_parameters=self.find_unused_parameters,
             )
         elif self.strategy == "fsdp":
             from torch.distributed.fsdp import fully_shard

@@ -39,8 +39,12 @@ class ParallelConfig:
         padded to the smallest that holds it. torch's PipelineStage fixes its shapes at its
         first step, so each batch shape [B, length] gets its own stages and schedule over the
         same modules, built at its first batch, each with its own receive buffers (memory):
-        keep the shapes few (`sparta.planner.bucketed_steps` makes a few per length).
+        keep the shapes few (`sparta.scheduling.bucketed_steps` makes a few per length).
     bucket_mb: bucket size of the "sparta" data-parallel strategy, MiB.
+    find_unused_parameters: "ddp" only: let torch DDP look for dense parameters no loss
+        reached each step (its own flag; it walks the autograd graph every step, so leave it
+        off unless the model has such parameters, which DDP otherwise refuses at the next
+        step). The other strategies count those gradients as zero without being told.
     vocab_stages: vocabulary parallelism over the pipeline ranks (vocab_stages.py): the
         output head split by vocabulary rows into pp stages, one per pipeline rank (the last
         round of a looped schedule, the second arm of a V), so the last stage stops carrying
@@ -77,6 +81,7 @@ class ParallelConfig:
     seq_len: int | None = None
     lengths: tuple[int, ...] = ()
     bucket_mb: float = 25.0
+    find_unused_parameters: bool = False
     vocab_stages: bool = False
     embedding_stages: bool = False
     recompute: tuple[int, ...] = ()
@@ -99,6 +104,11 @@ class ParallelConfig:
         self._check_lengths()
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
+        if self.find_unused_parameters and self.data_parallel != "ddp":
+            raise ConfigError(
+                f"find_unused_parameters=True is torch DDP's flag; data_parallel={self.data_parallel!r} counts the "
+                "gradient of a parameter no loss reached as zero already: leave it False, or use 'ddp'"
+            )
         check_schedule(self.schedule, 1, self.microbatches, self.stages_per_rank)
 
     def _check_lengths(self) -> None:

@@ -251,7 +251,7 @@ def parallelize(
             try:
                 local = measure_costs(model, sample)
             except Exception as exc:  # noqa: BLE001 - rank 0's alone: every rank must raise it, not wait
-                problem = InputError(f"sample= did not run through the model ({exc}): give ids the model takes")
+                problem = InputError(f"sample= did not run through the model: {type(exc).__name__}: {exc}")
         layout.world.comm.agree(problem, "parallelize: timing the layers to balance the stages")
         agreed = layout.world.comm.broadcast(torch.tensor([local[n] for n in names], dtype=torch.float64), src=0)
         costs = dict(zip(names, agreed.tolist(), strict=True))  # type: ignore[union-attr]
@@ -264,7 +264,13 @@ def parallelize(
     tables = config.embedding == "sparse" and config.microbatches == 1
     queue = config.data_parallel != "sparta" or (dims.dp > 1 and tables)
     data_parallel = DataParallel(
-        layout, config.data_parallel, config.microbatches, zero_bubble, config.bucket_mb, queue=queue
+        layout,
+        config.data_parallel,
+        config.microbatches,
+        zero_bubble,
+        config.bucket_mb,
+        queue=queue,
+        find_unused_parameters=config.find_unused_parameters,
     )
     tp_plan: dict[str, str] = {}
     expert_tp: list[str] = []

@@ -166,6 +166,35 @@ def check_expert_weights_treated_as_dense_are_wrong_and_refused(world: World) ->
             DataParallel(layout(world, ep), "sparta", 1, False).wrap(model)
 
 
+def check_a_parameter_no_loss_reaches(world: World) -> None:
+    """A dense parameter outside the forward (a head left over from fine-tuning, say): under
+    "sparta" and the engine's own strategy the losses still equal one process and the unused
+    weights stay equal on every rank. torch DDP needs its own flag for it, passed through as
+    ``find_unused_parameters``; without it torch refuses the next step, naming the flag."""
+    want = one_process()
+    native = {"torch": "ddp", "horovod": "horovod"}.get(world.backend)
+    runs = [("sparta", False)] + ([(native, native == "ddp")] if native else [])
+    for strategy, find_unused in runs:
+        model = sharded_gpt2(world, 4)
+        model.unused = nn.Linear(3, 3)  # seeded alike by the last torch.manual_seed (gpt2's)
+        options = {"find_unused_parameters": True} if find_unused else {}
+        dp = DataParallel(layout(world, 4), strategy, 1, False, **options)  # type: ignore[arg-type]
+        got = train(world, model, dp)
+        gaps = [abs(a - b) for a, b in zip(got, want, strict=True)]
+        assert max(gaps) <= TOL, f"{strategy} with an unused parameter: losses {got} vs one process {want}"
+        weights = world.comm.all_gather(model.unused.weight.detach())
+        assert all(torch.equal(w, weights[0]) for w in weights), f"{strategy}: the unused weights differ across ranks"
+        gc.collect()
+    if world.backend == "torch":
+        model = sharded_gpt2(world, 4)
+        model.unused = nn.Linear(3, 3)
+        with raises(RuntimeError, "find_unused_parameters=True"):
+            train(world, model, DataParallel(layout(world, 4), "ddp", 1, False))
+        gc.collect()
+    with raises(ConfigError, r"find_unused_parameters=True\) is torch DDP's flag; 'sparta' counts"):
+        DataParallel(layout(world, 4), "sparta", 1, False, find_unused_parameters=True)
+
+
 def check_gradient_pieces_that_differ_across_ranks_are_refused(world: World) -> None:
     """The "sparta" strategy compares its pieces' sizes across the dp ranks once, at the first
     step of a plan, so that every step's reductions skip the per-call check: models that differ
@@ -184,6 +213,7 @@ def check_gradient_pieces_that_differ_across_ranks_are_refused(world: World) -> 
 CHECKS = [
     check_gpt2_experts_and_sparse_embeddings_equal_one_process,
     check_expert_weights_treated_as_dense_are_wrong_and_refused,
+    check_a_parameter_no_loss_reaches,
     check_gradient_pieces_that_differ_across_ranks_are_refused,
 ]
 

@@ -117,6 +117,8 @@ def test_overrides_are_parsed_and_applied() -> None:
          r"and deduplication itself"),
         (["parallel.moe.pipeline_degree=1", "parallel.moe.dedup=true", "parallel.tp=1", "parallel.schedule=GPipe",
           "parallel.recompute=[0]"], r"dedup=True: recompute=\[0\] would run the micro-batches' exchanges again"),
+        (["parallel.find_unused_parameters=true"], r"find_unused_parameters=True is torch DDP's flag; "
+         r"data_parallel='sparta' counts"),
         (["model.n_heads=3"], r"d_model=64 must be divisible by n_heads=3"),
         (["parallel.schedule=Zigzag"], r"schedule='Zigzag' is unknown"),
         (["parallel.moe.num_experts=3", "parallel.moe.top_k=1"], r"num_experts=3 does not divide over ep=2"),
