@@ -206,14 +206,15 @@ class Checkpointer:
         problem = None
         if group.rank == 0:
             try:
+                # before the new step appears: a crash between the two must not leave a later
+                # step that a load would resume instead of this one
+                for aside in set_aside_later(self.path, step):
+                    log.warning("a checkpoint past step %d, saved again now: set aside as %s", step, aside)
                 publish(tmp, final)
             except OSError as exc:
                 problem = f"cannot move the complete checkpoint {tmp} to {final}: {exc}"
             if problem is None:
                 try:
-                    for aside in set_aside_later(self.path, step):
-                        log.warning("checkpoint %s is past step %d, saved again now: set aside as %s", aside.name,
-                                    step, aside)  # fmt: skip
                     if self.keep is not None:
                         prune(self.path, self.keep, final)
                 except OSError as exc:  # the new checkpoint stands; only the tidying failed

@@ -90,13 +90,15 @@ def prune(directory: Path, keep: int, new: Path) -> None:
 def set_aside_later(directory: Path, step: int) -> list[Path]:
     """Rename every complete checkpoint past ``step`` to ``later-step_<N>``: a run that went
     back to an earlier step and saved again has abandoned them, and a later load must not
-    resume them. Kept, not deleted; returns where they went."""
+    resume them. Kept, not deleted (a name taken by an earlier set-aside gets a suffix,
+    ``later-step_<N>.2``...); returns where they went."""
     moved = []
     for n, path in complete_checkpoints(directory):
         if n > step:
-            aside = path.with_name(f"{LATER_PREFIX}{n}")
-            if aside.exists():
-                shutil.rmtree(aside)
+            aside, copy = path.with_name(f"{LATER_PREFIX}{n}"), 1
+            while aside.exists():
+                copy += 1
+                aside = path.with_name(f"{LATER_PREFIX}{n}.{copy}")
             os.rename(path, aside)
             moved.append(aside)
     return moved

@@ -154,6 +154,35 @@ def test_keep_prunes_the_oldest_after_the_new_one_is_complete(tmp_path: Path) ->
     assert every.steps() == [1, 4, 5]
     every.load(model, opt)
     assert not (tmp_path / ".del-step_0").exists()
+    # back to step 3 twice: the second set-aside of step 4 keeps the first (a suffix)
+    every.save(3, model, opt)
+    every.save(4, model, opt)
+    every.save(3, model, opt)
+    assert every.steps() == [1, 3]
+    assert all((tmp_path / name / ".metadata").is_file() for name in ("later-step_4", "later-step_4.2", "later-step_5"))
+
+
+def test_a_save_that_dies_before_its_step_appears_never_resumes_the_abandoned_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 1 to 3 saved, the run goes back to step 1 and saves step 2 again, and the move
+    that publishes it fails (a full disk, a crash): the abandoned step 3 is already set aside,
+    so a load never resumes it; step 2 is still the one saved before."""
+    import sparta.parallel.checkpoint as checkpoint
+
+    model, opt = trained()
+    ckpt = Checkpointer(tmp_path, keep=None)
+    for step in (1, 2, 3):
+        ckpt.save(step, model, opt, {"run": "first"})
+
+    def no_space(tmp: Path, final: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "publish", no_space)
+    with pytest.raises(CheckpointError, match=r"cannot move the complete checkpoint .*No space left"):
+        ckpt.save(2, model, opt, {"run": "again"})
+    assert ckpt.steps() == [1, 2] and (tmp_path / "later-step_3" / ".metadata").is_file()
+    assert ckpt.load(model, opt) == {"run": "first", "step": 2}
 
 
 def test_saving_a_step_again_replaces_it_whole(tmp_path: Path) -> None:
