@@ -221,6 +221,12 @@ class RunConfig:
             raise ConfigError(
                 f"parallel.lengths={list(lengths)}: the longest must hold model.seq_len={seq_len}; add {seq_len}"
             )
+        past = [n for n in lengths if n > seq_len]
+        if past:  # the Decoder has seq_len positions: parallelize would refuse them once the ranks are up
+            raise ConfigError(
+                f"parallel.lengths={list(lengths)}: {past} exceed model.seq_len={seq_len}, the model's positions "
+                f"(no batch is longer); end the list at {seq_len}"
+            )
         if self.parallel.vocab_stages and self.parallel.data_parallel == "fsdp" and self.checkpoint.dir is not None:
             raise ConfigError(
                 "parallel.vocab_stages with data_parallel = 'fsdp' and a checkpoint.dir: FSDP2 shards a head stage's "

@@ -93,7 +93,12 @@ class DocumentBatches:
         # a whole piece (seq_len tokens) pads to the smallest bucket that holds it; longer
         # buckets hold nothing, and the budget is a window batch's once padded to that bucket
         # (at seq_len alone, a bucket past seq_len held no row when a micro-batch is one row)
-        longest = min(b for b in buckets if b >= seq_len)
+        holding = [b for b in buckets if b >= seq_len]
+        if not holding:
+            raise ConfigError(
+                f"buckets={list(buckets)}: none holds a whole piece of seq_len={seq_len} tokens; add {seq_len}"
+            )
+        longest = min(holding)
         self.buckets, self.global_batch, self.dp, self.microbatches, self.stages = (
             tuple(b for b in buckets if b <= longest),
             global_batch,

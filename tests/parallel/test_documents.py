@@ -74,5 +74,11 @@ def test_runs_on_documents_are_refused_without_lengths_that_hold_seq_len() -> No
         RunConfig(model=model, data=data, train=TrainConfig(global_batch=4))
     with pytest.raises(ConfigError, match=r"lengths=\[4, 8\]: the longest must hold model\.seq_len=16"):
         RunConfig(model=model, data=data, parallel=ParallelConfig(lengths=(4, 8)), train=TrainConfig(global_batch=4))
+    with pytest.raises(ConfigError, match=r"lengths=\[8, 16, 32\]: \[32\] exceed model\.seq_len=16"):
+        RunConfig(
+            model=model, data=data, parallel=ParallelConfig(lengths=(8, 16, 32)), train=TrainConfig(global_batch=4)
+        )
+    with pytest.raises(ConfigError, match=r"buckets=\[4, 8\]: none holds a whole piece of seq_len=16"):
+        DocumentBatches(random_tokens(1000, 64, seed=3), 16, 1, (4, 8), 4, 2, 2, 1, LengthCost.of_flops(1, 2, 32))
     with pytest.raises(ConfigError, match=r"data\.samples='lines' is unknown"):
         DataConfig(samples="lines")
