@@ -262,14 +262,6 @@ def moeify(
         moe = MoELayer(dense.d_model, dense.d_ff, num_experts, top_k, comm=comm, name=path, **options)
         moe.to(device=dense.w1.device, dtype=dense.w1.dtype)
         if upcycle:
-            if top_k == 1 and moe.config.router in ("topk", "switch"):
-                log.warning(
-                    "moeify: %s upcycled at top_k=1: each token's weight is its expert's probability (about "
-                    "1 / %d at first), not 1, so the layer no longer computes what the MLP did; use top_k >= 2 "
-                    "for an exact start",
-                    path,
-                    num_experts,
-                )
             if dense.has_bias and not options["expert_bias"]:
                 log.warning("moeify: %s has biases but expert_bias=False, so they are not upcycled", path)
             with torch.no_grad():
@@ -283,4 +275,14 @@ def moeify(
         parent = model.get_submodule(parent_path) if parent_path else model
         setattr(parent, child, moe)
         replaced.append(path)
+    router = moe.config.router
+    if upcycle and top_k == 1 and router in ("topk", "switch"):  # once for all the layers
+        fix = "top_k >= 2" if router == "topk" else "router='topk' with top_k >= 2 (switch routes to one expert)"
+        log.warning(
+            "moeify: %s upcycled at top_k=1: each token's weight is its expert's probability (about 1 / %d at "
+            "first), not 1, so the layers no longer compute what the MLPs did; use %s for an exact start",
+            ", ".join(replaced),
+            num_experts,
+            fix,
+        )
     return replaced

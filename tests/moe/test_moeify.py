@@ -143,11 +143,13 @@ def test_gpt2_biases_are_upcycled_unless_turned_off(caplog: pytest.LogCaptureFix
     torch.testing.assert_close(experts.b1[1], b1)
     torch.testing.assert_close(experts.b2[0], b2)
     assert "transformer.h.0.mlp.experts.b1.1" in model.state_dict()
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="sparta.moe"):
         moeify(gpt2(), num_experts=2, top_k=1, router="switch", expert_bias=False)
     assert "transformer.h.0.mlp has biases but expert_bias=False" in caplog.text
     # one expert a token: its weight is the probability, so the start is no longer exact, and said
     assert "upcycled at top_k=1: each token's weight is its expert's probability" in caplog.text
+    assert caplog.text.count("upcycled at top_k=1") == 1 and "use router='topk' with top_k >= 2" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="sparta.moe"):
         moeify(gpt2(), num_experts=2, top_k=2)
