@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from sparta.errors import ConfigError
-from sparta.moe.experts import check_ff_split
 from sparta.parallel.auto_schedule import BLOCK_MICROBATCHES
 from sparta.parallel.dims import ParallelDims
 from sparta.parallel.parallel_config import EMBEDDINGS, ParallelConfig, overlap_refusal
 from sparta.parallel.pipeline import SCHEDULES, ZERO_BUBBLE, ModelParts, split_by_cost, stage_ids
 
-from .costs import FLOAT_BYTES, ModelCosts, model_fingerprint
+from .costs import ModelCosts, model_fingerprint
+from .parts import experts_split
 from .simulate import Plan, Prediction, Workload, simulate
 from .stage_cost import embedding_tables, exchange_hides, spans_nodes
 
@@ -142,16 +142,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _splits_experts(d_ff: int, tp: int) -> bool:
-    """Whether tp ranks can split the experts' hidden units as the trainer does (float32
-    weights: `check_ff_split`)."""
-    try:
-        check_ff_split(d_ff, tp, FLOAT_BYTES)
-    except ConfigError:
-        return False
-    return True
-
-
 def layouts(world: int, work: Workload, max_tp: int | None = None) -> Iterator[ParallelDims]:
     """Every pp x dp x tp (x ep) of ``world`` ranks that the model's shape admits."""
     m = work.model
@@ -161,7 +151,7 @@ def layouts(world: int, work: Workload, max_tp: int | None = None) -> Iterator[P
         for tp in _divisors(world // pp):
             if m.n_heads % tp or m.d_ff % tp or m.d_model % tp or (max_tp is not None and tp > max_tp):
                 continue
-            if tp > 1 and work.moe is not None and work.moe.expert_tp and not _splits_experts(m.d_ff, tp):
+            if tp > 1 and work.moe is not None and work.moe.expert_tp and not experts_split(m, tp):
                 continue
             dp = world // (pp * tp)
             for ep in _divisors(dp):
