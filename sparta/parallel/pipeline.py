@@ -186,10 +186,10 @@ def tied_across_parts(model: nn.Module, parts: ModelParts) -> tuple[str, str] | 
     """Two parameter names of ``model`` that share one tensor across its parts (a child before
     or after the layers, or a layer), or None. Pipeline stages hold deep copies of their
     parts, so such a tie would come apart into two parameters that train apart. Pure."""
+    named = [*parts.first, *parts.layers, *parts.last]
     seen: dict[int, tuple[str, str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        top = name.split(".")
-        part = ".".join(top[:2]) if top[0] == "layers" else top[0]
+        part = next((p for p in named if name.startswith(p + ".")), name.split(".")[0])
         other = seen.setdefault(id(param), (part, name))
         if other[0] != part:
             return other[1], name

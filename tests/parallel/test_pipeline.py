@@ -84,6 +84,14 @@ def test_stage_cuts_keep_full_names_and_chain_to_the_whole() -> None:
     assert tied_across_parts(model, parts) is None
     model.output.weight = model.tok_emb.weight  # type: ignore[union-attr]
     assert tied_across_parts(model, parts) == ("tok_emb.weight", "output.weight")
+    # the parts by their own names, wherever the layers live (GPT-2's "transformer.h.N")
+    body = nn.Module()
+    body.blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    body.blocks[1].weight = body.blocks[0].weight
+    assert tied_across_parts(body, ModelParts((), ("blocks.0", "blocks.1"), (), ())) == (
+        "blocks.0.weight",
+        "blocks.1.weight",
+    )
 
 
 def test_balanced_split_counts_embedding_and_head() -> None:
