@@ -16,7 +16,12 @@ of their group. Consecutive stages pipeline as GPipe's forward does: stage s + 1
 micro-batch 0 while stage s computes micro-batch 1.
 
 Each activation is preceded by a header (its dims, dtype and shape), so stages may hand on
-any floating tensor; the receiving rank allocates it on its device.
+any floating tensor; the receiving rank allocates it on its device. A rank that fails (a
+stage's error, an output it cannot send, or such a header from the stage before) sends every
+rank still owed an activation a refusal header instead, naming the failed pp ranks; each of
+those raises and passes it on, skipping ranks already failed (looped and V schedules come
+back to them). At the end the pp ranks agree on who failed (one small all-reduce) before
+any waits on its sends, which a failed rank will never take: every rank raises, none waits.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from sparta.errors import InputError
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MAX_DIMS = 8
 _HEADER = 2 + _MAX_DIMS  # ndim, dtype index, shape padded with zeros
-_REFUSED = -1  # a header's ndim when the sender could not send its stage's output
+_REFUSED = -1  # a header's ndim when the sender failed: the rest of the header says who
+_WORDS = _HEADER - 1  # int64 words after the marker: a bit for each failed pp rank, 62 to a word
 
 
 @torch.no_grad()
@@ -49,39 +55,94 @@ def forward_only(
     through this rank's ``modules`` (global stage index -> module), receiving other stages'
     activations from ``owner(stage)`` over ``group`` (the pp group; None when there is one
     pipeline rank). Returns the last stage's ``loss_fn(output, targets[k])`` per micro-batch
-    where this rank holds it, else []. Collective over the pp group."""
+    where this rank holds it, else []. Collective over the pp group: a failure on any of its
+    ranks raises on all of them."""
     device = inputs[0].device
     held: dict[tuple[int, int], Tensor] = {}
     sends: list[tuple[dist.Work | None, Tensor]] = []
     losses: list[Tensor] = []
-    for stage in sorted(modules):
-        for k in range(len(inputs)):
-            if stage == 0:
-                x = inputs[k]
-            elif stage - 1 in modules:
-                x = held.pop((stage - 1, k))
-            else:
-                x = _receive(owner(stage - 1), group, device)
-            y = modules[stage](x)
-            if stage == num_stages - 1:
-                losses.append(loss_fn(y, targets[k]))
-            elif stage + 1 in modules:
-                held[(stage, k)] = y
-            else:
-                sends += _send(y, owner(stage + 1), group, device)
+    # activations still owed to each other rank: a failure here tells each of them
+    owed: dict[int, int] = {}
+    for stage in modules:
+        if stage + 1 < num_stages and stage + 1 not in modules:
+            owed[owner(stage + 1)] = owed.get(owner(stage + 1), 0) + len(inputs)
+    failure: Exception | None = None
+    try:
+        for stage in sorted(modules):
+            for k in range(len(inputs)):
+                if stage == 0:
+                    x = inputs[k]
+                elif stage - 1 in modules:
+                    x = held.pop((stage - 1, k))
+                else:
+                    x = _receive(owner(stage - 1), group, device)
+                y = modules[stage](x)
+                if stage == num_stages - 1:
+                    losses.append(loss_fn(y, targets[k]))
+                elif stage + 1 in modules:
+                    held[(stage, k)] = y
+                else:
+                    sends += _send(y, owner(stage + 1), group)
+                    owed[owner(stage + 1)] -= 1
+    except Exception as exc:
+        if group is None:  # one pipeline rank: nobody waits on this one
+            raise
+        failure = exc
+        known = exc.failed if isinstance(exc, _Refused) else frozenset()
+        sends += _refuse(owed, known | {dist.get_rank(group)}, group, device)
+    if group is not None:
+        # earlier stages' ranks are done with their loops but may still owe sends to a failed
+        # rank, which will never take them: all agree before anyone waits on a send
+        failed = _failed_ranks(failure is not None, group, device)
+        if failure is not None:
+            raise failure
+        if failed:
+            raise InputError(
+                f"the forward-only pass failed on pp rank(s) {failed}, after this rank's stages: see the first of "
+                "their errors"
+            )
     for work, _ in sends:  # the tensors stay referenced until their send completes
         if work is not None:
             work.wait()
     return losses
 
 
-def _send(
-    y: Tensor, dst: int, group: dist.ProcessGroup | None, device: torch.device
+class _Refused(InputError):
+    """A previous stage's rank failed (``failed``: the pp ranks known to have)."""
+
+    def __init__(self, message: str, failed: frozenset[int]) -> None:
+        super().__init__(message)
+        self.failed = failed
+
+
+def _refuse(
+    owed: dict[int, int], failed: frozenset[int], group: dist.ProcessGroup, device: torch.device
 ) -> list[tuple[dist.Work | None, Tensor]]:
+    """Tell every rank still waiting for an activation from this one that none will come, and
+    which ranks failed, so that the news travels down the pipeline without going back to a
+    rank that has stopped receiving (a looped or V schedule returns to earlier ranks). Not
+    waited: a rank that failed meanwhile from another cause never takes it."""
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    header[0] = _REFUSED
+    for r in failed:
+        if r < _WORDS * 62:  # a pp group past 558 ranks: the others go unnamed
+            header[1 + r // 62] |= 1 << (r % 62)
+    return [
+        (dist.isend(header, group=group, group_dst=dst), header) for dst, n in owed.items() if n and dst not in failed
+    ]
+
+
+def _failed_ranks(failed: bool, group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    """The pp ranks that failed, agreed by every rank of ``group``."""
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
+    flags[dist.get_rank(group)] = int(failed)
+    dist.all_reduce(flags, group=group)
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+def _send(y: Tensor, dst: int, group: dist.ProcessGroup | None) -> list[tuple[dist.Work | None, Tensor]]:
     if not isinstance(y, Tensor) or y.dtype not in _DTYPES or y.dim() > _MAX_DIMS:
-        # the next stage's rank is already waiting for this header: tell it, then raise here
-        dist.send(torch.full((_HEADER,), _REFUSED, dtype=torch.int64, device=device), group=group, group_dst=dst)
-        raise InputError(
+        raise InputError(  # the next stage's rank is told by forward_only's refusal
             f"a pipeline stage handed on {type(y).__name__} "
             f"{getattr(y, 'dtype', '')} {tuple(getattr(y, 'shape', ()))}: the forward-only pass takes one "
             f"floating tensor of at most {_MAX_DIMS} dims ({', '.join(map(str, _DTYPES))})"
@@ -101,9 +162,12 @@ def _receive(src: int, group: dist.ProcessGroup | None, device: torch.device) ->
     dist.recv(header, group=group, group_src=src)
     ndim, dtype, *shape = header.tolist()
     if ndim == _REFUSED:
-        raise InputError(
-            f"the previous pipeline stage (pp rank {src}) handed on what the forward-only pass cannot send: "
-            "see that rank's error"
+        words = header[1:].tolist()
+        failed = frozenset(62 * i + b for i, word in enumerate(words) for b in range(62) if word >> b & 1)
+        raise _Refused(
+            f"the forward-only pass stopped: pp rank(s) {sorted(failed)} failed before this stage (the one "
+            f"before it is pp rank {src}); see the first of their errors",
+            failed,
         )
     x = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
     dist.recv(x, group=group, group_src=src)

@@ -394,6 +394,12 @@ def rank0_failures(layout: Layout) -> None:
     with tempfile.NamedTemporaryFile() as not_a_folder:
         with raises(ConfigError, "data.cache_dir"):
             stdlib_tokens(world.comm, 0.02, 300, Path(not_a_folder.name) / "cache", lambda line: None)
+
+    def broken_tokenizer(line: str) -> None:  # any failure of rank 0's, not only the file system's
+        raise RuntimeError("the tokenizer broke")
+
+    with tempfile.TemporaryDirectory() as cache, raises(ConfigError, "RuntimeError: the tokenizer broke"):
+        stdlib_tokens(world.comm, 0.02, 300, Path(cache), broken_tokenizer)
     # the stage balancing: rank 0 alone times the layers; ids past the positions fail there
     if layout.dims.pp > 1:
         too_long = torch.zeros(2, MODEL.seq_len + 4, dtype=torch.long)
@@ -406,9 +412,50 @@ def rank0_failures(layout: Layout) -> None:
         stage = nn.Module()
         stage.forward = (lambda x: x.long()) if first else (lambda x: x)  # type: ignore[method-assign]
         ids = [torch.zeros(2, MODEL.seq_len, dtype=torch.long)]
-        with raises(InputError, "handed on"):
+        with raises(InputError, "handed on" if first else r"pp rank\(s\) \[0\] failed"):
             forward_only({layout.pp_rank: stage}, layout.dims.pp, lambda s: s, layout.pp_group, ids, ids,
                          lambda y, t: y.float().mean())  # fmt: skip
+
+
+def forward_only_failures(layout: Layout) -> None:
+    """The forward-only pass over every rank as one pipeline, each case on a fresh group (a
+    failed pass leaves sends no rank will take): a failure anywhere raises on every rank, none
+    waits. Looped, straight and V-shaped stage orders; 3 micro-batches, so ranks before the
+    failure have sends still in flight."""
+    import torch.distributed as dist
+
+    n, me, m = layout.world.size, layout.world.rank, 3
+    inputs = [torch.full((2, 4), float(k)) for k in range(m)]
+
+    def stage(fn: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+        module = nn.Module()
+        module.forward = fn  # type: ignore[method-assign]
+        return module
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("stage broke")
+
+    def run(owner: Callable[[int], int], stages: int, bad: int, fault: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        mine = {s: stage(fault if s == bad else lambda x: x + 1) for s in range(stages) if owner(s) == me}
+        forward_only(mine, stages, owner, dist.new_group(list(range(n))), inputs, inputs, lambda y, t: y.mean())
+
+    v_owner = lambda s: s if s < n else 2 * n - 1 - s  # noqa: E731
+    cases = [
+        ("looped", lambda s: s % n, 2 * n, 1, lambda x: x.long()),  # stage 1 hands on integers
+        ("straight", lambda s: s, n, 2, broken),
+        ("V", v_owner, 2 * n, n, broken),  # the V's turn: stage n, on the last rank, after stage n - 1 there
+    ]
+    for name, owner, stages, bad, fault in cases:
+        if owner(bad) == me:
+            want = (InputError, "handed on") if name == "looped" else (RuntimeError, "stage broke")
+        else:
+            want = (InputError, rf"pp rank\(s\) \[.*{owner(bad)}")
+        with raises(*want):
+            run(owner, stages, bad, fault)
+    # and a pass that fails nowhere still returns the last stage's losses
+    mine = {s: stage(lambda x: x + 1) for s in range(n) if s == me}
+    losses = forward_only(mine, n, lambda s: s, dist.new_group(list(range(n))), inputs, inputs, lambda y, t: y.mean())
+    assert [float(x) for x in losses] == ([k + n for k in range(m)] if me == n - 1 else []), losses
 
 
 def main() -> None:
@@ -473,6 +520,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("1F1B", 1, "ddp", moe=AUTO),  # the blocks timed beside DDP's hooks, which must not fire
         parity("GPipe", 1, "sparta", embedding="dense"),
         parity("1F1B", 1, "ddp", recompute=(0,)),
+        forward_only_failures,
     ],
     "ddp_pp": [parity("1F1B", 1, "ddp", microbatches=4), bad_inputs],  # bad_inputs at tp1 with ep too
     "horovod": [parity("1F1B", 1, "horovod")],
