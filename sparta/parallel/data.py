@@ -134,6 +134,11 @@ def stdlib_tokens(
             problem = exc
         except OSError as exc:  # an unwritable cache_dir, a full disk
             problem = ConfigError(f"the token cache: {exc}; point data.cache_dir at a writable folder")
+        except Exception as exc:  # noqa: BLE001 - a damaged cache file, the tokenizer: rank 0's alone
+            problem = ConfigError(
+                f"building the tokens failed: {type(exc).__name__}: {exc}; if the cache under data.cache_dir is "
+                "damaged, delete it to rebuild"
+            )
     comm.agree(problem, "stdlib_tokens")  # else the other ranks would wait in the broadcast
     count = int(comm.broadcast(torch.tensor([len(tokens)]), src=0))
     if comm.rank != 0:

@@ -206,7 +206,12 @@ def train(config: RunConfig, world: sparta.World) -> dict[str, Any]:
                     extra.get(key, "windows" if key == "samples" else None) != value for key, value in position.items()
                 ):
                     say(f"warning: the checkpoint was trained with {extra}; this run's batches differ from its")
-        metrics = cleanup.enter_context(closing(MetricsFile(config.output.metrics, world.rank, start_step)))
+        problem = None
+        try:  # rank 0 alone opens it: its failure must reach the others before any collective
+            metrics = cleanup.enter_context(closing(MetricsFile(config.output.metrics, world.rank, start_step)))
+        except OSError as exc:
+            problem = ConfigError(f"output.metrics={config.output.metrics!r} cannot be written ({exc}): fix the path")
+        world.comm.agree(problem, "opening output.metrics")
         tracer = cleanup.enter_context(closing(StepTracer(config, world.rank, layout.device)))
         bar = cleanup.enter_context(closing(progress_bar(world.rank == 0, t.steps, start_step)))
         losses: list[float] = []

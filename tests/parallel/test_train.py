@@ -95,6 +95,21 @@ def test_a_resumed_run_continues_the_uninterrupted_losses(tmp_path: Path) -> Non
     assert "sparta train: loading" in out and "layers.2." in out, out[-2000:]
 
 
+def test_an_unwritable_metrics_file_stops_every_rank(tmp_path: Path) -> None:
+    """Rank 0 alone opens output.metrics; where it cannot, the other rank raises too, rather
+    than waiting in the first validation's collectives (the launch would hang)."""
+    from launch import command
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    not_a_folder = tmp_path / "a_file"
+    not_a_folder.write_text("")
+    sets = ["parallel.dp=2", f"output.metrics={not_a_folder / 'metrics.jsonl'}"]
+    args = ["train", "--config", str(config), *[a for s in sets for a in ("--set", s)]]
+    out = _run(command("torchrun", 2, SPARTA, args), 150, "torchrun sparta train (bad metrics path)", expect=1)
+    assert out.count("opening output.metrics") >= 2 and "cannot be written" in out, out[-3000:]
+
+
 def test_the_demo_file_under_mpirun(tmp_path: Path) -> None:
     from launch import command, require_launcher
 
