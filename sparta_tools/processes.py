@@ -13,8 +13,10 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TextIO
 
 GRACE_S = 5.0  # from SIGTERM to SIGKILL
 
@@ -56,22 +58,35 @@ def stop(proc: subprocess.Popen[str], grace_s: float = GRACE_S) -> None:
         proc.wait(timeout=grace_s)
 
 
-def run_bounded(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float) -> tuple[int, str, bool]:
+def run_bounded(
+    cmd: Sequence[str], env: Mapping[str, str], timeout_s: float, echo: TextIO | None = None
+) -> tuple[int, str, bool]:
     """Run ``cmd`` with stdout and stderr together; (exit status, output, whether it ran past
-    ``timeout_s`` and was stopped). Ctrl-C stops the launch whole before it propagates."""
+    ``timeout_s`` and was stopped). ``echo``: also write each line there as it comes (a
+    launch's progress, live). Ctrl-C stops the launch whole before it propagates."""
     proc = subprocess.Popen(
         list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if echo is not None:
+                echo.write(line)
+                echo.flush()
+
+    reader = threading.Thread(target=read, name="run_bounded output", daemon=True)
+    reader.start()
+    timed_out = False
     try:
-        out, _ = proc.communicate(timeout=timeout_s)
-        return proc.returncode, out or "", False
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        timed_out = True
         stop(proc)
     except BaseException:
         stop(proc)
         raise
-    try:
-        out, _ = proc.communicate(timeout=GRACE_S)
-    except subprocess.TimeoutExpired:  # a grandchild out of reach still holds the pipe
-        out = ""
-    return 124, out or "", True
+    reader.join(timeout=GRACE_S)  # a grandchild out of reach may still hold the pipe
+    return (124 if timed_out else proc.returncode), "".join(lines), timed_out

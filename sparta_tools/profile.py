@@ -134,8 +134,7 @@ def launch(run: ProfileRun) -> int:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={run.nprocs}",
            "--master-addr=127.0.0.1", f"--master-port={port}", *worker]  # fmt: skip
-    code, out, timed_out = run_bounded(cmd, {**os.environ, **env}, run.timeout_s)
-    print(out, end="", flush=True)
+    code, _, timed_out = run_bounded(cmd, {**os.environ, **env}, run.timeout_s, echo=sys.stdout)
     if timed_out:
         print(f"sparta profile: ranks ran past {run.timeout_s:g} s and were stopped", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@ own, which killing the launcher's process group alone left running (sparta_tools
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import time
@@ -36,3 +37,19 @@ def test_a_launch_past_its_timeout_is_stopped_with_its_ranks(tmp_path: Path) -> 
     # and a launch that ends in time gives its status and output
     code, out, timed_out = run_bounded([sys.executable, "-c", "print('done'); raise SystemExit(3)"], env, 60)
     assert (code, out.strip(), timed_out) == (3, "done", False)
+    # echoed line by line as the launch writes them, not at its end
+    class Stamped(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+
+        def write(self, text: str) -> int:
+            self.times.append(time.monotonic())
+            return super().write(text)
+
+    echo = Stamped()
+    ticks = "import time\nfor i in range(3):\n    print('tick', i, flush=True)\n    time.sleep(1)\n"
+    code, out, timed_out = run_bounded([sys.executable, "-c", ticks], env, 60, echo=echo)  # type: ignore[arg-type]
+    done = time.monotonic()
+    assert code == 0 and not timed_out and echo.getvalue() == out and out.count("tick") == 3, out
+    assert done - echo.times[0] > 1.5, (done, echo.times)  # the first line came about 3 s before the end
