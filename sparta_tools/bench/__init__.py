@@ -12,10 +12,11 @@ starts its own local ranks, one job per engine (runner.drive); under torchrun, m
 horovodrun each rank runs it directly (rank.worker). Output: JSON lines, a header first
 (records.py says what every field means), and a table on stdout.
 
-A suite is a `Suite`: its flags, a check of them (ConfigError, before any rank starts), and
-`run(ctx)` on every rank (rank.BenchContext: time_points checks each variant against an
-oracle, times the variants alternately and emits one record per variant). To add one,
-list it in suites.folded().
+A suite is a `Suite`: its flags and the frozen dataclass they parse into (a SuiteFlags,
+validated on construction), a check of what they need of the whole run (both ConfigError,
+before any rank starts), and `run(ctx)` on every rank (rank.BenchContext: time_points checks
+each variant against an oracle, times the variants alternately and emits one record per
+variant). To add one, list it in suites.folded().
 """
 
 from __future__ import annotations
@@ -28,14 +29,8 @@ from collections.abc import Sequence
 import torch
 
 from sparta.errors import ConfigError
-from sparta_tools.bench.options import add_common, comma_subset, options_from
+from sparta_tools.bench.options import add_common, options_from
 from sparta_tools.bench.runner import Suite
-
-COMMON_DESTS = frozenset(
-    ("minbytes", "maxbytes", "stepfactor", "iters", "warmup_iters", "check", "datatype", "average", "output",
-     "engines", "nprocs", "device", "seed", "bind", "timeout", "expect_ranks", "expect_nodes", "ranks_per_node",
-     "rate", "peak", "_worker", "plant_wrong", "command", "suite")
-)  # fmt: skip
 
 
 def _collectives() -> list[Suite]:
@@ -44,11 +39,11 @@ def _collectives() -> list[Suite]:
 
     return [
         Suite("collectives", "every collective on every engine: Sparta's Communicator beside the engine's own call",
-              c.add_collectives_arguments, c.check_collectives_options, c.run_collectives,
-              lambda opts, extra: run_peers(opts, comma_subset(str(extra["ops"]), c.OPS, "--ops"))),
+              c.add_collectives_arguments, c.CollectivesFlags, c.run_collectives,
+              peers=lambda opts: run_peers(opts, opts.flags_as(c.CollectivesFlags).ops)),
         Suite("alltoallv", "uneven all-to-all: uniform, Zipf, a byte-matrix file, or a real MoE router's counts",
-              c.add_alltoallv_arguments, c.check_alltoallv_options, c.run_alltoallv,
-              lambda opts, extra: run_peers(opts, ["alltoallv"])),
+              c.add_alltoallv_arguments, c.AlltoallvFlags, c.run_alltoallv, check=c.check_alltoallv_options,
+              peers=lambda opts: run_peers(opts, ["alltoallv"])),
     ]  # fmt: skip
 
 
@@ -90,12 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.suite in ("compare", "plot"):
         return int(args.run(args))
     suite = all_suites[args.suite]
-    extra = {k: v for k, v in vars(args).items() if k not in COMMON_DESTS}
-    if args.plant_wrong:
-        extra["plant_wrong"] = True
     try:
-        opts = options_from(args, suite.name, extra)
-        suite.check(opts)
+        opts = options_from(args, suite.name, suite.flags.from_args(args))
+        if suite.check is not None:
+            suite.check(opts)
     except ConfigError as exc:
         parser.exit(2, f"sparta bench {suite.name}: error: {exc}\n")
     from sparta.comm.launch import detect
@@ -113,5 +106,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"sparta bench {suite.name}: error: --device cuda --nprocs {opts.nprocs}: each rank takes a "
                        f"GPU of its own and this machine has {gpus}; start at most that many ranks\n")  # fmt: skip
     engines = opts.engines or suite.engines
-    peers = (lambda o: suite.peers(o, extra)) if suite.peers else None
-    return runner.drive(opts, argv, command, engines, peers)
+    return runner.drive(opts, argv, command, engines, suite.peers)

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sparta.errors import ConfigError
 from sparta_tools.bench import records, traffic
-from sparta_tools.bench.options import BenchOptions, comma_subset, human_size
+from sparta_tools.bench.options import BenchOptions, SuiteFlags, check_subset, comma_names, human_size
 from sparta_tools.bench.oracle import Oracle
 from sparta_tools.bench.rank import BenchContext
 
@@ -53,31 +54,74 @@ def add_alltoallv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-counts", default="", help="JSON rows per global expert recorded on each rank")
 
 
-def check_collectives_options(opts: BenchOptions) -> None:
-    extra = opts.extra
-    comma_subset(str(extra["ops"]), OPS, "--ops")
-    comma_subset(str(extra["variants"]), VARIANTS, "--variants")
+@dataclass(frozen=True)
+class CollectivesFlags(SuiteFlags):
+    """`collectives`: the ops to time (--ops) and the variants of each (--variants)."""
+
+    ops: tuple[str, ...]
+    variants: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        check_subset(self.ops, OPS, "--ops")
+        check_subset(self.variants, VARIANTS, "--variants")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> CollectivesFlags:
+        return cls(ops=comma_names(args.ops), variants=comma_names(args.variants))
+
+
+@dataclass(frozen=True)
+class AlltoallvFlags(SuiteFlags):
+    """`alltoallv`: the traffic patterns (--patterns; --matrix adds `file`), the variants, the
+    Zipf exponent, the matrix file, and the routed layer of pattern `moe` (--moe-*:
+    moe_experts 0 is 4 per rank; moe_counts: a file of recorded counts instead)."""
+
+    patterns: tuple[str, ...]
+    variants: tuple[str, ...]
+    zipf_s: float
+    matrix: str
+    moe_experts: int
+    moe_top_k: int
+    moe_tokens: int
+    moe_d_model: int
+    moe_counts: str
+
+    def __post_init__(self) -> None:
+        check_subset(self.patterns, traffic.PATTERNS, "--patterns")
+        check_subset(self.variants, VARIANTS, "--variants")
+        if "file" in self.patterns and not self.matrix:
+            raise ConfigError("--patterns file needs --matrix FILE (JSON n x n bytes)")
+        if self.matrix and "file" not in self.patterns:  # a matrix given is a matrix to run
+            object.__setattr__(self, "patterns", (*self.patterns, "file"))
+        if self.zipf_s <= 0:
+            raise ConfigError(f"--zipf-s {self.zipf_s}: give an exponent > 0 (about 1.1 for token ids)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> AlltoallvFlags:
+        return cls(
+            patterns=comma_names(args.patterns),
+            variants=comma_names(args.variants),
+            zipf_s=args.zipf_s,
+            matrix=args.matrix,
+            moe_experts=args.moe_experts,
+            moe_top_k=args.moe_top_k,
+            moe_tokens=args.moe_tokens,
+            moe_d_model=args.moe_d_model,
+            moe_counts=args.moe_counts,
+        )
 
 
 def check_alltoallv_options(opts: BenchOptions) -> None:
-    extra = opts.extra
-    patterns = comma_subset(str(extra["patterns"]), traffic.PATTERNS, "--patterns")
-    comma_subset(str(extra["variants"]), VARIANTS, "--variants")
-    if "file" in patterns and not extra["matrix"]:
-        raise ConfigError("--patterns file needs --matrix FILE (JSON n x n bytes)")
-    if extra["matrix"] and "file" not in patterns:
-        patterns.append("file")
-        extra["patterns"] = ",".join(patterns)
-    if float(str(extra["zipf_s"])) <= 0:
-        raise ConfigError(f"--zipf-s {extra['zipf_s']}: give an exponent > 0 (about 1.1 for token ids)")
-    if extra["matrix"]:  # read here, before any rank starts: a bad file is one message, exit 2
+    """What the flags need of the whole run: a matrix file of --nprocs ranks, experts that spread over them."""
+    flags = opts.flags_as(AlltoallvFlags)
+    if flags.matrix:  # read here, before any rank starts: a bad file is one message, exit 2
         try:
-            traffic.matrix_file(str(extra["matrix"]), opts.nprocs, 1)
+            traffic.matrix_file(flags.matrix, opts.nprocs, opts.torch_dtype.itemsize)  # as the ranks read it
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(
-                f"--matrix {extra['matrix']}: cannot read it ({exc}); give a JSON n x n matrix of bytes"
+                f"--matrix {flags.matrix}: cannot read it ({exc}); give a JSON n x n matrix of bytes"
             ) from None
-    experts = int(str(extra["moe_experts"]))
+    experts = flags.moe_experts
     if experts and experts % opts.nprocs:
         raise ConfigError(f"--moe-experts {experts} cannot be spread over {opts.nprocs} ranks; use a multiple of it")
 
@@ -199,7 +243,8 @@ def flat(result: Any) -> torch.Tensor:
     return result.reshape(-1)
 
 
-def build_calls(ctx: BenchContext, op: str, x: torch.Tensor, variants: list[str], send: list[int] | None = None,
+def build_calls(ctx: BenchContext, op: str, x: torch.Tensor, variants: tuple[str, ...],
+                send: list[int] | None = None,
                 recv: list[int] | None = None) -> dict[str, Callable[[], Any]]:  # fmt: skip
     """The call of each variant (raw: the engine's own; sparta: the Communicator's) on input ``x``; a variant the
     engine cannot run records a skip instead."""
@@ -245,15 +290,14 @@ def expected(oracle: Oracle, op: str, count: int, rank: int, n: int) -> torch.Te
 
 def run_collectives(ctx: BenchContext) -> None:
     opts, n = ctx.opts, ctx.size
-    ops = comma_subset(str(opts.extra["ops"]), OPS, "--ops")
-    variants = comma_subset(str(opts.extra["variants"]), VARIANTS, "--variants")
+    flags = opts.flags_as(CollectivesFlags)
     oracle = Oracle(opts.seed, n, opts.torch_dtype, ctx.device)
     elem = torch.empty((), dtype=opts.torch_dtype).element_size()
     for size in opts.sizes():
-        for op in ops:
+        for op in flags.ops:
             count, nbytes = shapes(op, size, elem, n)
             x = oracle.buffer(ctx.rank, count)
-            calls = build_calls(ctx, op, x, variants)
+            calls = build_calls(ctx, op, x, flags.variants)
             if not calls:
                 continue
             want = expected(oracle, op, count, ctx.rank, n)
@@ -270,35 +314,33 @@ def run_collectives(ctx: BenchContext) -> None:
 
 def pattern_matrix(ctx: BenchContext, pattern: str, count: int, elem: int) -> list[list[int]]:
     """Elements M[i][j] rank i sends rank j for `pattern`, with about `count` per rank."""
-    extra, n = ctx.opts.extra, ctx.size
+    flags, n = ctx.opts.flags_as(AlltoallvFlags), ctx.size
     if pattern == "uniform":
         return traffic.uniform(n, count)
     if pattern == "zipf":
-        return traffic.zipf(n, count, float(str(extra["zipf_s"])), ctx.opts.seed)
+        return traffic.zipf(n, count, flags.zipf_s, ctx.opts.seed)
     if pattern == "file":
-        return traffic.matrix_file(str(extra["matrix"]), n, elem)
-    if extra["moe_counts"]:
-        rows = traffic.counts_file(str(extra["moe_counts"]), n)
+        return traffic.matrix_file(flags.matrix, n, elem)
+    if flags.moe_counts:
+        rows = traffic.counts_file(flags.moe_counts, n)
     else:
-        experts = int(str(extra["moe_experts"])) or 4 * n
-        rows = traffic.moe_rows(n, experts, int(str(extra["moe_top_k"])), int(str(extra["moe_tokens"])),
-                                int(str(extra["moe_d_model"])), ctx.opts.seed)  # fmt: skip
+        rows = traffic.moe_rows(n, flags.moe_experts or 4 * n, flags.moe_top_k, flags.moe_tokens,
+                                flags.moe_d_model, ctx.opts.seed)  # fmt: skip
     return traffic.scaled_rows(rows, count)
 
 
 def run_alltoallv(ctx: BenchContext) -> None:
     opts, n, me = ctx.opts, ctx.size, ctx.rank
-    patterns = comma_subset(str(opts.extra["patterns"]), traffic.PATTERNS, "--patterns")
-    variants = comma_subset(str(opts.extra["variants"]), VARIANTS, "--variants")
+    flags = opts.flags_as(AlltoallvFlags)
     oracle = Oracle(opts.seed, n, opts.torch_dtype, ctx.device)
     elem = torch.empty((), dtype=opts.torch_dtype).element_size()
-    for pattern in patterns:
+    for pattern in flags.patterns:
         for size in [0] if pattern == "file" else opts.sizes():
             m = pattern_matrix(ctx, pattern, max(1, size // elem), elem)
             send = m[me]
             recv = [m[i][me] for i in range(n)]
             x = oracle.buffer(me, sum(send))
-            calls = build_calls(ctx, "alltoallv", x, variants, send, recv)
+            calls = build_calls(ctx, "alltoallv", x, flags.variants, send, recv)
             if not calls:
                 continue
             want = oracle.gathered([(i, sum(m[i][:me]), m[i][me]) for i in range(n)])

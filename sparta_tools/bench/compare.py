@@ -90,10 +90,9 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[dict[str, 
         if x.get("median_us") is None or y.get("median_us") is None:
             continue
         ranged = all(p.get(f) is not None for p in (x, y) for f in ("min_us", "max_us"))
-        lo_a, hi_a = x.get("min_us") or x["median_us"], x.get("max_us") or x["median_us"]
-        lo_b, hi_b = y.get("min_us") or y["median_us"], y.get("max_us") or y["median_us"]
-        verdict = "" if not ranged else "SLOWER" if lo_b > hi_a else "FASTER" if hi_b < lo_a else ""
-        verdict = verdict if ranged else "no range"
+        lo_a, hi_a = (x["min_us"], x["max_us"]) if ranged else (x["median_us"],) * 2
+        lo_b, hi_b = (y["min_us"], y["max_us"]) if ranged else (y["median_us"],) * 2
+        verdict = "no range" if not ranged else "SLOWER" if lo_b > hi_a else "FASTER" if hi_b < lo_a else ""
         rows.append({"point": label(k), "base_us": x["median_us"], "new_us": y["median_us"],
                      "ratio": y["median_us"] / x["median_us"] if x["median_us"] else float("inf"),
                      "base_range": (lo_a, hi_a), "new_range": (lo_b, hi_b), "verdict": verdict})  # fmt: skip

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from sparta.errors import ConfigError
-from sparta_tools.bench.options import BenchOptions
+from sparta_tools.bench.options import BenchOptions, SuiteFlags, comma_names
 from sparta_tools.bench.rank import BenchContext
 
 VARIANTS = {
@@ -52,6 +53,7 @@ VARIANTS = {
             "sparta_row_noqueue", "dense_block_alone"),
 }  # fmt: skip
 ALL_VARIANTS = sorted({v for vs in VARIANTS.values() for v in vs})
+BLOCKS = ("mlp", "transformer")
 QUEUE_CHUNK_BYTES = 256 << 10
 # The check's absolute term, a fraction of the probe output's largest magnitude: float32
 # summation order leaves an absolute error at the scale of the output, not of each element,
@@ -72,30 +74,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of the ids")
-    parser.add_argument("--block", default="mlp", choices=("mlp", "transformer"), help="the dense block on top")
+    parser.add_argument("--block", default="mlp", choices=BLOCKS, help="the dense block on top")
     parser.add_argument("--variants", default="", help=f"comma-separated subset of {','.join(ALL_VARIANTS)}")
     rule = f"|got - want| <= rtol |want| + {NOISE_FLOOR:g} max|want|"
     parser.add_argument("--rtol", type=float, default=1e-4, help=f"check against the replayed model: {rule}")
 
 
-def _vocabs(text: str) -> list[int]:
-    try:
-        vocabs = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        vocabs = []
-    if not vocabs or min(vocabs) < 2:
-        raise ConfigError(f"--vocabs {text!r}: comma-separated table sizes >= 2, e.g. 50000,250000")
-    return vocabs
+def _vocabs_error(text: str) -> ConfigError:
+    return ConfigError(f"--vocabs {text!r}: comma-separated table sizes >= 2, e.g. 50000,250000")
+
+
+@dataclass(frozen=True)
+class EmbeddingFlags(SuiteFlags):
+    """`embedding`: the table sizes to run (--vocabs), the model's width, batch and sequence,
+    the ids' Zipf exponent, the dense block (of BLOCKS), the variants (empty: every one of
+    the engine's) and the check's rtol."""
+
+    vocabs: tuple[int, ...]
+    dim: int
+    batch: int
+    seq: int
+    zipf_s: float
+    block: str
+    variants: tuple[str, ...]
+    rtol: float
+
+    def __post_init__(self) -> None:
+        if not self.vocabs or min(self.vocabs) < 2:
+            raise _vocabs_error(",".join(map(str, self.vocabs)))
+        bad = [v for v in self.variants if v not in ALL_VARIANTS]
+        if bad:
+            raise ConfigError(f"--variants {bad}: unknown; known: {', '.join(ALL_VARIANTS)}")
+        for name, value in (("dim", self.dim), ("batch", self.batch), ("seq", self.seq)):
+            if value < 1:
+                raise ConfigError(f"--{name} {value}: must be >= 1")
+        if self.block not in BLOCKS:
+            raise ConfigError(f"--block {self.block!r}: use one of {', '.join(BLOCKS)}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EmbeddingFlags:
+        try:
+            vocabs = tuple(int(v) for v in args.vocabs.split(",") if v)
+        except ValueError:
+            raise _vocabs_error(args.vocabs) from None
+        return cls(vocabs=vocabs, dim=args.dim, batch=args.batch, seq=args.seq, zipf_s=args.zipf_s,
+                   block=args.block, variants=comma_names(args.variants), rtol=args.rtol)  # fmt: skip
 
 
 def check(opts: BenchOptions) -> None:
-    _vocabs(str(opts.extra["vocabs"]))
-    bad = [v for v in str(opts.extra["variants"]).split(",") if v and v not in ALL_VARIANTS]
-    if bad:
-        raise ConfigError(f"--variants {bad}: unknown; known: {', '.join(ALL_VARIANTS)}")
-    for name in ("dim", "batch", "seq"):
-        if int(str(opts.extra[name])) < 1:
-            raise ConfigError(f"--{name} {opts.extra[name]}: must be >= 1")
+    """The embedding suite's check of the whole run: float32 on CPU."""
     if opts.dtype != "float32" or opts.device != "cpu":
         raise ConfigError("the embedding suite trains in float32 on CPU (-d float32, --device cpu)")
 
@@ -275,13 +302,12 @@ def run(ctx: BenchContext) -> None:
     from sparta.parallel import ParallelDims, build_layout
 
     opts = ctx.opts
-    dim, batch, seq = (int(str(opts.extra[k])) for k in ("dim", "batch", "seq"))
-    wanted = [v for v in str(opts.extra["variants"]).split(",") if v] or list(VARIANTS[ctx.engine])
+    flags = opts.flags_as(EmbeddingFlags)
+    dim, batch, seq, block, rtol = flags.dim, flags.batch, flags.seq, flags.block, flags.rtol
+    wanted = flags.variants or VARIANTS[ctx.engine]
     layout = build_layout(ParallelDims(dp=ctx.size), ctx.world)
-    rtol = float(str(opts.extra["rtol"]))
-    for vocab in _vocabs(str(opts.extra["vocabs"])):
-        batches = Batches(vocab, batch, seq, float(str(opts.extra["zipf_s"])), opts.seed)
-        block = str(opts.extra["block"])
+    for vocab in flags.vocabs:
+        batches = Batches(vocab, batch, seq, flags.zipf_s, opts.seed)
         reference = Reference(vocab, dim, ctx.size, batches, block)
         variants: dict[str, Variant] = {}
         for name in wanted:
@@ -315,7 +341,7 @@ def run(ctx: BenchContext) -> None:
                 "dim": dim,
                 "ids_per_rank": batch * seq,
                 "block": block,
-                "zipf_s": opts.extra["zipf_s"],
+                "zipf_s": flags.zipf_s,
             },  # fmt: skip
             {name: v.step for name, v in variants.items()},
             check_one,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -51,10 +51,11 @@ from sparta_tools.bench.moe_candidates import (
     reference_output,
     wrong_values,
 )
-from sparta_tools.bench.options import BenchOptions, human_size
+from sparta_tools.bench.options import BenchOptions, SuiteFlags, human_size
 from sparta_tools.bench.rank import BenchContext
 
 SUITE_CONFIGS = {**CONFIGS, **GPU_CONFIGS, "tiny": BenchConfig("tiny", tokens=256, d_model=64, d_ff=128, num_experts=4)}
+DISPATCH_VARIANTS = ("sparta", "naive")
 
 
 def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,72 +81,119 @@ def add_dispatch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default="sparta,naive")
 
 
-def _configs(opts: BenchOptions) -> list[BenchConfig]:
-    name = str(opts.extra["config"])
-    if name != "all" and name not in SUITE_CONFIGS:
-        raise ConfigError(f"--config {name!r}: use one of {', '.join(SUITE_CONFIGS)} or all")
+@dataclass(frozen=True)
+class MoEFlags(SuiteFlags):
+    """What `moe-layer` and `pipeline` share: the layer's --config (a name of SUITE_CONFIGS, or
+    all) and the output check's tolerances (0: by dtype)."""
+
+    config: str
+    atol: float
+    rtol: float
+
+    def __post_init__(self) -> None:
+        if self.config != "all" and self.config not in SUITE_CONFIGS:
+            raise ConfigError(f"--config {self.config!r}: use one of {', '.join(SUITE_CONFIGS)} or all")
+
+
+@dataclass(frozen=True)
+class MoELayerFlags(MoEFlags):
+    """`moe-layer`: the candidates to time beside the dense floor, and --zero-grad."""
+
+    candidates: tuple[str, ...]
+    zero_grad: bool
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        unknown = [c for c in self.candidates if c not in CANDIDATES]
+        if unknown:
+            raise ConfigError(f"--candidates: unknown {unknown}; known: {', '.join(CANDIDATES)}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> MoELayerFlags:
+        return cls(config=args.config, atol=args.atol, rtol=args.rtol, candidates=tuple(args.candidates.split(",")),
+                   zero_grad=args.zero_grad)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PipelineFlags(MoEFlags):
+    """`pipeline`: the pipeline degrees to time, each as `sparta profile` takes one (an int, a
+    (forward, backward[, taper]) tuple, or "auto")."""
+
+    degrees: tuple[int | tuple[int, ...] | str, ...]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.degrees:
+            raise ConfigError("--degrees is empty; e.g. --degrees '1;4;auto'")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PipelineFlags:
+        from sparta_tools.profile import parse_degree
+
+        parts = [part.strip() for part in args.degrees.split(";")]
+        degrees = tuple(parse_degree(part, "--degrees") for part in parts if part)
+        return cls(config=args.config, atol=args.atol, rtol=args.rtol, degrees=degrees)
+
+
+def _skews_error(text: str) -> ConfigError:
+    return ConfigError(f"--skews {text!r}: comma-separated Zipf exponents >= 0, e.g. 0,1.1,2")
+
+
+@dataclass(frozen=True)
+class DispatchFlags(SuiteFlags):
+    """`dispatch`: the Zipf exponents of the routing bias (--skews, 0: none), the router's
+    experts and top-k, the row width, and the variants (of DISPATCH_VARIANTS)."""
+
+    skews: tuple[float, ...]
+    experts: int
+    top_k: int
+    d_model: int
+    variants: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.skews or any(s < 0 for s in self.skews):
+            raise _skews_error(",".join(f"{s:g}" for s in self.skews))
+        if not 1 <= self.top_k <= self.experts:
+            raise ConfigError(f"--top-k {self.top_k} with --experts {self.experts}: need 1 <= top_k <= experts")
+        if self.d_model < 1:
+            raise ConfigError(f"--d-model {self.d_model}: give a row width >= 1")
+        bad = [v for v in self.variants if v not in DISPATCH_VARIANTS]
+        if bad or not self.variants:
+            raise ConfigError(f"--variants {bad}: use sparta and/or naive")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DispatchFlags:
+        try:
+            skews = tuple(float(s) for s in args.skews.split(",") if s)
+        except ValueError:
+            raise _skews_error(args.skews) from None
+        return cls(skews=skews, experts=args.experts, top_k=args.top_k, d_model=args.d_model,
+                   variants=tuple(args.variants.split(",")))  # fmt: skip
+
+
+def _configs(opts: BenchOptions, zero_grad: bool = False) -> list[BenchConfig]:
+    name = opts.flags_as(MoEFlags).config
     chosen = all_configs(opts.device) if name == "all" else [SUITE_CONFIGS[name]]
-    return [replace(c, zero_grad=bool(opts.extra.get("zero_grad")), device=opts.device, dtype=opts.dtype)
-            for c in chosen]  # fmt: skip
+    return [replace(c, zero_grad=zero_grad, device=opts.device, dtype=opts.dtype) for c in chosen]
 
 
-def _check_dtype(opts: BenchOptions) -> None:
+def check_dtype(opts: BenchOptions) -> None:
+    """The MoE layer suites' check of the whole run: a dtype the output check has tolerances for."""
     if opts.dtype not in TOLERANCE:
         raise ConfigError(f"-d {opts.dtype}: the MoE suites take {' or '.join(TOLERANCE)}")
 
 
-def check_layer(opts: BenchOptions) -> None:
-    _check_dtype(opts)
-    _configs(opts)
-    unknown = [c for c in str(opts.extra["candidates"]).split(",") if c not in CANDIDATES]
-    if unknown:
-        raise ConfigError(f"--candidates: unknown {unknown}; known: {', '.join(CANDIDATES)}")
-
-
-def parse_degrees(text: str) -> list[int | tuple[int, ...] | str]:
-    """``--degrees``: pipeline degrees separated by ";" (each as `sparta profile` takes one)."""
-    from sparta_tools.profile import parse_degree
-
-    out = [parse_degree(part.strip(), "--degrees") for part in text.split(";") if part.strip()]
-    if not out:
-        raise ConfigError("--degrees is empty; e.g. --degrees '1;4;auto'")
-    return out
-
-
-def check_pipeline(opts: BenchOptions) -> None:
-    _check_dtype(opts)
-    _configs(opts)
-    parse_degrees(str(opts.extra["degrees"]))
-
-
-def _skews(text: str) -> list[float]:
-    try:
-        skews = [float(s) for s in text.split(",") if s]
-    except ValueError:
-        raise ConfigError(f"--skews {text!r}: comma-separated Zipf exponents >= 0, e.g. 0,1.1,2") from None
-    if not skews or any(s < 0 for s in skews):
-        raise ConfigError(f"--skews {text!r}: comma-separated Zipf exponents >= 0, e.g. 0,1.1,2")
-    return skews
-
-
 def check_dispatch(opts: BenchOptions) -> None:
-    _skews(str(opts.extra["skews"]))
-    e, k = int(str(opts.extra["experts"])), int(str(opts.extra["top_k"]))
-    if not 1 <= k <= e:
-        raise ConfigError(f"--top-k {k} with --experts {e}: need 1 <= top_k <= experts")
-    if int(str(opts.extra["d_model"])) < 1:
-        raise ConfigError(f"--d-model {opts.extra['d_model']}: give a row width >= 1")
+    """`dispatch`'s check of the whole run: a floating dtype."""
     if not opts.torch_dtype.is_floating_point:
         raise ConfigError(f"-d {opts.dtype}: dispatch moves activations; use a floating dtype")
-    bad = [v for v in str(opts.extra["variants"]).split(",") if v not in ("sparta", "naive")]
-    if bad:
-        raise ConfigError(f"--variants {bad}: use sparta and/or naive")
 
 
 # ------------------------------------------------------------------------------ layer suites
 def _tolerance(ctx: BenchContext) -> tuple[float, float]:
     atol, rtol = TOLERANCE[ctx.opts.dtype]
-    return float(str(ctx.opts.extra.get("atol") or atol)), float(str(ctx.opts.extra.get("rtol") or rtol))
+    flags = ctx.opts.flags_as(MoEFlags)
+    return flags.atol or atol, flags.rtol or rtol
 
 
 def _output_check(ctx: BenchContext, steps: dict[str, Any], reference: torch.Tensor) -> Any:
@@ -186,9 +234,10 @@ def _fits(ctx: BenchContext, cfg: BenchConfig) -> bool:
 
 def run_layer(ctx: BenchContext) -> None:
     n, rank = ctx.size, ctx.rank
-    wanted = ["dense", *(c for c in str(ctx.opts.extra["candidates"]).split(",") if c != "dense")]
+    flags = ctx.opts.flags_as(MoELayerFlags)
+    wanted = ["dense", *(c for c in flags.candidates if c != "dense")]
     ctx.skip("Tutel is not on PyPI (github.com/microsoft/tutel); not installed here", candidate="tutel")
-    for cfg in _configs(ctx.opts):
+    for cfg in _configs(ctx.opts, flags.zero_grad):
         if not _fits(ctx, cfg):
             continue
         place = Place(ctx.comm if n > 1 else None)
@@ -244,7 +293,7 @@ def run_pipeline(ctx: BenchContext) -> None:
             continue
         x = make_input(cfg, rank, n)
         steps: dict[str, Any] = {"dense": build("dense", cfg, x, Place(ctx.comm))}
-        for degree in parse_degrees(str(ctx.opts.extra["degrees"])):
+        for degree in ctx.opts.flags_as(PipelineFlags).degrees:
             torch.manual_seed(0)  # the weights of moe_candidates' layers: the reference's
             layer = MoELayer(cfg.d_model, cfg.d_ff, cfg.num_experts, top_k=cfg.top_k, ep_size=n, comm=ctx.comm,
                              aux_loss_coef=AUX_LOSS_COEF,
@@ -277,13 +326,13 @@ def run_dispatch(ctx: BenchContext) -> None:
     from sparta.moe import combine, dispatch
 
     opts = ctx.opts
-    experts, k, d = int(str(opts.extra["experts"])), int(str(opts.extra["top_k"])), int(str(opts.extra["d_model"]))
-    variants = [v for v in str(opts.extra["variants"]).split(",") if v]
+    flags = opts.flags_as(DispatchFlags)
+    experts, k, d = flags.experts, flags.top_k, flags.d_model
     elem = torch.empty((), dtype=opts.torch_dtype).element_size()
     gen = torch.Generator().manual_seed(opts.seed)
     gate = torch.randn(experts, d, generator=gen).to(ctx.device) / math.sqrt(d)
     scale = torch.arange(1, experts + 1, device=ctx.device, dtype=torch.float32)
-    for s in _skews(str(opts.extra["skews"])):
+    for s in flags.skews:
         bias = zipf_bias(experts, s, opts.seed).to(ctx.device)
         for size in opts.sizes():
             tokens = max(1, size // (d * elem))
@@ -337,7 +386,7 @@ def run_dispatch(ctx: BenchContext) -> None:
                     "top_k": k,
                     "dtype": opts.dtype,
                 },  # fmt: skip
-                {v: paths[v] for v in variants},
+                {v: paths[v] for v in flags.variants},
                 check,
                 lambda _s, load=load: {"imbalance": round(load, 4)},
             )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -40,6 +41,7 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "bf16": "bfloat16"}
 BINDS = ("none", "core")
 _SIZE = re.compile(r"^(\d+)([KMGT]?)(i?B?)$", re.IGNORECASE)
+F = TypeVar("F", bound="SuiteFlags")
 
 
 def parse_size(text: str) -> int:
@@ -67,11 +69,25 @@ def human_size(nbytes: int) -> str:
     return str(nbytes)
 
 
+@dataclass(frozen=True)
+class SuiteFlags:
+    """A suite's own flags, parsed: each suite subclasses it next to its `add_*_arguments`,
+    validates the values in `__post_init__` (ConfigError naming the flag) and parses them
+    from the command line in `from_args`. This base class is a suite with no flags."""
+
+    @classmethod
+    def from_args(cls: type[F], args: argparse.Namespace) -> F:
+        """The flags from the parsed command line; ConfigError names a bad one."""
+        return cls()
+
+
 @dataclass
 class BenchOptions:
     """One suite run. Sizes in bytes (per nccl-tests' conventions, see records.BANDWIDTH);
     iters/warmup per variant and point; combine: how the ranks' times of one call make the
-    call's time; timeout_s bounds the whole launch (driver) and every collective (ranks)."""
+    call's time; timeout_s bounds the whole launch (driver) and every collective (ranks);
+    flags: the suite's own (read them with `flags_as`); plant_wrong (hidden --_plant-wrong):
+    one expected value off, proving that a wrong result fails the run."""
 
     suite: str
     minbytes: int = 4 << 10
@@ -94,7 +110,8 @@ class BenchOptions:
     ranks_per_node: int = 0
     rate: str = ""
     peak_gbps: float = 0.0
-    extra: dict[str, object] = field(default_factory=dict)  # the suite's own flags
+    flags: SuiteFlags = field(default_factory=SuiteFlags)
+    plant_wrong: bool = False
 
     def __post_init__(self) -> None:
         if self.minbytes < 1 or self.maxbytes < self.minbytes:
@@ -137,6 +154,12 @@ class BenchOptions:
                     f"{per_node}"
                 )
             ClusterConfig(nodes=self.nprocs // per_node, ranks_per_node=per_node, rate=self.rate)  # checks the rate
+
+    def flags_as(self, kind: type[F]) -> F:
+        """The suite's flags as its own class `kind` (TypeError if they are another suite's)."""
+        if not isinstance(self.flags, kind):
+            raise TypeError(f"suite {self.suite}: its flags are {type(self.flags).__name__}, not {kind.__name__}")
+        return self.flags
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -196,8 +219,8 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--_command", dest="command", default="", help=argparse.SUPPRESS)
 
 
-def options_from(args: argparse.Namespace, suite: str, extra: dict[str, object]) -> BenchOptions:
-    """BenchOptions from parsed flags; ConfigError names the bad flag."""
+def options_from(args: argparse.Namespace, suite: str, flags: SuiteFlags) -> BenchOptions:
+    """BenchOptions from parsed flags and the suite's own, parsed; ConfigError names the bad flag."""
     combine = NCCL_AVERAGE.get(args.average, args.average)
     engines = tuple(e for e in args.engines.split(",") if e) if args.engines else ()
     return BenchOptions(
@@ -222,15 +245,17 @@ def options_from(args: argparse.Namespace, suite: str, extra: dict[str, object])
         ranks_per_node=args.ranks_per_node,
         rate=args.rate,
         peak_gbps=args.peak,
-        extra=extra,
+        flags=flags,
+        plant_wrong=args.plant_wrong,
     )
 
 
-def comma_subset(text: str, known: tuple[str, ...], flag: str) -> list[str]:
-    """The names of a comma-separated flag value (`--ops`, `--variants`, `--patterns`), each
-    one of `known`; ConfigError naming `flag` and the known names otherwise."""
-    chosen = [t for t in text.split(",") if t]
-    bad = [t for t in chosen if t not in known]
-    if bad or not chosen:
-        raise ConfigError(f"{flag} {text!r}: use a comma-separated subset of {','.join(known)}")
-    return chosen
+def comma_names(text: str) -> tuple[str, ...]:
+    """The names of a comma-separated flag value (`--ops`, `--variants`, `--patterns`)."""
+    return tuple(t for t in text.split(",") if t)
+
+
+def check_subset(chosen: tuple[str, ...], known: tuple[str, ...], flag: str) -> None:
+    """ConfigError naming `flag` and the known names unless `chosen` is a non-empty subset of `known`."""
+    if not chosen or any(t not in known for t in chosen):
+        raise ConfigError(f"{flag} {','.join(chosen)!r}: use a comma-separated subset of {','.join(known)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Sequence
 from typing import Any
 
 from sparta_tools.bench.options import BenchOptions, human_size
@@ -78,7 +79,7 @@ def _run(cmd: list[str], timeout_s: float) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def run_peers(opts: BenchOptions, ops: list[str]) -> list[dict[str, Any]]:
+def run_peers(opts: BenchOptions, ops: Sequence[str]) -> list[dict[str, Any]]:
     """Records of the peers for `ops` (points, or `skipped` with the reason)."""
     found: list[dict[str, Any]] = []
     common = {"suite": opts.suite, "dtype": opts.dtype}

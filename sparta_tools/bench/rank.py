@@ -51,7 +51,7 @@ class BenchContext:
         self.stream = stream
         self.wrong = 0
         self.points = 0
-        self.planted = not opts.extra.get("plant_wrong", False)  # True once the planted error is placed
+        self.planted = not opts.plant_wrong  # True once the planted error is placed
         self._skipped: set[tuple[Any, ...]] = set()
         self.emitted: list[dict[str, Any]] = []
 
@@ -238,7 +238,8 @@ def worker(opts: BenchOptions, suite_run: Callable[[BenchContext], None], comman
     stream = None
     if world.rank == 0 and opts.output:
         stream = records.emit_stream(opts.output)
-    options = {k: v for k, v in asdict(opts).items() if k != "extra"} | {"suite_options": opts.extra}
+    options = asdict(opts)
+    options["suite_options"] = options.pop("flags")  # the name `sparta bench` runs have always recorded them under
     # under the user's own launcher, `command` is one rank's argv: the launcher's line says how to rerun
     launched_by = records.user_launch_command() if standalone else None
     head = records.header(

@@ -24,23 +24,26 @@ from pathlib import Path
 from typing import Any
 
 from sparta_tools.bench import records
-from sparta_tools.bench.options import ENGINES, BenchOptions
+from sparta_tools.bench.options import ENGINES, BenchOptions, SuiteFlags
 from sparta_tools.processes import run_bounded
 
 
 @dataclass(frozen=True)
 class Suite:
-    """One `sparta bench <name>`. add_arguments: its own flags (they land in opts.extra);
-    check(opts): validates them (ConfigError) before anything launches; run(ctx): on every
-    rank; peers(opts, extra): the driver's records of tools outside Sparta; engines: those it
-    runs on by default."""
+    """One `sparta bench <name>`. add_arguments: its own flags; flags: the SuiteFlags class
+    they parse into (`flags.from_args`, validated on construction: ConfigError before anything
+    launches; read as opts.flags_as(flags)); run(ctx): on every rank; check(opts): what the
+    flags need of the whole run (dtype, device, --nprocs), also before anything launches;
+    peers(opts): the driver's records of tools outside Sparta; engines: those it runs on by
+    default."""
 
     name: str
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
-    check: Callable[[BenchOptions], None]
+    flags: type[SuiteFlags]
     run: Callable[[Any], None]
-    peers: Callable[[Any, dict[str, Any]], list[dict[str, Any]]] | None = None
+    check: Callable[[BenchOptions], None] | None = None
+    peers: Callable[[BenchOptions], list[dict[str, Any]]] | None = None
     engines: tuple[str, ...] = ENGINES
 
 

@@ -14,13 +14,16 @@ def folded() -> list[Suite]:
 
     return [
         Suite("moe-layer", "one MoE layer forward+backward: Sparta, DeepSpeed-MoE, a naive loop, the dense floor",
-              moe.add_layer_arguments, moe.check_layer, moe.run_layer, engines=("torch",)),
+              moe.add_layer_arguments, moe.MoELayerFlags, moe.run_layer, check=moe.check_dtype, engines=("torch",)),
         Suite("pipeline", "the co-scheduler's plans: pipeline degrees of the expert-parallel exchange, and auto",
-              moe.add_pipeline_arguments, moe.check_pipeline, moe.run_pipeline, engines=("torch",)),
+              moe.add_pipeline_arguments, moe.PipelineFlags, moe.run_pipeline, check=moe.check_dtype,
+              engines=("torch",)),
         Suite("dispatch", "route + dispatch + combine alone, by routing skew (Zipf bias on the router)",
-              moe.add_dispatch_arguments, moe.check_dispatch, moe.run_dispatch, engines=("torch",)),
+              moe.add_dispatch_arguments, moe.DispatchFlags, moe.run_dispatch, check=moe.check_dispatch,
+              engines=("torch",)),
         Suite("embedding", "a step of a large-table model: DDP, Horovod sparse/dense, Sparta row/column sharding",
-              embedding.add_arguments, embedding.check, embedding.run, engines=("torch", "horovod")),
+              embedding.add_arguments, embedding.EmbeddingFlags, embedding.run, check=embedding.check,
+              engines=("torch", "horovod")),
         Suite("trainer", "the 3D trainer's step: pipeline x data x tensor (+ expert) parallel",
-              trainer_suite.add_arguments, trainer_suite.check, trainer_suite.run, engines=("torch",)),
+              trainer_suite.add_arguments, trainer_suite.TrainerFlags, trainer_suite.run, engines=("torch",)),
     ]  # fmt: skip

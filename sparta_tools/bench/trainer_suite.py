@@ -14,13 +14,14 @@ torchtitan is benchmarks/trainer.py's alone (its CPU patches stay out of Sparta'
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sparta.errors import ConfigError
-from sparta_tools.bench.options import BenchOptions, comma_subset
+from sparta_tools.bench.options import SuiteFlags, check_subset, comma_names
 from sparta_tools.bench.rank import BenchContext
 from sparta_tools.bench.trainer import (
     LAYOUTS,
@@ -47,17 +48,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", default=default, help=f"of {', '.join(SUITE_CANDIDATES)}")
 
 
-def _names(opts: BenchOptions, flag: str, known: Iterable[str]) -> list[str]:
-    return comma_subset(str(opts.extra[flag]), tuple(known), f"--{flag}")
+@dataclass(frozen=True)
+class TrainerFlags(SuiteFlags):
+    """`trainer`: the models (of the --size's), the layouts (of LAYOUTS), the model size (of
+    SIZES) and the candidates (of SUITE_CANDIDATES)."""
 
+    models: tuple[str, ...]
+    layouts: tuple[str, ...]
+    size: str
+    candidates: tuple[str, ...]
 
-def check(opts: BenchOptions) -> None:
-    """ConfigError for an unknown size, model, layout or candidate (before any rank starts)."""
-    if opts.extra["size"] not in SIZES:
-        raise ConfigError(f"--size {opts.extra['size']!r}: choose one of {', '.join(SIZES)}")
-    _names(opts, "models", SIZES[str(opts.extra["size"])])
-    _names(opts, "layouts", LAYOUTS)
-    _names(opts, "candidates", SUITE_CANDIDATES)
+    def __post_init__(self) -> None:
+        if self.size not in SIZES:
+            raise ConfigError(f"--size {self.size!r}: choose one of {', '.join(SIZES)}")
+        check_subset(self.models, tuple(SIZES[self.size]), "--models")
+        check_subset(self.layouts, tuple(LAYOUTS), "--layouts")
+        check_subset(self.candidates, SUITE_CANDIDATES, "--candidates")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TrainerFlags:
+        return cls(models=comma_names(args.models), layouts=comma_names(args.layouts), size=args.size,
+                   candidates=comma_names(args.candidates))  # fmt: skip
 
 
 class _Stepper:
@@ -81,10 +92,9 @@ def run(ctx: BenchContext) -> None:
     from sparta.parallel import ParallelDims, build_layout
 
     torch.set_num_threads(1)
-    size = str(ctx.opts.extra["size"])
-    wanted = _names(ctx.opts, "candidates", SUITE_CANDIDATES)
+    flags = ctx.opts.flags_as(TrainerFlags)
     ctx.skip("benchmarks/trainer.py times it: its CPU patches run in processes of their own", candidate="torchtitan")
-    for layout_name in _names(ctx.opts, "layouts", LAYOUTS):
+    for layout_name in flags.layouts:
         spec = LAYOUTS[layout_name]
         if spec.world_size != ctx.size:
             ctx.skip(f"needs {spec.world_size} ranks: --nprocs {spec.world_size}", layout=layout_name)
@@ -97,8 +107,8 @@ def run(ctx: BenchContext) -> None:
                 layouts[ep] = build_layout(dims, ctx.world, ctx.opts.device)
             return layouts[ep]
 
-        for model in _names(ctx.opts, "models", SIZES[size]):
-            _time_model(ctx, SIZES[size][model], spec, wanted, layout_for)
+        for model in flags.models:
+            _time_model(ctx, SIZES[flags.size][model], spec, list(flags.candidates), layout_for)
 
 
 def _time_model(

@@ -234,6 +234,16 @@ def test_bad_flags_exit_2_with_a_message(args: list[str], message: str, capsys: 
     assert message in capsys.readouterr().err
 
 
+def test_a_matrix_of_part_elements_exits_2_before_any_rank(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The matrix is read as the ranks read it, in the run's elements (float32: 4 bytes)."""
+    matrix = tmp_path / "matrix.json"
+    matrix.write_text(json.dumps([[2, 6], [0, 4]]))
+    with pytest.raises(SystemExit) as exit_:
+        main(["alltoallv", "--matrix", str(matrix), "-d", "float32"])
+    assert exit_.value.code == 2
+    assert "not whole 4-byte elements" in capsys.readouterr().err
+
+
 def test_oracle_sums_exactly_in_every_dtype() -> None:
     import torch
 
