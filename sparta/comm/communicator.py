@@ -60,6 +60,8 @@ class Communicator(Exchange, abc.ABC):
     # whether a failed collective leaves every group of the world unusable (one background
     # loop or progress engine serves them all), or only its own group
     failures_span_world: bool = False
+    # bytes one call may send (or receive) per rank, where the engine has a bound (MPI's int counts)
+    max_call_bytes: int | None = None
 
     def __init__(self, rank: int, size: int, ranks: Sequence[int], config: CommConfig, name: str) -> None:
         self.rank = rank
@@ -228,6 +230,14 @@ class Communicator(Exchange, abc.ABC):
         x, problem = checks.as_tensor(x)
         send, problem = checks.send_splits_of(x, send_splits, self.size, problem)
         problem = problem or checks.splits_problem(recv_splits, self.size, None, "recv_splits")
+        row_bytes = math.prod(x.shape[1:]) * x.element_size()
+        if problem is None and self.max_call_bytes is not None:  # in the verdict, so every rank raises
+            most = max(sum(send), 0 if recv_splits is None else sum(recv_splits)) * row_bytes
+            if most > self.max_call_bytes:
+                problem = (
+                    f"the {self.backend} engine moves at most {self.max_call_bytes} bytes a call each way, and this "
+                    f"rank's part is {most}: split the exchange into smaller calls"
+                )
         checking = self.config.check_inputs if check is None else check
         # equal blocks with checks off: every rank sends n / size to each, as it receives
         # (torch's all_to_all_single without splits asks the same), so no split exchange
@@ -238,7 +248,6 @@ class Communicator(Exchange, abc.ABC):
             raise InputError(f"{name}: {problem}")
         else:
             recv = list(send) if recv_splits is None else [int(s) for s in recv_splits]
-        row_bytes = math.prod(x.shape[1:]) * x.element_size()
         send_bytes, recv_bytes = [s * row_bytes for s in send], [s * row_bytes for s in recv]
         handle = self._issue(name, lambda: self._all_to_all_bytes(as_bytes(x), send_bytes, recv_bytes, name))
         shape = (sum(recv), *x.shape[1:])

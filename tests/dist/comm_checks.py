@@ -292,6 +292,15 @@ def check_bad_input_raises_everywhere(world: World) -> None:
         c.all_reduce(torch.ones(2), op="max" if r == bad_rank else "sum")
     with raises(InputError, "groups must be disjoint"):
         c.split_groups([[0, 1], [1, 2]])
+    # past an engine's bound on one call (MPI's 2 GiB int counts; set low here, on every
+    # engine, to be reached): the one rank over it is refused on all, before any row moves
+    c.max_call_bytes = 64
+    try:
+        with raises(InputError, r"rank 1: the \w+ engine moves at most 64 bytes a call each way, and this rank's "
+                                r"part is 80"):  # fmt: skip
+            c.all_to_all(torch.ones(20 if r == bad_rank else n), [20, 0, 0, 0] if r == bad_rank else [1] * n)
+    finally:
+        del c.max_call_bytes  # the engine's own bound again
     # and the communicator still works after all of that
     assert c.all_reduce(torch.tensor([1.0])).item() == n
 

@@ -130,6 +130,7 @@ class MPICommunicator(Communicator):
     stops its thread when collected; its MPI communicator is freed with the world's."""
 
     backend = "mpi"
+    max_call_bytes = _MAX_COUNT
     native_reduce_dtypes = frozenset(
         {torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
     )
@@ -241,7 +242,8 @@ class MPICommunicator(Communicator):
     # ---------------------------------------------------------------- primitives
     def _all_to_all_bytes(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
         if max(sum(send), sum(recv)) > _MAX_COUNT:
-            # this rank's totals alone: its peers cannot know, so this call breaks the group
+            # only where the receive total was learnt from the split exchange or checks were
+            # off (start_all_to_all refuses the rest on every rank): its peers cannot know
             raise CollectiveError(
                 f"{op}: the MPI engine moves at most {_MAX_COUNT} bytes a call each way (32-bit MPI counts and "
                 f"displacements); this rank would send {sum(send)} and receive {sum(recv)}: split the exchange "
