@@ -16,12 +16,18 @@ of their group. Consecutive stages pipeline as GPipe's forward does: stage s + 1
 micro-batch 0 while stage s computes micro-batch 1.
 
 Each activation is preceded by a header (its dims, dtype and shape), so stages may hand on
-any floating tensor; the receiving rank allocates it on its device. A rank that fails (a
-stage's error, an output it cannot send, or such a header from the stage before) sends every
-rank still owed an activation a refusal header instead, naming the failed pp ranks; each of
-those raises and passes it on, skipping ranks already failed (looped and V schedules come
-back to them). At the end the pp ranks agree on who failed (one small all-reduce) before
-any waits on its sends, which a failed rank will never take: every rank raises, none waits.
+any floating tensor; the receiving rank allocates it on its device.
+
+Failures. A rank that fails (a stage's error, an output it cannot send, or a refusal from the
+stage before) sends every rank it still owes an activation a refusal header instead, naming
+the ranks that stopped, so that the news travels down the pipeline without going back to them
+(looped and V schedules return to earlier ranks); each such rank raises and passes it on.
+Every pass ends with one all-reduce over the pp group of the headers each rank sent to each
+other and of who failed: each rank then receives what it was sent and never took, so no
+message is left to pair with a later pass's, waits on its own sends, and raises where any rank
+failed, naming the ranks where the failure began. The pairs of ranks that hand on activations
+exchange one small message first, in a fixed order: NCCL connects a pair at its first message,
+and a send to a rank that has stopped receiving must not be that first message.
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from sparta.errors import InputError
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MAX_DIMS = 8
 _HEADER = 2 + _MAX_DIMS  # ndim, dtype index, shape padded with zeros
-_REFUSED = -1  # a header's ndim when the sender failed: the rest of the header says who
-_WORDS = _HEADER - 1  # int64 words after the marker: a bit for each failed pp rank, 62 to a word
+_REFUSED = -1  # a header's ndim when the sender stopped: the rest of the header says who
+_WORDS = _HEADER - 1  # int64 words after the marker: a bit for each stopped pp rank, 62 to a word
+_ORIGIN, _RELAY = 2, 1  # what a rank reports at the end: it failed itself, or passed a refusal on
 
 
 @torch.no_grad()
@@ -56,119 +63,175 @@ def forward_only(
     activations from ``owner(stage)`` over ``group`` (the pp group; None when there is one
     pipeline rank). Returns the last stage's ``loss_fn(output, targets[k])`` per micro-batch
     where this rank holds it, else []. Collective over the pp group: a failure on any of its
-    ranks raises on all of them."""
-    device = inputs[0].device
-    held: dict[tuple[int, int], Tensor] = {}
-    sends: list[tuple[dist.Work | None, Tensor]] = []
-    losses: list[Tensor] = []
-    # activations still owed to each other rank: a failure here tells each of them
-    owed: dict[int, int] = {}
-    for stage in modules:
-        if stage + 1 < num_stages and stage + 1 not in modules:
-            owed[owner(stage + 1)] = owed.get(owner(stage + 1), 0) + len(inputs)
+    ranks raises on all of them (see the module docstring)."""
+    if group is None:  # one pipeline rank: every stage is here
+        return _run(modules, num_stages, inputs, targets, loss_fn, None)
+    links = _Links(group, inputs[0].device, modules, num_stages, owner, len(inputs))
     failure: Exception | None = None
+    losses: list[Tensor] = []
     try:
-        for stage in sorted(modules):
-            for k in range(len(inputs)):
-                if stage == 0:
-                    x = inputs[k]
-                elif stage - 1 in modules:
-                    x = held.pop((stage - 1, k))
-                else:
-                    x = _receive(owner(stage - 1), group, device)
-                y = modules[stage](x)
-                if stage == num_stages - 1:
-                    losses.append(loss_fn(y, targets[k]))
-                elif stage + 1 in modules:
-                    held[(stage, k)] = y
-                else:
-                    sends += _send(y, owner(stage + 1), group)
-                    owed[owner(stage + 1)] -= 1
+        losses = _run(modules, num_stages, inputs, targets, loss_fn, links)
     except Exception as exc:
-        if group is None:  # one pipeline rank: nobody waits on this one
-            raise
         failure = exc
-        known = exc.failed if isinstance(exc, _Refused) else frozenset()
-        sends += _refuse(owed, known | {dist.get_rank(group)}, group, device)
-    if group is not None:
-        # earlier stages' ranks are done with their loops but may still owe sends to a failed
-        # rank, which will never take them: all agree before anyone waits on a send
-        failed = _failed_ranks(failure is not None, group, device)
-        if failure is not None:
-            raise failure
-        if failed:
-            raise InputError(
-                f"the forward-only pass failed on pp rank(s) {failed}, after this rank's stages: see the first of "
-                "their errors"
-            )
-    for work, _ in sends:  # the tensors stay referenced until their send completes
-        if work is not None:
-            work.wait()
+        links.refuse(exc.stopped if isinstance(exc, _Refused) else frozenset())
+    origins = links.settle(
+        origin=failure is not None and not isinstance(failure, _Refused), stopped=failure is not None
+    )
+    if failure is not None and not isinstance(failure, _Refused):
+        raise failure
+    if origins:
+        raise InputError(
+            f"the forward-only pass failed on pp rank(s) {origins}: see the first of their errors (this rank's "
+            "stages stopped there)"
+        )
+    return losses
+
+
+def _run(
+    modules: dict[int, nn.Module],
+    num_stages: int,
+    inputs: Sequence[Tensor],
+    targets: Sequence[Tensor],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    links: _Links | None,
+) -> list[Tensor]:
+    held: dict[tuple[int, int], Tensor] = {}
+    losses: list[Tensor] = []
+    for stage in sorted(modules):
+        for k in range(len(inputs)):
+            if stage == 0:
+                x = inputs[k]
+            elif stage - 1 in modules:
+                x = held.pop((stage - 1, k))
+            else:
+                assert links is not None
+                x = links.receive(stage - 1)
+            y = modules[stage](x)
+            if stage == num_stages - 1:
+                losses.append(loss_fn(y, targets[k]))
+            elif stage + 1 in modules:
+                held[(stage, k)] = y
+            else:
+                assert links is not None
+                links.send(y, stage + 1)
     return losses
 
 
 class _Refused(InputError):
-    """A previous stage's rank failed (``failed``: the pp ranks known to have)."""
+    """A stage before this rank's stopped (``stopped``: the pp ranks known to have)."""
 
-    def __init__(self, message: str, failed: frozenset[int]) -> None:
+    def __init__(self, message: str, stopped: frozenset[int]) -> None:
         super().__init__(message)
-        self.failed = failed
+        self.stopped = stopped
 
 
-def _refuse(
-    owed: dict[int, int], failed: frozenset[int], group: dist.ProcessGroup, device: torch.device
-) -> list[tuple[dist.Work | None, Tensor]]:
-    """Tell every rank still waiting for an activation from this one that none will come, and
-    which ranks failed, so that the news travels down the pipeline without going back to a
-    rank that has stopped receiving (a looped or V schedule returns to earlier ranks). Not
-    waited: a rank that failed meanwhile from another cause never takes it."""
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-    header[0] = _REFUSED
-    for r in failed:
-        if r < _WORDS * 62:  # a pp group past 558 ranks: the others go unnamed
-            header[1 + r // 62] |= 1 << (r % 62)
-    return [
-        (dist.isend(header, group=group, group_dst=dst), header) for dst, n in owed.items() if n and dst not in failed
-    ]
+class _Links:
+    """This rank's point-to-point traffic of one pass: what it owes whom, the headers sent to
+    and taken from each rank, the sends in flight."""
 
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        modules: dict[int, nn.Module],
+        num_stages: int,
+        owner: Callable[[int], int],
+        microbatches: int,
+    ) -> None:
+        self.group, self.device, self.owner = group, device, owner
+        self.me, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.owed = [0] * self.size  # activations still owed to each rank
+        for stage in modules:
+            if stage + 1 < num_stages and stage + 1 not in modules:
+                self.owed[owner(stage + 1)] += microbatches
+        self.sent = [0] * self.size  # headers sent to each rank
+        self.taken = [0] * self.size  # headers received from each rank
+        self.works: list[tuple[dist.Work | None, Tensor]] = []
+        peers = {owner(s + 1) for s in modules if s + 1 < num_stages and s + 1 not in modules}
+        peers |= {owner(s - 1) for s in modules if s > 0 and s - 1 not in modules}
+        self._connect(sorted(peers))
 
-def _failed_ranks(failed: bool, group: dist.ProcessGroup, device: torch.device) -> list[int]:
-    """The pp ranks that failed, agreed by every rank of ``group``."""
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
-    flags[dist.get_rank(group)] = int(failed)
-    dist.all_reduce(flags, group=group)
-    return [r for r, f in enumerate(flags.tolist()) if f]
+    def _connect(self, peers: list[int]) -> None:
+        # each pair in increasing (low, high) order on both sides: the lowest pair not yet done
+        # has both its ranks at it, so the handshakes never wait on one another
+        token = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for peer in peers:
+            if self.me < peer:
+                dist.send(token, group=self.group, group_dst=peer)
+                dist.recv(token, group=self.group, group_src=peer)
+            else:
+                dist.recv(token, group=self.group, group_src=peer)
+                dist.send(token, group=self.group, group_dst=peer)
 
+    def send(self, y: Tensor, stage: int) -> None:
+        """Hand ``y`` on to ``stage``'s rank (non-blocking)."""
+        dst = self.owner(stage)
+        if not isinstance(y, Tensor) or y.dtype not in _DTYPES or y.dim() > _MAX_DIMS:
+            raise InputError(  # the next stage's rank hears of it by the refusal
+                f"a pipeline stage handed on {type(y).__name__} "
+                f"{getattr(y, 'dtype', '')} {tuple(getattr(y, 'shape', ()))}: the forward-only pass takes one "
+                f"floating tensor of at most {_MAX_DIMS} dims ({', '.join(map(str, _DTYPES))})"
+            )
+        y = y.contiguous()
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=y.device)
+        header[0], header[1] = y.dim(), _DTYPES.index(y.dtype)
+        header[2 : 2 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
+        self._isend(header, dst)
+        self._isend(y, dst)
+        self.sent[dst] += 1
+        self.owed[dst] -= 1
 
-def _send(y: Tensor, dst: int, group: dist.ProcessGroup | None) -> list[tuple[dist.Work | None, Tensor]]:
-    if not isinstance(y, Tensor) or y.dtype not in _DTYPES or y.dim() > _MAX_DIMS:
-        raise InputError(  # the next stage's rank is told by forward_only's refusal
-            f"a pipeline stage handed on {type(y).__name__} "
-            f"{getattr(y, 'dtype', '')} {tuple(getattr(y, 'shape', ()))}: the forward-only pass takes one "
-            f"floating tensor of at most {_MAX_DIMS} dims ({', '.join(map(str, _DTYPES))})"
-        )
-    y = y.contiguous()
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=y.device)
-    header[0], header[1] = y.dim(), _DTYPES.index(y.dtype)
-    header[2 : 2 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
-    return [
-        (dist.isend(header, group=group, group_dst=dst), header),
-        (dist.isend(y, group=group, group_dst=dst), y),
-    ]
+    def receive(self, stage: int) -> Tensor:
+        """The activation ``stage``'s rank hands on; _Refused where that rank stopped."""
+        src = self.owner(stage)
+        header, x = self._take(src)
+        if x is None:
+            words = header[1:].tolist()
+            stopped = frozenset(62 * i + b for i, word in enumerate(words) for b in range(62) if word >> b & 1)
+            raise _Refused(f"pp rank(s) {sorted(stopped)} stopped before this stage", stopped)
+        return x
 
+    def _take(self, src: int) -> tuple[Tensor, Tensor | None]:
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        dist.recv(header, group=self.group, group_src=src)
+        self.taken[src] += 1
+        ndim, dtype, *shape = header.tolist()
+        if ndim == _REFUSED:
+            return header, None
+        x = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=self.device)
+        dist.recv(x, group=self.group, group_src=src)
+        return header, x
 
-def _receive(src: int, group: dist.ProcessGroup | None, device: torch.device) -> Tensor:
-    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, group=group, group_src=src)
-    ndim, dtype, *shape = header.tolist()
-    if ndim == _REFUSED:
-        words = header[1:].tolist()
-        failed = frozenset(62 * i + b for i, word in enumerate(words) for b in range(62) if word >> b & 1)
-        raise _Refused(
-            f"the forward-only pass stopped: pp rank(s) {sorted(failed)} failed before this stage (the one "
-            f"before it is pp rank {src}); see the first of their errors",
-            failed,
-        )
-    x = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
-    dist.recv(x, group=group, group_src=src)
-    return x
+    def _isend(self, t: Tensor, dst: int) -> None:
+        self.works.append((dist.isend(t, group=self.group, group_dst=dst), t))  # t lives until waited
+
+    def refuse(self, stopped: frozenset[int]) -> None:
+        """Tell every rank still owed an activation that none will come (not waited: a rank
+        that stopped meanwhile from another cause takes it only at `settle`)."""
+        stopped = stopped | {self.me}
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        header[0] = _REFUSED
+        for r in stopped:
+            if r < _WORDS * 62:  # a pp group past 558 ranks: the others go unnamed
+                header[1 + r // 62] |= 1 << (r % 62)
+        for dst, n in enumerate(self.owed):
+            if n and dst not in stopped:
+                self._isend(header, dst)
+                self.sent[dst] += 1
+
+    def settle(self, origin: bool, stopped: bool) -> list[int]:
+        """Collective over the group: agree on every rank's sent headers and state, take what
+        was sent here and never taken, wait on this rank's sends. Returns the ranks where a
+        failure began."""
+        table = torch.zeros(self.size, self.size + 1, dtype=torch.int64, device=self.device)
+        table[self.me, : self.size] = torch.tensor(self.sent, dtype=torch.int64)
+        table[self.me, self.size] = _ORIGIN if origin else _RELAY if stopped else 0
+        dist.all_reduce(table, group=self.group)
+        rows = table.tolist()
+        for src in range(self.size):
+            for _ in range(rows[src][self.me] - self.taken[src]):
+                self._take(src)
+        for work, _ in self.works:
+            if work is not None:
+                work.wait()
+        return [r for r in range(self.size) if rows[r][self.size] == _ORIGIN]

@@ -412,20 +412,22 @@ def rank0_failures(layout: Layout) -> None:
         stage = nn.Module()
         stage.forward = (lambda x: x.long()) if first else (lambda x: x)  # type: ignore[method-assign]
         ids = [torch.zeros(2, MODEL.seq_len, dtype=torch.long)]
-        with raises(InputError, "handed on" if first else r"pp rank\(s\) \[0\] failed"):
+        with raises(InputError, "handed on" if first else r"failed on pp rank\(s\) \[0\]"):
             forward_only({layout.pp_rank: stage}, layout.dims.pp, lambda s: s, layout.pp_group, ids, ids,
                          lambda y, t: y.float().mean())  # fmt: skip
 
 
 def forward_only_failures(layout: Layout) -> None:
-    """The forward-only pass over every rank as one pipeline, each case on a fresh group (a
-    failed pass leaves sends no rank will take): a failure anywhere raises on every rank, none
-    waits. Looped, straight and V-shaped stage orders; 3 micro-batches, so ranks before the
-    failure have sends still in flight."""
+    """The forward-only pass over every rank as one pipeline: a failure anywhere raises on
+    every rank, naming the rank where it began, and none waits. Looped, straight and V-shaped
+    stage orders; 3 micro-batches, so ranks before the failure have sends still in flight.
+    All on one group, then a pass that fails nowhere on it: a failed pass leaves no message
+    behind to pair with the next one's."""
     import torch.distributed as dist
 
     n, me, m = layout.world.size, layout.world.rank, 3
     inputs = [torch.full((2, 4), float(k)) for k in range(m)]
+    group = dist.new_group(list(range(n)))
 
     def stage(fn: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
         module = nn.Module()
@@ -433,11 +435,9 @@ def forward_only_failures(layout: Layout) -> None:
         return module
 
     def broken(x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("stage broke")
-
-    def run(owner: Callable[[int], int], stages: int, bad: int, fault: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        mine = {s: stage(fault if s == bad else lambda x: x + 1) for s in range(stages) if owner(s) == me}
-        forward_only(mine, stages, owner, dist.new_group(list(range(n))), inputs, inputs, lambda y, t: y.mean())
+        if float(x.flatten()[0]) >= 2:  # the last micro-batch: the earlier two went on
+            raise RuntimeError("stage broke")
+        return x + 1
 
     v_owner = lambda s: s if s < n else 2 * n - 1 - s  # noqa: E731
     cases = [
@@ -449,12 +449,13 @@ def forward_only_failures(layout: Layout) -> None:
         if owner(bad) == me:
             want = (InputError, "handed on") if name == "looped" else (RuntimeError, "stage broke")
         else:
-            want = (InputError, rf"pp rank\(s\) \[.*{owner(bad)}")
+            want = (InputError, rf"failed on pp rank\(s\) \[{owner(bad)}\]")
+        mine = {s: stage(fault if s == bad else lambda x: x + 1) for s in range(stages) if owner(s) == me}
         with raises(*want):
-            run(owner, stages, bad, fault)
-    # and a pass that fails nowhere still returns the last stage's losses
+            forward_only(mine, stages, owner, group, inputs, inputs, lambda y, t: y.mean())
+    # the same group, a pass that fails nowhere: the last stage's losses, nothing stale
     mine = {s: stage(lambda x: x + 1) for s in range(n) if s == me}
-    losses = forward_only(mine, n, lambda s: s, dist.new_group(list(range(n))), inputs, inputs, lambda y, t: y.mean())
+    losses = forward_only(mine, n, lambda s: s, group, inputs, inputs, lambda y, t: y.mean())
     assert [float(x) for x in losses] == ([k + n for k in range(m)] if me == n - 1 else []), losses
 
 
