@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
@@ -63,19 +64,32 @@ def run_bounded(
 ) -> tuple[int, str, bool]:
     """Run ``cmd`` with stdout and stderr together; (exit status, output, whether it ran past
     ``timeout_s`` and was stopped). ``echo``: also write each line there as it comes (a
-    launch's progress, live). Ctrl-C stops the launch whole before it propagates."""
+    launch's progress, live); a failing echo (a closed pipe) stops the echo, not the reading.
+    Ctrl-C stops the launch whole before it propagates."""
+    deadline = time.monotonic() + timeout_s
     proc = subprocess.Popen(
-        list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        list(cmd),
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",  # a rank's stray bytes must not stop the reading (and then the rank, on a full pipe)
+        start_new_session=True,
     )
-    lines: list[str] = []
+    assert proc.stdout is not None
+    stdout, lines = proc.stdout, []
+    echoing = echo
 
     def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
+        nonlocal echoing
+        for line in stdout:
             lines.append(line)
-            if echo is not None:
-                echo.write(line)
-                echo.flush()
+            if echoing is not None:
+                try:
+                    echoing.write(line)
+                    echoing.flush()
+                except (OSError, ValueError):
+                    echoing = None
 
     reader = threading.Thread(target=read, name="run_bounded output", daemon=True)
     reader.start()
@@ -88,5 +102,11 @@ def run_bounded(
     except BaseException:
         stop(proc)
         raise
-    reader.join(timeout=GRACE_S)  # a grandchild out of reach may still hold the pipe
+    finally:
+        # to the end of the output, as long as the time allows: a grandchild out of reach may
+        # hold the pipe open past the launcher's exit
+        reader.join(timeout=max(GRACE_S, deadline - time.monotonic()))
+        echoing = None
+        if not reader.is_alive():
+            stdout.close()
     return (124 if timed_out else proc.returncode), "".join(lines), timed_out

@@ -53,3 +53,11 @@ def test_a_launch_past_its_timeout_is_stopped_with_its_ranks(tmp_path: Path) -> 
     done = time.monotonic()
     assert code == 0 and not timed_out and echo.getvalue() == out and out.count("tick") == 3, out
     assert done - echo.times[0] > 1.5, (done, echo.times)  # the first line came about 3 s before the end
+    # stray bytes and an echo that fails (a closed pipe) stop neither the reading nor the launch
+    class Closed(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    stray = "import sys\nsys.stdout.buffer.write(b'\\xff\\xfe odd\\n')\nprint('after', flush=True)\n"
+    code, out, timed_out = run_bounded([sys.executable, "-c", stray], env, 60, echo=Closed())  # type: ignore[arg-type]
+    assert code == 0 and not timed_out and "odd" in out and out.endswith("after\n"), out
