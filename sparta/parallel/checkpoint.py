@@ -210,9 +210,13 @@ class Checkpointer:
                 # step that a load would resume instead of this one
                 for aside in set_aside_later(self.path, step):
                     log.warning("a checkpoint past step %d, saved again now: set aside as %s", step, aside)
-                publish(tmp, final)
             except OSError as exc:
-                problem = f"cannot move the complete checkpoint {tmp} to {final}: {exc}"
+                problem = f"cannot set aside the checkpoints past step {step} in {self.path}: {exc}"
+            if problem is None:
+                try:
+                    publish(tmp, final)
+                except OSError as exc:
+                    problem = f"cannot move the complete checkpoint {tmp} to {final}: {exc}"
             if problem is None:
                 try:
                     if self.keep is not None:

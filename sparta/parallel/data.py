@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -135,9 +136,10 @@ def stdlib_tokens(
         except OSError as exc:  # an unwritable cache_dir, a full disk
             problem = ConfigError(f"the token cache: {exc}; point data.cache_dir at a writable folder")
         except Exception as exc:  # noqa: BLE001 - a damaged cache file, the tokenizer: rank 0's alone
+            where = traceback.extract_tb(exc.__traceback__)[-1]
             problem = ConfigError(
-                f"building the tokens failed: {type(exc).__name__}: {exc}; if the cache under data.cache_dir is "
-                "damaged, delete it to rebuild"
+                f"building the tokens failed: {type(exc).__name__}: {exc} (at {where.filename}:{where.lineno}); if "
+                "the cache under data.cache_dir is damaged, delete it to rebuild"
             )
     comm.agree(problem, "stdlib_tokens")  # else the other ranks would wait in the broadcast
     count = int(comm.broadcast(torch.tensor([len(tokens)]), src=0))

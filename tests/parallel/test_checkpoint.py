@@ -184,6 +184,14 @@ def test_a_save_that_dies_before_its_step_appears_never_resumes_the_abandoned_st
     assert ckpt.steps() == [1, 2] and (tmp_path / "later-step_3" / ".metadata").is_file()
     assert ckpt.load(model, opt) == {"run": "first", "step": 2}
 
+    def read_only(directory: Path, step: int) -> list[Path]:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(checkpoint, "set_aside_later", read_only)
+    with pytest.raises(CheckpointError, match=r"cannot set aside the checkpoints past step 1 .*Read-only"):
+        ckpt.save(1, model, opt, {"run": "again"})
+    assert ckpt.steps() == [1, 2]  # nothing published past what could not be set aside
+
 
 def test_saving_a_step_again_replaces_it_whole(tmp_path: Path) -> None:
     model, opt = trained()
