@@ -116,7 +116,14 @@ class TorchCommunicator(Communicator):
 
         def wait() -> torch.Tensor:
             try:
-                work.wait()
+                if result.device.type == "cpu":
+                    # the communicator's timeout, not the group's: a group made elsewhere (a
+                    # DeviceMesh's) keeps torch's default of 30 minutes
+                    work.wait(datetime.timedelta(seconds=self.config.timeout_s))
+                else:
+                    # on CUDA wait() orders the current stream after the op and returns: the CPU
+                    # must not block here; NCCL's watchdog aborts on the group's timeout
+                    work.wait()
             except RuntimeError as exc:
                 raise engine_failure(exc, op) from exc
             return result
