@@ -56,11 +56,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, seq, _ = x.shape
-        # -1 heads: under tensor parallelism wq/wk/wv hold this rank's heads only
-        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        # heads from the last dim alone (-1: under tensor parallelism wq/wk/wv hold this rank's
+        # heads only), so that an empty batch (an empty micro-batch of a block) has a shape too
+        q, k, v = (w(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(batch, seq, -1))
+        return self.wo(y.transpose(1, 2).flatten(2))
 
 
 class FeedForward(nn.Module):
@@ -113,7 +113,9 @@ class Block(nn.Module):
         return h, self.mlp_norm(h)
 
     def forward(self, x: Tensor) -> Tensor:
-        if (self.overlap > 1 or self.dedup is not None) and x.shape[0] >= self.overlap:
+        # whatever this rank's row count (empty micro-batches where it is small): its expert-
+        # parallel peers may hold more rows and take this path, and the exchanges must pair
+        if self.overlap > 1 or self.dedup is not None:
             params = [p for p in self.parameters() if p.requires_grad]
             return overlapped_moe_block(self.mlp, x, self.overlap, self._attend, params, self.dedup)  # type: ignore[arg-type]
         h, moe_input = self._attend(x)

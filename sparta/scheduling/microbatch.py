@@ -106,7 +106,9 @@ def overlapped_block(
     0, pipelined so that the dense layers of one micro-batch compute while another's rows
     travel; forward and backward.
 
-    x: [n, ...] this rank's input to the block; cut into `microbatches` near-equal parts.
+    x: [n, ...] this rank's input to the block; cut into `microbatches` near-equal parts,
+        empty ones where n < microbatches: the exchanges follow the micro-batch count alone,
+        never a rank's own row count, so ranks holding other row counts stay paired.
     before: micro-batch -> Routed (rows for the exchange, their counts, side tensors).
     compute: the receiving side, as in `pipelined_exchange` (rows grouped by source rank,
         then slot, and their counts [size, slots]) -> [M, d_out], row-wise.
@@ -121,11 +123,8 @@ def overlapped_block(
     """
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise InputError(f"overlapped_block: microbatches = {microbatches!r}; use an int >= 1")
-    if x.dim() == 0 or x.shape[0] < microbatches:
-        raise InputError(
-            f"overlapped_block: x has shape {tuple(x.shape)}, too few rows along dim 0 for "
-            f"{microbatches} micro-batches; use at most {x.shape[0] if x.dim() else 0}"
-        )
+    if x.dim() == 0:
+        raise InputError("overlapped_block: x is a 0-dim tensor; give rows along dim 0")
     plan = _Plan(exchange, microbatches, before, compute, after, tracer)
     return _Overlapped.apply(x, plan, *params)
 

@@ -447,7 +447,8 @@ def check_block_tuning_agrees_on_candidates_when_ranks_hold_other_shapes(world: 
     """The block tuner (pipeline_degree="auto") tries micro-batch counts up to the fewest
     sequences any rank of the group recorded: under documents the ranks' batches differ (4
     sequences on rank 0, 1 elsewhere), and a rank trying 2 and 4 micro-batches where another
-    tries 1 would pair their exchanges wrongly."""
+    tries 1 would pair their exchanges wrongly. Then the block in 2 micro-batches on every
+    rank, equal to the whole block."""
     from sparta.parallel.auto_schedule import _tune_overlap
     from sparta.parallel.decoder import Block, DecoderConfig
 
@@ -458,6 +459,18 @@ def check_block_tuning_agrees_on_candidates_when_ranks_hold_other_shapes(world: 
     sample = torch.randn(4 if world.rank == 0 else 1, SEQ, D_MODEL)
     chosen, seconds = _tune_overlap(block, sample, trials=1, dedup=None)
     assert chosen == (1, False) and sorted(seconds) == [(1, False)], (chosen, seconds)
+    # a block set to 2 micro-batches runs them on every rank, an empty one where a rank holds
+    # one sequence (it had run whole there, and its exchanges paired with the others' wrongly)
+    got = []
+    for overlap in (2, 1):
+        block.set_overlap(overlap)
+        block.zero_grad()
+        x = sample.clone().requires_grad_()
+        y = block(x)
+        y.square().sum().backward()
+        got.append([y.detach(), x.grad, *(p.grad for p in block.parameters())])
+    for a, b in zip(*got, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 CHECKS = [
