@@ -136,7 +136,7 @@ class ParallelModel:
             if self.one_stage:
                 self._step_one_stage(ids, targets, losses)
             else:
-                schedule = self._schedule(*ids.shape)
+                schedule = self._schedule(ids.shape[0], ids.shape[1])
                 self._feed_heads(targets, inference=tuple(ids.shape) not in self._stepped)
                 self._stepped.add(tuple(ids.shape))  # type: ignore[arg-type]
                 args = (ids.to(self.layout.device),) if self.has_first else ()
@@ -261,10 +261,21 @@ class ParallelModel:
 
     def _schedule(self, batch: int, length: int) -> object:
         """The schedule of batches [batch, length] (padded), built at the first such batch:
-        torch's stages keep the shapes of their first step."""
-        if (batch, length) not in self.schedules:
-            self.schedules[(batch, length)] = self._new_schedule()
-        return self.schedules[(batch, length)]
+        torch's stages keep the shapes of their first step, which they learn by running it an
+        extra time, with its stage's collectives (expert exchanges, FSDP2 gathers over dp).
+        The dp ranks of a step may hold other shapes (documents, ragged batches), so where one
+        of them meets a new shape every one builds its own shape's schedule anew: their extra
+        runs pair up (one small all-gather over dp a step)."""
+        shape = (batch, length)
+        fresh = shape not in self.schedules
+        if self.layout.dims.dp > 1:
+            flags = self.layout.dp.all_gather(torch.tensor([int(fresh)]))
+            if any(int(f) for f in flags) and not fresh:  # type: ignore[union-attr]
+                self._stepped.discard(shape)
+                fresh = True
+        if fresh:
+            self.schedules[shape] = self._new_schedule()
+        return self.schedules[shape]
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale every gradient so that their global norm (over all ranks, each value counted
