@@ -47,8 +47,11 @@ class Communicator(Exchange, abc.ABC):
     `ranks` (their ranks in the world, in group order), `backend` (engine name),
     `config` (CommConfig), `broken`. Tensors are split and gathered along dim 0 throughout.
 
-    After a collective fails or times out, the ranks may disagree on which message comes
-    next, so the communicator is broken: every later call raises CollectiveError saying why,
+    An async op may read its input until its handle's `wait()` returns (the MPI and Horovod
+    engines read it from a thread of their own): leave the input unchanged until then.
+
+    After a collective fails, times out or is interrupted, the ranks may disagree on which
+    message comes next, so the communicator is broken: every later call raises CollectiveError saying why,
     instead of pairing messages wrongly. A handle dropped without `wait()` is waited at this
     communicator's next call (its buffers live until then); if its collective failed, that
     call raises and the communicator is broken.
@@ -135,6 +138,9 @@ class Communicator(Exchange, abc.ABC):
                 return raw.wait()
             except CollectiveError as exc:
                 self._break(str(exc))
+                raise
+            except BaseException as exc:  # Ctrl-C, a SIGTERM handler's SystemExit: the op may still run
+                self._break(f"{op} was interrupted ({type(exc).__name__}) before it completed")
                 raise
 
         watched = Handle(wait)

@@ -180,7 +180,12 @@ def init(backend: str = "auto", ranks_per_node: int | None = None, config: CommC
             f"{comm.size}. With mpirun this means mpi4py/Horovod was built against another MPI than "
             "the mpirun on PATH: rebuild it (pip install --no-binary mpi4py --force-reinstall mpi4py)."
         )
-    world = World(comm=comm, launcher=launch.launcher, node_ranks=_node_layout(comm, ranks_per_node))
+    try:  # a collective: a peer that died after the rendezvous fails it here
+        node_ranks = _node_layout(comm, ranks_per_node)
+    except BaseException:
+        comm.shutdown()  # else the engine's threads are left to the interpreter's exit
+        raise
+    world = World(comm=comm, launcher=launch.launcher, node_ranks=node_ranks)
     atexit.register(world.shutdown)  # see World.shutdown
     log.info(
         "sparta world: rank %d/%d on node %d/%d via %s", world.rank, world.size, world.node, world.num_nodes, engine

@@ -108,8 +108,10 @@ class HorovodCommunicator(Communicator):
             try:
                 poll_until_done(lambda: hvd.poll(handle), self.config.timeout_s, lambda: op)
                 out = hvd.synchronize(handle)
+            except CollectiveError:  # poll_until_done's timeout, already named
+                raise
             except Exception as exc:
-                raise engine_failure(exc, op) if not isinstance(exc, CollectiveError) else exc from exc
+                raise engine_failure(exc, op) from exc
             return post(out) if post else out
 
         return Handle(wait)
