@@ -27,7 +27,10 @@ other and of who failed: each rank then receives what it was sent and never took
 message is left to pair with a later pass's, waits on its own sends, and raises where any rank
 failed, naming the ranks where the failure began. The pairs of ranks that hand on activations
 exchange one small message first, in a fixed order: NCCL connects a pair at its first message,
-and a send to a rank that has stopped receiving must not be that first message.
+and a send to a rank that has stopped receiving must not be that first message. This covers
+the pp group; a failure inside a stage's own collectives with other pipelines' ranks (its
+expert exchanges, tp sums) ends at their communicator's timeout, except the MoE layer's bad
+input, which its ranks agree on before any exchange.
 """
 
 from __future__ import annotations
