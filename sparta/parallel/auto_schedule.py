@@ -3,7 +3,7 @@
 A fixed degree is a guess: the best one depends on the link, the experts' GEMMs and the
 tokens each layer sees, which only the running job knows. With "auto" the MoE layers start
 flat (one chunk, nothing overlapped); `ParallelModel.step`'s first step records each
-layer's first input, and after that step `sparta.moe.tune_schedule` profiles the exchange
+layer's input (its last micro-batch's), and after that step `sparta.moe.tune_schedule` profiles the exchange
 and the experts, asks the cost model for its best plans and times them (and flat) on the
 recorded rows, and the winner is applied to the layer and to every other layer of this
 rank with the same shape and exchange (all of a decoder's, usually: one tuning a rank).
@@ -82,7 +82,9 @@ class AutoSchedule:
 
     @contextmanager
     def recording(self) -> Iterator[None]:
-        """Keep each layer's first input [..., d_model] (detached) while the block runs."""
+        """Keep each layer's input [..., d_model] (detached) while the block runs: the last
+        one it sees, since a pipeline stage's first run is torch's shape-learning pass, on
+        uninitialised inputs after stage 0."""
         watched: dict[str, nn.Module] = {**self.layers, **self.blocks}
         handles = [module.register_forward_pre_hook(self._keep(path)) for path, module in watched.items()]
         try:
@@ -93,7 +95,7 @@ class AutoSchedule:
 
     def _keep(self, path: str) -> Callable[[nn.Module, tuple[Tensor, ...]], None]:
         def hook(module: nn.Module, inputs: tuple[Tensor, ...]) -> None:
-            self.samples.setdefault(path, inputs[0].detach())
+            self.samples[path] = inputs[0].detach()
 
         return hook
 

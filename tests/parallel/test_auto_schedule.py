@@ -11,7 +11,9 @@ from sparta.moe import MoELayer
 from sparta.parallel.auto_schedule import AutoSchedule
 
 
-def test_records_each_layers_first_input_and_leaves_no_hook() -> None:
+def test_records_each_layers_last_input_and_leaves_no_hook() -> None:
+    """The last: a pipeline stage's first run is torch's shape-learning pass, whose inputs
+    after stage 0 are uninitialised memory."""
     layers = {f"layers.{i}.mlp": MoELayer(8, 16, 4, top_k=2) for i in range(2)}
     auto = AutoSchedule(layers, None)
     assert auto.pending and auto.describe() == "co-scheduler tuned: not yet"
@@ -20,7 +22,7 @@ def test_records_each_layers_first_input_and_leaves_no_hook() -> None:
         for x in (first, second):
             for layer in layers.values():
                 x = layer(x)
-    assert torch.equal(auto.samples["layers.0.mlp"], first) and auto.samples["layers.1.mlp"].shape == first.shape
+    assert torch.equal(auto.samples["layers.0.mlp"], second) and auto.samples["layers.1.mlp"].shape == first.shape
     auto.samples.clear()
     layers["layers.0.mlp"](torch.randn(2, 8))  # outside recording(): its hooks are gone
     assert auto.samples == {}
@@ -34,7 +36,7 @@ def test_a_layer_that_never_ran_is_named() -> None:
 
 
 def test_blocks_are_recorded_and_their_overlap_described() -> None:
-    """The blocks the tuner may cut into micro-batches record their own first input beside
+    """The blocks the tuner may cut into micro-batches record their own input beside
     their MoE layers', must have run before `tune`, and `describe` says what they took."""
     from sparta.parallel.decoder import Block, DecoderConfig
 
