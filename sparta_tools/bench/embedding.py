@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from sparta.errors import ConfigError
-from sparta_tools.bench.options import BenchOptions, SuiteFlags, comma_names
+from sparta_tools.bench.options import BenchOptions, SuiteFlags, comma_names, comma_numbers
 from sparta_tools.bench.rank import BenchContext
 
 VARIANTS = {
@@ -113,12 +113,9 @@ class EmbeddingFlags(SuiteFlags):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EmbeddingFlags:
-        try:
-            vocabs = tuple(int(v) for v in args.vocabs.split(",") if v)
-        except ValueError:
-            raise _vocabs_error(args.vocabs) from None
-        return cls(vocabs=vocabs, dim=args.dim, batch=args.batch, seq=args.seq, zipf_s=args.zipf_s,
-                   block=args.block, variants=comma_names(args.variants), rtol=args.rtol)  # fmt: skip
+        return cls(vocabs=comma_numbers(args.vocabs, int, _vocabs_error), dim=args.dim, batch=args.batch,
+                   seq=args.seq, zipf_s=args.zipf_s, block=args.block, variants=comma_names(args.variants),
+                   rtol=args.rtol)  # fmt: skip
 
 
 def check(opts: BenchOptions) -> None:

@@ -51,7 +51,7 @@ from sparta_tools.bench.moe_candidates import (
     reference_output,
     wrong_values,
 )
-from sparta_tools.bench.options import BenchOptions, SuiteFlags, human_size
+from sparta_tools.bench.options import BenchOptions, SuiteFlags, comma_names, comma_numbers, human_size
 from sparta_tools.bench.rank import BenchContext
 
 SUITE_CONFIGS = {**CONFIGS, **GPU_CONFIGS, "tiny": BenchConfig("tiny", tokens=256, d_model=64, d_ff=128, num_experts=4)}
@@ -163,12 +163,8 @@ class DispatchFlags(SuiteFlags):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DispatchFlags:
-        try:
-            skews = tuple(float(s) for s in args.skews.split(",") if s)
-        except ValueError:
-            raise _skews_error(args.skews) from None
-        return cls(skews=skews, experts=args.experts, top_k=args.top_k, d_model=args.d_model,
-                   variants=tuple(args.variants.split(",")))  # fmt: skip
+        return cls(skews=comma_numbers(args.skews, float, _skews_error), experts=args.experts, top_k=args.top_k,
+                   d_model=args.d_model, variants=comma_names(args.variants))  # fmt: skip
 
 
 def _configs(opts: BenchOptions, zero_grad: bool = False) -> list[BenchConfig]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -42,6 +43,7 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "bf
 BINDS = ("none", "core")
 _SIZE = re.compile(r"^(\d+)([KMGT]?)(i?B?)$", re.IGNORECASE)
 F = TypeVar("F", bound="SuiteFlags")
+N = TypeVar("N", int, float)
 
 
 def parse_size(text: str) -> int:
@@ -253,6 +255,15 @@ def options_from(args: argparse.Namespace, suite: str, flags: SuiteFlags) -> Ben
 def comma_names(text: str) -> tuple[str, ...]:
     """The names of a comma-separated flag value (`--ops`, `--variants`, `--patterns`)."""
     return tuple(t for t in text.split(",") if t)
+
+
+def comma_numbers(text: str, kind: Callable[[str], N], error: Callable[[str], ConfigError]) -> tuple[N, ...]:
+    """The numbers of a comma-separated flag value (`--vocabs`, `--skews`), each read by
+    `kind`; ``error(text)`` where one does not read."""
+    try:
+        return tuple(kind(t) for t in text.split(",") if t)
+    except ValueError:
+        raise error(text) from None
 
 
 def check_subset(chosen: tuple[str, ...], known: tuple[str, ...], flag: str) -> None:
