@@ -35,7 +35,7 @@ import torch
 from sparta.comm.communicator import Communicator
 from sparta.comm.dtypes import REDUCE_OPS
 from sparta.comm.handle import Handle
-from sparta.errors import ConfigError, InputError
+from sparta.errors import CollectiveError, ConfigError, InputError
 
 TASK_OPS = ("all_reduce", "all_to_all")
 
@@ -114,6 +114,7 @@ class PriorityQueue:
         every rank; for gradients, the reverse of the layers' forward order). Default: key
         order, which issues everything in key order.
         """
+        self._refuse_if_broken("PriorityQueue.expect", "no new round can start")
         if self._tasks and len(self._tasks) < len(self._order):  # a round nobody submitted to may be dropped
             missing = [k for k in self._order if k not in self._tasks]
             raise InputError(f"PriorityQueue.expect: the last round still waits for {missing}; submit them first")
@@ -223,6 +224,8 @@ class PriorityQueue:
     def _finish(self, task: _Task) -> torch.Tensor:
         if task.result is None:
             if len(task.pending) < len(task.chunks):
+                unissued = "the round's remaining chunks will never be issued"
+                self._refuse_if_broken(f"PriorityQueue: task {task.key}", unissued)
                 missing = [self._next_chunk()]
                 raise InputError(
                     f"PriorityQueue: task {task.key} waits behind unsubmitted {missing}; "
@@ -236,3 +239,11 @@ class PriorityQueue:
             else:
                 task.result = torch.cat(parts).view(task.tensor.shape)
         return task.result
+
+    def _refuse_if_broken(self, what: str, so: str) -> None:
+        """After a chunk failed, the round's unissued chunks never will be: say so, not that the
+        caller left a task unsubmitted (which is what an unissued chunk means otherwise)."""
+        if self.comm.broken is not None:
+            raise CollectiveError(
+                f"{what} on {self.comm.where}: the queue's communicator is broken, so {so}: {self.comm.broken}"
+            )
