@@ -152,11 +152,19 @@ def overlapped_moe_block(
         total = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z_sum / batch.tokens
         return out, layer.attach_aux_loss(out.weight, total)
 
-    pieces = _Flat(layer, batch, dense, route) if dedup is None else _Dedup(layer, batch, dense, route, dedup)
+    # the flat exchange spans the layer's group: its counts carry the load summed over it,
+    # with no all-reduce of its own (one round trip a layer, behind the rows in flight)
+    carry = dedup is None and layer.stats_comm is layer.comm
+    summed: list[Tensor] = []
+    if dedup is None:
+        pieces: _Flat | _Dedup = _Flat(layer, batch, dense, route, stats if carry else None)
+    else:
+        pieces = _Dedup(layer, batch, dense, route, dedup)
     exchange = (layer.exchange or layer.comm) if dedup is None else dedup.inter
     assert exchange is not None
-    out = overlapped_block(x, microbatches, pieces.before, pieces.compute, pieces.after, exchange, params)
-    layer.record_counts(torch.stack(stats).sum(0))
+    into = summed if carry else None
+    out = overlapped_block(x, microbatches, pieces.before, pieces.compute, pieces.after, exchange, params, carried=into)
+    layer.record_counts(torch.stack(stats).sum(0), torch.stack(summed).sum(0) if carry else None)
     fraction = batch.counts / batch.counts.sum().clamp(min=1)
     balance = cfg.num_experts * torch.dot(fraction, batch.probs / batch.tokens)
     layer.aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * batch.z / batch.tokens
@@ -170,8 +178,9 @@ class _Flat:
     """Rows to their experts' ranks directly, one per (token, expert) pair, as the layer's
     own forward sends them; the combine at home."""
 
-    def __init__(self, layer: MoELayer, batch: _Batch, dense: Dense, route: Route) -> None:
+    def __init__(self, layer: MoELayer, batch: _Batch, dense: Dense, route: Route, stats: list[Tensor] | None) -> None:
         self.layer, self.batch, self.dense, self.route = layer, batch, dense, route
+        self.stats = stats  # where given, each micro-batch's load rides with its counts
 
     def before(self, piece: Tensor) -> Routed:
         cfg = self.layer.config
@@ -182,7 +191,8 @@ class _Flat:
         plan = plan_dispatch(out.token_idx, out.expert_idx, weight, cfg.num_experts, None, out.expert_ids.shape[1])  # type: ignore[arg-type]
         self.batch.plans.append(plan)
         assert plan.weight is not None
-        return Routed(gather_rows(tokens, plan), plan.counts, (residual, plan.weight))
+        carry = self.stats[-1] if self.stats is not None else None
+        return Routed(gather_rows(tokens, plan), plan.counts, (residual, plan.weight), carry)
 
     def compute(self, rows: Tensor, counts: Tensor) -> Tensor:
         return self.layer.experts.forward_blocks(rows, counts.to(rows.device))

@@ -55,11 +55,15 @@ class Routed:
         rank and micro-batch.
     side: tensors `after` reads besides the returned rows (routing weights, a permutation);
         gradients flow back into `before` through those that require one.
+    carry: [S] int64 (the same S on every rank and micro-batch) sent to every rank with the
+        counts, and summed over the ranks (`overlapped_block`'s ``carried``): totals such as
+        an MoE layer's load, with no collective of their own.
     """
 
     rows: Tensor
     counts: Tensor
     side: tuple[Tensor, ...] = ()
+    carry: Tensor | None = None
 
 
 Before = Callable[[Tensor], Routed]
@@ -90,6 +94,7 @@ class _Plan:
     compute: Compute
     after: After
     tracer: Tracer | None
+    carried: list[Tensor] | None
 
 
 def overlapped_block(
@@ -101,6 +106,7 @@ def overlapped_block(
     exchange: Exchange,
     params: Sequence[Tensor] = (),
     tracer: Tracer | None = None,
+    carried: list[Tensor] | None = None,
 ) -> Tensor:
     """Run a block (before -> expert exchange -> after) over `microbatches` cuts of `x`'s dim
     0, pipelined so that the dense layers of one micro-batch compute while another's rows
@@ -118,6 +124,8 @@ def overlapped_block(
     params: every tensor the three functions read that needs a gradient (dense and expert
         weights); their gradients are returned through autograd, summed over micro-batches.
     tracer: spans "fwd|bwd before|out|compute|back|after {i}" (trace.py).
+    carried: where given, each micro-batch's `Routed.carry` summed over the exchange's ranks
+        is appended to it, in micro-batch order (forward only).
     Returns the micro-batches' outputs concatenated along dim 0. Equal to running `before`,
     one exchange, `compute`, the exchange back and `after` on each micro-batch in turn.
     """
@@ -125,16 +133,28 @@ def overlapped_block(
         raise InputError(f"overlapped_block: microbatches = {microbatches!r}; use an int >= 1")
     if x.dim() == 0:
         raise InputError("overlapped_block: x is a 0-dim tensor; give rows along dim 0")
-    plan = _Plan(exchange, microbatches, before, compute, after, tracer)
+    plan = _Plan(exchange, microbatches, before, compute, after, tracer, carried)
     return _Overlapped.apply(x, plan, *params)
 
 
-def _routed_splits(routed: Routed, exchange: Exchange, i: int) -> tuple[Tensor, list[int], list[int]]:
-    """Check micro-batch i's routing, exchange its counts: (recv_counts [size, slots], rows to
-    each rank, rows from each rank)."""
+def _routed_splits(routed: Routed, plan: _Plan, i: int) -> tuple[Tensor, list[int], list[int]]:
+    """Check micro-batch i's routing, exchange its counts (and its carry, whose sum goes to
+    ``plan.carried``): (recv_counts [size, slots], rows to each rank, rows from each rank)."""
+    exchange = plan.exchange
     size = exchange.size
     slots = check_counts(routed.rows, routed.counts, size, f"overlapped_block, micro-batch {i}")
-    recv = exchange_counts(routed.counts, exchange).view(size, slots)
+    if routed.carry is None:
+        recv = exchange_counts(routed.counts, exchange).view(size, slots)
+    else:
+        carry = routed.carry.to(torch.int64).cpu().reshape(1, -1).expand(size, -1)
+        send = torch.cat([routed.counts.to(torch.int64).cpu().view(size, slots), carry], dim=1)
+        width = [send.shape[1]] * size
+        got = exchange.all_to_all(send.reshape(-1), width, width, check=False)
+        assert isinstance(got, Tensor)
+        table = got.view(size, -1)
+        recv = table[:, :slots].contiguous()
+        if plan.carried is not None:
+            plan.carried.append(table[:, slots:].sum(0))
     return recv, routed.counts.view(size, slots).sum(1).tolist(), recv.sum(1).tolist()
 
 
@@ -150,7 +170,7 @@ class _Overlapped(torch.autograd.Function):
             leaf = pieces[i].detach().requires_grad_(bool(ctx.needs_input_grad[0]))
             with torch.set_grad_enabled(grad):
                 routed = plan.before(leaf)
-            recv_counts, send, recv = _routed_splits(routed, plan.exchange, i)
+            recv_counts, send, recv = _routed_splits(routed, plan, i)
             micro.append(_Micro(leaf, routed, recv_counts, send, recv))
             return routed.rows.detach(), send, recv
 

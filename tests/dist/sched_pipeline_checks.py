@@ -299,8 +299,9 @@ def reference_rows(world: World, rows: torch.Tensor, counts: torch.Tensor, compu
 
 
 def check_overlapped_block_traced_untracked_and_checked(world: World) -> None:
-    """Spans for every stage of both passes; no autograd graph kept under no_grad; bad
-    micro-batch counts and bad routing raise on every rank before any exchange."""
+    """Spans for every stage of both passes; no autograd graph kept under no_grad; a carry
+    summed over the ranks; bad micro-batch counts and bad routing raise on every rank before
+    any exchange."""
     g = torch.Generator().manual_seed(3)
     dense = [torch.randn(*shape, generator=g) for shape in ((D_IN, D_IN), (D_IN, world.size * SLOTS), (D_OUT, 6), (6,))]
     _, _, experts = problem(world, 0, torch.float32)
@@ -316,6 +317,16 @@ def check_overlapped_block_traced_untracked_and_checked(world: World) -> None:
     with torch.no_grad():
         y = overlapped_block(x, 2, before, compute, after, world.comm, params)
     assert not y.requires_grad and y.shape == (8, 6)
+
+    # a carry rides with each micro-batch's counts and comes back summed over the ranks
+    def carrying(rows: torch.Tensor) -> Routed:
+        routed = before(rows)
+        return Routed(routed.rows, routed.counts, routed.side, torch.tensor([world.rank, rows.shape[0]]))
+
+    carried: list[torch.Tensor] = []
+    y = overlapped_block(x[:5], 2, carrying, compute, after, world.comm, params, carried=carried)
+    ranks = sum(range(world.size))
+    assert [c.tolist() for c in carried] == [[ranks, 3 * world.size], [ranks, 2 * world.size]], carried
     with raises(InputError, r"microbatches = 0; use an int >= 1"):
         overlapped_block(x, 0, before, compute, after, world.comm, params)
     with raises(InputError, r"x is a 0-dim tensor"):
