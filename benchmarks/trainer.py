@@ -81,16 +81,22 @@ after imports and before the model was built (interpreter, torch, transformers).
 
 Co-scheduler (``--cluster``, needs root, ip and tc): the MoE model on an emulated cluster of
 2 nodes x 2 ranks joined by a 300 Mbit/s link (sparta_tools.cluster), dp4 with the experts
-split over all 4 ranks (ep 4), two candidates in one launch, alternating:
-  sparta_cosched_off  the MoE layers' flat all-to-all, not chunked, nothing overlapped (what
-                      DeepSpeed-MoE and torchtitan do)
-  sparta_cosched_on   MoESpec(pipeline_degree="auto"): the trainer's
+split over all 4 ranks (ep 4), three candidates in one launch, alternating:
+  sparta_cosched_off  nothing overlapped: the MoE layers' flat all-to-all, not chunked, and
+                      the dense gradients all-reduced after backward
+                      (``bucket_per_layer=False``: they fit one 25 MiB bucket), as
+                      DeepSpeed-MoE does without ZeRO's overlap_comm
+  sparta_flat_moe     the trainer's defaults with the MoE layers flat: the dense gradients'
+                      buckets (one per layer) overlap backward, the exchanges do not
+  sparta_cosched_on   the defaults and MoESpec(pipeline_degree="auto"): the trainer's
                       warm-up step tunes it (sparta/parallel/auto_schedule.py:
                       sparta.moe.tune_schedule on the first MoE layer with the inputs it saw:
                       profile, cost model, timed trials of its best plans, pipeline degrees,
                       flat or two-level all-to-all), the plan applied to every MoE layer
-Both train from the same initialisation on the same batches; the record gives each step's
-loss for both (``losses_equal``: within 1e-5) and the speed-up of on over off per step.
+All train from the same initialisation on the same batches; the record gives each step's
+loss for each (``losses_equal``: within 1e-5), the speed-up of on over off per step
+(``speedup``), and its two parts: off over flat_moe (``speedup_buckets``, the gradients'
+overlap) and flat_moe over on (``speedup_moe``, the exchanges' pipelining).
 """
 
 from __future__ import annotations

@@ -111,7 +111,9 @@ class DataParallel:
 
     microbatches: forward/backward pairs per step (the pipeline's micro-batches, or
         gradient accumulation); zero_bubble: the schedule computes weight gradients apart
-        (hooks never see them). bucket_mb: "sparta"'s bucket size in MiB.
+        (hooks never see them). bucket_mb: "sparta"'s bucket size in MiB; min_buckets:
+        "sparta" cuts smaller buckets where bucket_mb would make fewer than this many
+        (`GradBuckets`).
     queue: "sparta" sends through a PriorityQueue (True) or straight to the engine (False);
         queue_config: its chunking and schedule. partition / openings: "sparta" sends the
         dense gradients in these pieces, released in an MoE layer's backward gaps (see
@@ -135,16 +137,20 @@ class DataParallel:
         partition: GradientPartition | None = None,
         openings: Sequence[int] = (),
         find_unused_parameters: bool = False,
+        min_buckets: int = 1,
     ) -> None:
         check_strategy(strategy, zero_bubble, layout.dims.tp, layout.world.backend)
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ConfigError(f"DataParallel(microbatches={microbatches!r}): use a positive integer")
         if not bucket_mb > 0:
             raise ConfigError(f"DataParallel(bucket_mb={bucket_mb!r}): use a positive size in MiB")
-        if strategy != "sparta" and (partition is not None or queue_config is not None or not queue):
+        if not isinstance(min_buckets, int) or isinstance(min_buckets, bool) or min_buckets < 1:
+            raise ConfigError(f"DataParallel(min_buckets={min_buckets!r}): use a positive integer")
+        sparta_only = partition is not None or queue_config is not None or not queue or min_buckets != 1
+        if strategy != "sparta" and sparta_only:
             raise ConfigError(
-                f"queue, queue_config and partition choose how data_parallel='sparta' sends; with {strategy!r} "
-                "leave them out, or pass strategy 'sparta'"
+                "queue, queue_config, partition and min_buckets choose how data_parallel='sparta' sends; "
+                f"with {strategy!r} leave them out, or pass strategy 'sparta'"
             )
         if find_unused_parameters and strategy != "ddp":
             raise ConfigError(
@@ -180,7 +186,16 @@ class DataParallel:
         self.tables: list[tuple[SparseEmbedding, TaskKey]] = []
         self.release = GapRelease(partition, openings) if partition is not None else None
         self.buckets = (
-            GradBuckets(layout.dp, microbatches, self.bucket_bytes, self.queue, self.release, self._order, self._names)
+            GradBuckets(
+                layout.dp,
+                microbatches,
+                self.bucket_bytes,
+                self.queue,
+                self.release,
+                self._order,
+                self._names,
+                min_buckets,
+            )
             if strategy == "sparta" and not self._alone
             else None
         )

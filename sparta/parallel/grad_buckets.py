@@ -3,11 +3,12 @@ each all-reduced over the dp group as soon as backward has accumulated every mic
 all of its parameters, so that the reductions overlap the rest of backward.
 
 The pieces are buckets of ``bucket_bytes`` in backward's order (the reverse of the forward),
-or, given a `GapRelease`, the cost model's partition released into an MoE layer's network
-gaps. With a `PriorityQueue` each piece is a task keyed by its earliest parameter in the next
-forward (EmbRace's 2D scheduling: what the next forward needs first goes first); without one,
-the pieces go straight to the engine in ready order, the same on every rank whatever order
-their hooks fire in. `DataParallel` owns one of these for "sparta" and drives it: `add` when
+at least ``min_buckets`` of them (the trainer asks one per layer, plus one), or, given a
+`GapRelease`, the cost model's partition released into an MoE layer's network gaps. With a
+`PriorityQueue` each piece is a task keyed by its earliest parameter in the next forward
+(EmbRace's 2D scheduling: what the next forward needs first goes first); without one, the
+pieces go straight to the engine in ready order, the same on every rank whatever order their
+hooks fire in. `DataParallel` owns one of these for "sparta" and drives it: `add` when
 it wraps a module, `start` before backward, `complete_rest` and `finish` after.
 """
 
@@ -58,6 +59,16 @@ def unflatten_into(flat: torch.Tensor, spans: list[tuple[torch.Tensor, int, int]
         offset += hi - lo
 
 
+# below this a bucket's all-reduce is mostly its latency
+MIN_BUCKET_BYTES = 256 * 1024
+
+
+def bucket_cap(total_bytes: int, bucket_bytes: int, min_buckets: int) -> int:
+    """The bytes at which a bucket closes: ``bucket_bytes``, or less where that makes fewer
+    than ``min_buckets`` buckets of ``total_bytes``, but never under `MIN_BUCKET_BYTES`."""
+    return min(bucket_bytes, max(MIN_BUCKET_BYTES, -(-total_bytes // min_buckets)))
+
+
 @dataclass
 class _Task:
     """One dense all-reduce: element slices (parameter, first, end) of the flat local gradients."""
@@ -74,7 +85,10 @@ class GradBuckets:
     microbatches: backward passes per step (a piece leaves after the last one); queue: send
     through this PriorityQueue (None: straight to the engine); release: send the partition's
     pieces into an exchange's gaps instead of buckets; order, names: each parameter's
-    position in the forward and its name (for errors), kept up to date by the owner.
+    position in the forward and its name (for errors), kept up to date by the owner;
+    min_buckets: cut the buckets smaller than ``bucket_bytes`` where that makes fewer than
+    this many (never under `MIN_BUCKET_BYTES`), so that a model whose dense gradients fit one
+    bucket still sends most of them while backward runs.
     """
 
     def __init__(
@@ -86,8 +100,10 @@ class GradBuckets:
         release: GapRelease | None,
         order: dict[nn.Parameter, int],
         names: dict[nn.Parameter, str],
+        min_buckets: int = 1,
     ) -> None:
         self.dp, self.microbatches, self.bucket_bytes = dp, microbatches, bucket_bytes
+        self.min_buckets = min_buckets
         self.queue, self.release = queue, release
         self.params: list[nn.Parameter] = []
         self._order, self._names = order, names  # the owner's, filled as it wraps modules
@@ -131,13 +147,15 @@ class GradBuckets:
             self.release.bind([local_tensor(p).numel() for p in ready], sizes.pop())
             spans = [[(ready[i], lo, hi) for i, lo, hi in self.release.spans(k)] for k in range(len(self.release))]
         else:
+            total = sum(local_tensor(p).numel() * p.element_size() for p in ready)
+            cap = bucket_cap(total, self.bucket_bytes, self.min_buckets)
             current: list[tuple[nn.Parameter, int, int]] = []
             size = 0
             for p in ready:
                 n = local_tensor(p).numel()
                 current.append((p, 0, n))
                 size += n * p.element_size()
-                if size >= self.bucket_bytes:
+                if size >= cap:
                     spans.append(current)
                     current, size = [], 0
             if current:

@@ -41,6 +41,12 @@ class ParallelConfig:
         same modules, built at its first batch, each with its own receive buffers (memory):
         keep the shapes few (`sparta.scheduling.bucketed_steps` makes a few per length).
     bucket_mb: bucket size of the "sparta" data-parallel strategy, MiB.
+    bucket_per_layer: "sparta" cuts the dense gradients into at least one bucket per layer of
+        a rank (plus one), smaller than bucket_mb where need be, so that each layer's
+        gradients are all-reduced while the layers before it run backward; False: buckets of
+        bucket_mb only, so a model whose dense gradients fit one sends them all after
+        backward (DeepSpeed's way; MoE GPT on 2 emulated nodes at 300 Mbit/s, dp4: 2.60 s a
+        step with it, 2.82 s without).
     find_unused_parameters: "ddp" only: let torch DDP look for dense parameters no loss
         reached each step (its own flag; it walks the autograd graph every step, so leave it
         off unless the model has such parameters, which DDP otherwise refuses at the next
@@ -81,6 +87,7 @@ class ParallelConfig:
     seq_len: int | None = None
     lengths: tuple[int, ...] = ()
     bucket_mb: float = 25.0
+    bucket_per_layer: bool = True
     find_unused_parameters: bool = False
     vocab_stages: bool = False
     embedding_stages: bool = False
@@ -104,6 +111,8 @@ class ParallelConfig:
         self._check_lengths()
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
+        if not isinstance(self.bucket_per_layer, bool):
+            raise ConfigError(f"bucket_per_layer={self.bucket_per_layer!r}; use True or False")
         if self.find_unused_parameters and self.data_parallel != "ddp":
             raise ConfigError(
                 f"find_unused_parameters=True is torch DDP's flag; data_parallel={self.data_parallel!r} counts the "

@@ -263,6 +263,8 @@ def parallelize(
     # 1.017 s). One dp rank: no queue, so DataParallel sends nothing (see its `_alone`)
     tables = config.embedding == "sparse" and config.microbatches == 1
     queue = config.data_parallel != "sparta" or (dims.dp > 1 and tables)
+    layers_here = sum(len(stages[i - first]) for i in mine if first <= i < first + body)
+    per_layer = config.bucket_per_layer and config.data_parallel == "sparta"
     data_parallel = DataParallel(
         layout,
         config.data_parallel,
@@ -271,6 +273,7 @@ def parallelize(
         config.bucket_mb,
         queue=queue,
         find_unused_parameters=config.find_unused_parameters,
+        min_buckets=layers_here + 1 if per_layer else 1,
     )
     tp_plan: dict[str, str] = {}
     expert_tp: list[str] = []

@@ -66,8 +66,9 @@ the fastest taken, as the tuner takes it. Not modelled: the co-scheduler's chunk
 (``pipeline_degree``) and its choice between the flat and the two-level exchange.
 
 After the last action the rank's gradient sync runs: the dense gradients' all-reduce over
-dp, of which the bucketed strategies hide what their buckets (``bucket_mb``) send while the
-last micro-batch's backward still runs (`_exposed`: one bucket hides nothing), the experts'
+dp, of which the bucketed strategies hide what their buckets (``bucket_mb``; sparta's at
+least one per layer, plus one, with ``bucket_per_layer``) send while the last micro-batch's
+backward still runs (`_exposed`: one bucket hides nothing), the experts'
 over their replicas; then AdamW. Under fsdp the
 reduction is one reduce-scatter per unit (`_reduce_scatter`: an all-reduce of its gradients
 on gloo, which runs it so, an all-gather's bytes on NCCL), and waits after the last action
@@ -111,6 +112,7 @@ from sparta.errors import ConfigError
 from sparta.parallel.decoder import DecoderConfig
 from sparta.parallel.dims import ParallelDims
 from sparta.parallel.experts import MoESpec
+from sparta.parallel.grad_buckets import bucket_cap
 from sparta.parallel.parallel_config import ParallelConfig
 from sparta.parallel.pipeline import ZERO_BUBBLE, action_table, stage_ids
 from sparta.scheduling.trace import Span
@@ -261,9 +263,13 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
         else:
             reduce = costs.collective("all_reduce", dims.dp, dense * grad, dims.tp)
             # horovod reduces at the step's end in one go; sparta's buckets (bucket_mb) and
-            # DDP's (torch's 25 MiB: the trainer sets none) are sent as backward fills each
+            # DDP's (torch's 25 MiB: the trainer sets none) are sent as backward fills each;
+            # sparta's at least one per layer of the rank, plus one, with bucket_per_layer
             bucket_mb = config.bucket_mb if config.data_parallel == "sparta" else DDP_BUCKET_MB
-            pieces = 1 if config.data_parallel == "horovod" else ceil(dense * grad / (bucket_mb * 2**20))
+            per_layer = config.data_parallel == "sparta" and config.bucket_per_layer
+            least = sum(len(layers[s]) for s in owner if owner[s] == rank) + 1 if per_layer else 1
+            cap = bucket_cap(ceil(dense * grad), int(bucket_mb * 2**20), least)
+            pieces = 1 if config.data_parallel == "horovod" else ceil(dense * grad / cap)
         if config.data_parallel == "fsdp" and not streamed:  # gloo: each ran inside the backward
             sync = reduce
         elif zero_bubble:

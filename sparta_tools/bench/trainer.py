@@ -287,7 +287,7 @@ def build_ddp(shape: ModelShape, device: torch.device | str = "cpu") -> Step:
 class SpartaRun:
     """Sparta's trainer on ``layout``: parallelize, then step / clip / AdamW per step; on
     ``shape``'s model, or on ``model`` (a decoder of the same shape) where given; ``moe``: a
-    MoESpec in place of `moe_spec`'s."""
+    MoESpec in place of `moe_spec`'s; ``bucket_per_layer``: ParallelConfig's."""
 
     def __init__(
         self,
@@ -299,6 +299,7 @@ class SpartaRun:
         vocab_parallel_head: bool = True,
         model: torch.nn.Module | None = None,
         moe: Any | None = None,
+        bucket_per_layer: bool = True,
     ) -> None:
         from sparta.parallel import ParallelConfig, parallelize
 
@@ -310,6 +311,7 @@ class SpartaRun:
             data_parallel=data_parallel,
             moe=moe_spec(shape, expert_tp) if moe is None else moe,
             vocab_parallel_head=vocab_parallel_head,
+            bucket_per_layer=bucket_per_layer,
         )
         stages = spec.pp * spec.stages_per_rank
         # several stages: balanced by measured time on one micro-batch, as a user would run it

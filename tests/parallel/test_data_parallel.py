@@ -12,6 +12,7 @@ from launch import assert_all_ok, launch, require_launcher
 
 import sparta
 from sparta.embedding import SparseEmbedding
+from sparta.errors import ConfigError
 from sparta.parallel import DataParallel, ParallelDims, build_layout
 from tests.dist.data_parallel_checks import CHECKS
 
@@ -78,3 +79,36 @@ def test_fsdp_units_follow_the_decoder() -> None:
         assert fsdp_units(stage, set()) == [], stage
     model.output.weight = model.tok_emb.weight
     assert fsdp_units(model, set()) == [([model.layers["0"]], True), ([model.layers["1"]], True)]
+
+
+def test_min_buckets_cuts_a_model_that_fits_one_bucket() -> None:
+    """Four 1 MiB layers fit one 25 MiB bucket, sent only once backward is done; min_buckets=5
+    closes a bucket every 1 MiB or so (each layer's, in backward's order), and the sums
+    are the same. Other strategies refuse the option."""
+    world = sparta.init(backend="torch")
+    layout = build_layout(ParallelDims(dp=1), world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(4)])
+    x = torch.randn(3, 512)
+    grads = []
+    for least, names in ((1, ["dense 0"]), (5, [f"dense {i}" for i in range(4)])):
+        dp = DataParallel(layout, "sparta", 1, False, min_buckets=least)
+        dp.wrap(model)
+        model.zero_grad()
+        dp.start()
+        model(x).square().sum().backward()
+        dp.finish()
+        assert dp.queue is not None and [k.name for k, _ in dp.queue.issue_log] == names, dp.queue.issue_log
+        # backward's order: the last layer's bucket first, keyed by its place in the forward
+        assert [k.priority for k, _ in dp.queue.issue_log] == sorted(
+            (k.priority for k, _ in dp.queue.issue_log), reverse=True
+        )
+        grads.append([p.grad.clone() for p in model.parameters()])
+        dp.close()
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match=r"min_buckets=0.*positive integer"):
+        DataParallel(layout, "sparta", 1, False, min_buckets=0)
+    with pytest.raises(ConfigError, match=r"min_buckets choose how data_parallel='sparta' sends"):
+        DataParallel(layout, "ddp", 1, False, min_buckets=3)
+    world.shutdown()
