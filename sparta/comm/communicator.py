@@ -63,8 +63,9 @@ class Communicator(Exchange, abc.ABC):
     # whether a failed collective leaves every group of the world unusable (one background
     # loop or progress engine serves them all), or only its own group
     failures_span_world: bool = False
-    # bytes one call may send (or receive) per rank, where the engine has a bound (MPI's int counts)
-    max_call_bytes: int | None = None
+    # rows one call may send (or receive) per rank, where the engine has a bound (MPI's int
+    # counts, which it counts in units of at least a row)
+    max_call_rows: int | None = None
 
     def __init__(self, rank: int, size: int, ranks: Sequence[int], config: CommConfig, name: str) -> None:
         self.rank = rank
@@ -237,11 +238,11 @@ class Communicator(Exchange, abc.ABC):
         send, problem = checks.send_splits_of(x, send_splits, self.size, problem)
         problem = problem or checks.splits_problem(recv_splits, self.size, None, "recv_splits")
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
-        if problem is None and self.max_call_bytes is not None:  # in the verdict, so every rank raises
-            most = max(sum(send), 0 if recv_splits is None else sum(recv_splits)) * row_bytes
-            if most > self.max_call_bytes:
+        if problem is None and self.max_call_rows is not None:  # in the verdict, so every rank raises
+            most = max(sum(send), 0 if recv_splits is None else sum(recv_splits))
+            if most > self.max_call_rows:
                 problem = (
-                    f"the {self.backend} engine moves at most {self.max_call_bytes} bytes a call each way, and this "
+                    f"the {self.backend} engine moves at most {self.max_call_rows} rows a call each way, and this "
                     f"rank's part is {most}: split the exchange into smaller calls"
                 )
         checking = self.config.check_inputs if check is None else check

@@ -292,15 +292,29 @@ def check_bad_input_raises_everywhere(world: World) -> None:
         c.all_reduce(torch.ones(2), op="max" if r == bad_rank else "sum")
     with raises(InputError, "groups must be disjoint"):
         c.split_groups([[0, 1], [1, 2]])
-    # past an engine's bound on one call (MPI's 2 GiB int counts; set low here, on every
-    # engine, to be reached): the one rank over it is refused on all, before any row moves
-    c.max_call_bytes = 64
+    # past an engine's bound on one call (MPI's 32-bit counts; set low here, on every engine,
+    # to be reached): the one rank over it is refused on all, before any row moves
+    c.max_call_rows = 16
     try:
-        with raises(InputError, r"rank 1: the \w+ engine moves at most 64 bytes a call each way, and this rank's "
-                                r"part is 80"):  # fmt: skip
+        with raises(InputError, r"rank 1: the \w+ engine moves at most 16 rows a call each way, and this rank's "
+                                r"part is 20"):  # fmt: skip
             c.all_to_all(torch.ones(20 if r == bad_rank else n), [20, 0, 0, 0] if r == bad_rank else [1] * n)
+        # MPI counts in units of the largest size dividing every count (a row at least), not
+        # bytes: more bytes than the bound go through whole; only a call of more units than it
+        # (odd byte counts) is refused, on every rank
+        c.max_call_rows = 64
+        rows = (torch.arange(24.0 * n) + 1000 * r).view(6 * n, 4)  # 96 n bytes
+        want = torch.cat([(torch.arange(24.0 * n) + 1000 * s).view(6 * n, 4)[6 * r : 6 * r + 6] for s in range(n)])
+        assert torch.equal(c.all_to_all(rows), want)
+        ones = torch.ones(1000, dtype=torch.uint8)
+        assert torch.equal(c.broadcast(torch.full((1000,), r, dtype=torch.uint8), src=1), ones)
+        gathered = c.all_gather(rows)
+        assert all(torch.equal(g, (torch.arange(24.0 * n) + 1000 * s).view(6 * n, 4)) for s, g in enumerate(gathered))
+        if c.backend == "mpi":
+            with raises(InputError, r"the MPI engine moves at most 64 units a call .* here 1\), asked for 133"):
+                c.all_gather(torch.ones(33 + (r == 0), dtype=torch.uint8))
     finally:
-        del c.max_call_bytes  # the engine's own bound again
+        del c.max_call_rows  # the engine's own bound again
     # and the communicator still works after all of that
     assert c.all_reduce(torch.tensor([1.0])).item() == n
 

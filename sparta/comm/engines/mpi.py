@@ -12,6 +12,11 @@ thread's call (mpi4py releases the GIL) does. The caller waits on the call's fut
 the communicator's timeout, so a stuck collective still raises CollectiveTimeoutError
 instead of hanging. Needs MPI_THREAD_MULTIPLE (what mpi4py asks for by default).
 
+MPI-3 counts and displacements are C ints: each call counts its bytes in units of their
+greatest common divisor (a contiguous type of that many bytes, at least a row of the call,
+since counts are whole rows), so a call moves up to 2**31 - 1 rows a rank, not bytes (2.25
+GiB a rank each way, one all-to-all of 4 KiB rows on 2 ranks, here).
+
 The threads end at shutdown (see `MPICommunicator`), which leaves none behind unless a call
 is stuck inside MPI after a timeout; a split, too, times out instead of hanging when a
 rank never joins it.
@@ -28,6 +33,7 @@ which could wait forever. mpirun then exits 0 whatever its ranks returned: read 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import weakref
@@ -130,7 +136,7 @@ class MPICommunicator(Communicator):
     stops its thread when collected; its MPI communicator is freed with the world's."""
 
     backend = "mpi"
-    max_call_bytes = _MAX_COUNT
+    max_call_rows = _MAX_COUNT  # in units of at least a row (`_units`)
     native_reduce_dtypes = frozenset(
         {torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
     )
@@ -227,13 +233,43 @@ class MPICommunicator(Communicator):
         except self._MPI.Exception as exc:
             raise engine_failure(exc, op) from exc
 
-    def _check_counts(self, counts: list[int], op: str) -> None:
-        """Every rank holds the same `counts` (a gather's, a broadcast's), so all raise alike."""
-        if sum(counts) > _MAX_COUNT:
+    @staticmethod
+    def _units(counts: list[int]) -> tuple[int, list[int]]:
+        """`counts` (bytes) in units of their greatest common divisor (at least a row of the
+        call, whose counts are whole rows): (unit bytes, counts in units). One call moves up
+        to 2**31 - 1 units (32-bit MPI counts and displacements), not bytes."""
+        unit = math.gcd(*counts) or 1
+        return unit, [c // unit for c in counts]
+
+    def _unit_type(self, unit: int) -> Any:
+        """A committed MPI type of `unit` contiguous bytes (free it after the call, unless BYTE)."""
+        return self._MPI.BYTE if unit == 1 else self._MPI.BYTE.Create_contiguous(unit).Commit()
+
+    def _typed_call(self, units: tuple[int, ...], call: Callable[..., Any]) -> Callable[[], Any]:
+        """`call(*types)` on the call thread with a type per unit, freed once MPI is done."""
+
+        def run() -> Any:
+            types = [self._unit_type(u) for u in units]
+            try:
+                return call(*types)
+            finally:
+                for t in types:
+                    if t != self._MPI.BYTE:
+                        t.Free()
+
+        return run
+
+    def _check_units(self, counts: list[int], op: str) -> tuple[int, list[int]]:
+        """`_units` of `counts` (a gather's, a broadcast's: the same on every rank, so every
+        rank raises alike where they are too many)."""
+        unit, units = self._units(counts)
+        if sum(units) > self.max_call_rows:
             raise InputError(
-                f"{op}: the MPI engine moves at most {_MAX_COUNT} bytes a call (32-bit MPI counts and "
-                f"displacements), asked for {sum(counts)}; split the tensor into smaller calls"
+                f"{op}: the MPI engine moves at most {self.max_call_rows} units a call (32-bit MPI counts; a unit "
+                f"is the largest size dividing every rank's bytes, here {unit}), asked for {sum(units)}; split the "
+                "tensor into smaller calls"
             )
+        return unit, units
 
     @staticmethod
     def _displs(counts: list[int]) -> list[int]:
@@ -241,32 +277,44 @@ class MPICommunicator(Communicator):
 
     # ---------------------------------------------------------------- primitives
     def _all_to_all_bytes(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
-        if max(sum(send), sum(recv)) > _MAX_COUNT:
+        (su, send_units), (ru, recv_units) = self._units(send), self._units(recv)
+        if max(sum(send_units), sum(recv_units)) > self.max_call_rows:
             # only where the receive total was learnt from the split exchange or checks were
             # off (start_all_to_all refuses the rest on every rank): its peers cannot know
             raise CollectiveError(
-                f"{op}: the MPI engine moves at most {_MAX_COUNT} bytes a call each way (32-bit MPI counts and "
-                f"displacements); this rank would send {sum(send)} and receive {sum(recv)}: split the exchange "
-                "into smaller calls (its peers wait for this one until their timeout)"
+                f"{op}: the MPI engine moves at most {self.max_call_rows} units a call each way (32-bit MPI counts and "
+                f"displacements); this rank would send {sum(send_units)} of {su} bytes and receive "
+                f"{sum(recv_units)} of {ru}: split the exchange into smaller calls (its peers wait for this one "
+                "until their timeout)"
             )
         src = self._host(buf)
         out = torch.empty(sum(recv), dtype=torch.uint8)
-        B = self._MPI.BYTE
-        sendspec, recvspec = [src, (send, self._displs(send)), B], [out.numpy(), (recv, self._displs(recv)), B]
-        return self._run(lambda: self.mpi.Alltoallv(sendspec, recvspec), out, buf.device, op)
+        send_spec, recv_spec = (send_units, self._displs(send_units)), (recv_units, self._displs(recv_units))
+
+        def call(send_type: Any, recv_type: Any) -> None:
+            self.mpi.Alltoallv([src, send_spec, send_type], [out.numpy(), recv_spec, recv_type])
+
+        return self._run(self._typed_call((su, ru), call), out, buf.device, op)
 
     def _all_gather_bytes(self, buf: torch.Tensor, counts: list[int], op: str) -> Handle[torch.Tensor]:
-        self._check_counts(counts, op)
+        unit, units = self._check_units(counts, op)
         src = self._host(buf)
         out = torch.empty(sum(counts), dtype=torch.uint8)
-        B = self._MPI.BYTE
-        recvspec = [out.numpy(), (counts, self._displs(counts)), B]
-        return self._run(lambda: self.mpi.Allgatherv([src, B], recvspec), out, buf.device, op)
+        spec = (units, self._displs(units))
+
+        def call(t: Any) -> None:
+            self.mpi.Allgatherv([src, units[self.rank], t], [out.numpy(), spec, t])
+
+        return self._run(self._typed_call((unit,), call), out, buf.device, op)
 
     def _broadcast_bytes(self, buf: torch.Tensor, src: int, op: str) -> Handle[torch.Tensor]:
-        self._check_counts([buf.numel()], op)
+        unit, units = self._check_units([buf.numel()], op)
         host = buf.cpu()
-        return self._run(lambda: self.mpi.Bcast([host.numpy(), self._MPI.BYTE], root=src), host, buf.device, op)
+
+        def call(t: Any) -> None:
+            self.mpi.Bcast([host.numpy(), units[0], t], root=src)
+
+        return self._run(self._typed_call((unit,), call), host, buf.device, op)
 
     def _all_reduce(self, x: torch.Tensor, op: str, donate: bool = False) -> Handle[torch.Tensor]:
         # donate is not taken: the sum lands in a host buffer of its own (x may be on a GPU)
