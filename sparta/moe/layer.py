@@ -153,6 +153,9 @@ class MoELayer(nn.Module):
         # back-propagated as it is. Set it to the scale your loss is back-propagated with
         # (a GradScaler's scale, 1 / N when N backwards accumulate) to keep their weight
         self.aux_loss_scale = 1.0
+        # False: training forwards leave the router's load state alone (a pass whose rows are
+        # not the batch's, such as torch's pipeline stages learning their shapes)
+        self.load_updates = True
         self._stats: Tensor | None = None
         self._counts_checked = False  # the counts exchange's layout, proven at the first forward
         self._stats_checked = False  # and the counts summed over stats_comm
@@ -315,7 +318,7 @@ class MoELayer(nn.Module):
             self._stats_checked = True
         else:
             counts = local
-        if self.training:
+        if self.training and self.load_updates:
             self.router.update_load(counts[: self.config.num_experts])
         self._stats = counts
 
@@ -335,7 +338,7 @@ def _config_of(args: tuple[Any, ...], options: dict[str, Any]) -> MoEConfig:
     unknown = sorted(set(options) - set(known))
     if unknown or len(args) > len(known):
         raise ConfigError(
-            f"MoELayer got unknown options {unknown or list(args[len(known):])}: pass a MoEConfig, "
+            f"MoELayer got unknown options {unknown or list(args[len(known) :])}: pass a MoEConfig, "
             f"or its fields {known}"
         )
     try:
@@ -353,4 +356,3 @@ def stats_vector(routed: Tensor, kept: Tensor, dropped: Tensor) -> Tensor:
 
 def _stats_len(num_experts: int) -> int:
     return 2 * num_experts + 1
-

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
+from torch.utils.hooks import RemovableHandle
 
 from sparta.errors import InputError
 from sparta.moe import MoELayer
@@ -137,13 +138,15 @@ class ParallelModel:
                 self._step_one_stage(ids, targets, losses)
             else:
                 schedule = self._schedule(ids.shape[0], ids.shape[1])
-                self._feed_heads(targets, inference=tuple(ids.shape) not in self._stepped)
+                inference = tuple(ids.shape) not in self._stepped
+                self._feed_heads(targets, inference)
                 self._stepped.add(tuple(ids.shape))  # type: ignore[arg-type]
                 args = (ids.to(self.layout.device),) if self.has_first else ()
                 kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
                 # no outputs back: the last stage would keep every micro-batch's logits alive and
                 # concatenate them (a copy of [B, T, vocab] a step) for a caller that reads losses only
-                schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
+                with _first_forwards_keep_loads(self.parts) if inference else nullcontext():
+                    schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
         self._check_heads()
         self.data_parallel.finish()
         if tune:
@@ -305,3 +308,38 @@ class ParallelModel:
     def close(self) -> None:
         """Remove the data-parallel hooks."""
         self.data_parallel.close()
+
+
+@contextmanager
+def _first_forwards_keep_loads(parts: list[nn.Module]) -> Iterator[None]:
+    """Inside: each stage module's first forward leaves its MoE routers' load state alone.
+    That forward is torch's shape-learning run at a schedule's first step: on uninitialised
+    rows after stage 0, and on stage 0 a second run of the first micro-batch; a router that
+    balances by load (sigmoid's bias) must take the micro-batches' loads only."""
+    handles: list[RemovableHandle] = []
+    layers = [[m for m in part.modules() if isinstance(m, MoELayer)] for part in parts]
+
+    def hold(moe: list[MoELayer], value: bool) -> None:
+        for layer in moe:
+            layer.load_updates = value
+
+    for part, moe in zip(parts, layers, strict=True):
+        if not moe:
+            continue
+        mine: list[RemovableHandle] = []
+
+        def release(*_: Any, moe: list[MoELayer] = moe, mine: list[RemovableHandle] = mine) -> None:
+            hold(moe, True)
+            for handle in mine:
+                handle.remove()
+
+        mine.append(part.register_forward_pre_hook(lambda *_, moe=moe: hold(moe, False)))
+        mine.append(part.register_forward_hook(release))
+        handles += mine
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for moe in layers:
+            hold(moe, True)

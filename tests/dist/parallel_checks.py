@@ -277,6 +277,33 @@ def parity(
     return check
 
 
+def router_loads(layout: Layout) -> None:
+    """A router that balances by load (sigmoid's bias) takes one load per micro-batch, at each
+    shape's first step too, where torch's stages learn their shapes by running each stage's
+    forward once more (on uninitialised rows after stage 0)."""
+    torch.manual_seed(0)
+    split = _even_split(layout.dims.pp)
+    spec = MoESpec(num_experts=4, top_k=2, router="sigmoid")
+    config = ParallelConfig(schedule="1F1B", microbatches=4, split_points=split, data_parallel="ddp", moe=spec,
+                            lengths=(6, MODEL.seq_len))  # fmt: skip
+    pm = parallelize(Decoder(MODEL), layout, config)
+    moe = [m for part in pm.parts for m in part.modules() if isinstance(m, MoELayer)]
+    taken: list[int] = []
+    for layer in moe:
+        real = layer.router.update_load
+        layer.router.update_load = lambda load, real=real: (taken.append(1), real(load))[-1]  # type: ignore[method-assign]
+    try:
+        assert moe, "no MoE layer on this rank"
+        for step, length in enumerate((MODEL.seq_len, MODEL.seq_len, 6, 6)):
+            ids, targets = rank_batches(layout.dims.dp, step, False, False)[layout.dp_rank]
+            taken.clear()
+            pm.step(ids[:, :length], targets[:, :length])
+            assert len(taken) == 4 * len(moe), f"step {step}: {len(taken)} loads for {len(moe)} layers, 4 micro-batches"
+            assert all(layer.load_updates for layer in moe)
+    finally:
+        pm.close()
+
+
 def fused_optimizer(layout: Layout) -> None:
     """`ParallelModel.param_groups`: every parameter once, one kind of tensor per group (plain
     or a DTensor of one mesh: here experts and table shards beside FSDP2 and TP DTensors), so
@@ -525,7 +552,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("1F1B", 1, "ddp", recompute=(0,)),
         forward_only_failures,
     ],
-    "ddp_pp": [parity("1F1B", 1, "ddp", microbatches=4), bad_inputs],  # bad_inputs at tp1 with ep too
+    "ddp_pp": [parity("1F1B", 1, "ddp", microbatches=4), router_loads, bad_inputs],  # bad_inputs at tp1 with ep too
     "horovod": [parity("1F1B", 1, "horovod")],
     "sparta": [parity("1F1B", 1, "sparta"), parity("1F1B", 1, "sparta", ragged=True, lengths=(6, MODEL.seq_len))],
     "coscheduled": [
