@@ -6,6 +6,7 @@ import pytest
 from launch import assert_all_ok, launch
 
 from tests.dist.comm_checks import CHECKS, TORCH_ONLY
+from tests.dist.timeout_checks import OPS
 
 ENGINES = ["torchrun", "mpirun", "horovodrun", "horovod-mpirun"]
 
@@ -20,7 +21,7 @@ def test_every_collective_on_four_ranks(launcher: str) -> None:
 @pytest.mark.parametrize("launcher", ENGINES)
 def test_stuck_collective_times_out_naming_rank_and_op(launcher: str) -> None:
     results = launch(launcher, "timeout_checks.py", nprocs=4, timeout=120, expect_ok=False)
-    assert_all_ok(results, nprocs=4, expected_checks=2 if launcher == "torchrun" else 1)
+    assert_all_ok(results, nprocs=4, expected_checks=len(OPS) + (2 if launcher == "torchrun" else 1))
 
 
 @pytest.mark.parametrize("launcher", ENGINES)
