@@ -164,7 +164,9 @@ def overlapped_moe_block(
     assert exchange is not None
     into = summed if carry else None
     out = overlapped_block(x, microbatches, pieces.before, pieces.compute, pieces.after, exchange, params, carried=into)
-    layer.record_counts(torch.stack(stats).sum(0), torch.stack(summed).sum(0) if carry else None)
+    local = torch.stack(stats).sum(0)
+    # the carry came back through the host: the router's state may live on a GPU
+    layer.record_counts(local, torch.stack(summed).sum(0).to(local.device) if carry else None)
     fraction = batch.counts / batch.counts.sum().clamp(min=1)
     balance = cfg.num_experts * torch.dot(fraction, batch.probs / batch.tokens)
     layer.aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * batch.z / batch.tokens

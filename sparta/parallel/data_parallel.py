@@ -111,8 +111,8 @@ class DataParallel:
 
     microbatches: forward/backward pairs per step (the pipeline's micro-batches, or
         gradient accumulation); zero_bubble: the schedule computes weight gradients apart
-        (hooks never see them). bucket_mb: "sparta"'s bucket size in MiB; min_buckets:
-        "sparta" cuts smaller buckets where bucket_mb would make fewer than this many
+        (hooks never see them). bucket_mb: "sparta"'s bucket size in MiB; bucket_shares:
+        "sparta" closes a bucket at most every 1 / bucket_shares of the dense gradients
         (`GradBuckets`).
     queue: "sparta" sends through a PriorityQueue (True) or straight to the engine (False);
         queue_config: its chunking and schedule. partition / openings: "sparta" sends the
@@ -137,19 +137,19 @@ class DataParallel:
         partition: GradientPartition | None = None,
         openings: Sequence[int] = (),
         find_unused_parameters: bool = False,
-        min_buckets: int = 1,
+        bucket_shares: int = 1,
     ) -> None:
         check_strategy(strategy, zero_bubble, layout.dims.tp, layout.world.backend)
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ConfigError(f"DataParallel(microbatches={microbatches!r}): use a positive integer")
         if not bucket_mb > 0:
             raise ConfigError(f"DataParallel(bucket_mb={bucket_mb!r}): use a positive size in MiB")
-        if not isinstance(min_buckets, int) or isinstance(min_buckets, bool) or min_buckets < 1:
-            raise ConfigError(f"DataParallel(min_buckets={min_buckets!r}): use a positive integer")
-        sparta_only = partition is not None or queue_config is not None or not queue or min_buckets != 1
+        if not isinstance(bucket_shares, int) or isinstance(bucket_shares, bool) or bucket_shares < 1:
+            raise ConfigError(f"DataParallel(bucket_shares={bucket_shares!r}): use a positive integer")
+        sparta_only = partition is not None or queue_config is not None or not queue or bucket_shares != 1
         if strategy != "sparta" and sparta_only:
             raise ConfigError(
-                "queue, queue_config, partition and min_buckets choose how data_parallel='sparta' sends; "
+                "queue, queue_config, partition and bucket_shares choose how data_parallel='sparta' sends; "
                 f"with {strategy!r} leave them out, or pass strategy 'sparta'"
             )
         if find_unused_parameters and strategy != "ddp":
@@ -157,6 +157,8 @@ class DataParallel:
                 f"DataParallel(find_unused_parameters=True) is torch DDP's flag; {strategy!r} counts the gradient of "
                 "a parameter no loss reached as zero already: leave it False, or use strategy 'ddp'"
             )
+        if partition is not None and bucket_shares != 1:
+            raise ConfigError("partition= cuts the dense gradients itself: leave bucket_shares out, or the partition")
         if partition is not None and (zero_bubble or microbatches > 1):
             raise ConfigError(
                 "partition= releases gradient pieces into one backward's network gaps: it needs microbatches=1 and "
@@ -194,7 +196,7 @@ class DataParallel:
                 self.release,
                 self._order,
                 self._names,
-                min_buckets,
+                bucket_shares,
             )
             if strategy == "sparta" and not self._alone
             else None

@@ -3,7 +3,7 @@ each all-reduced over the dp group as soon as backward has accumulated every mic
 all of its parameters, so that the reductions overlap the rest of backward.
 
 The pieces are buckets of ``bucket_bytes`` in backward's order (the reverse of the forward),
-at least ``min_buckets`` of them (the trainer asks one per layer, plus one), or, given a
+each at most 1 / ``bucket_shares`` of them (the trainer asks its layers plus one), or, given a
 `GapRelease`, the cost model's partition released into an MoE layer's network gaps. With a
 `PriorityQueue` each piece is a task keyed by its earliest parameter in the next forward
 (EmbRace's 2D scheduling: what the next forward needs first goes first); without one, the
@@ -63,10 +63,10 @@ def unflatten_into(flat: torch.Tensor, spans: list[tuple[torch.Tensor, int, int]
 MIN_BUCKET_BYTES = 256 * 1024
 
 
-def bucket_cap(total_bytes: int, bucket_bytes: int, min_buckets: int) -> int:
-    """The bytes at which a bucket closes: ``bucket_bytes``, or less where that makes fewer
-    than ``min_buckets`` buckets of ``total_bytes``, but never under `MIN_BUCKET_BYTES`."""
-    return min(bucket_bytes, max(MIN_BUCKET_BYTES, -(-total_bytes // min_buckets)))
+def bucket_cap(total_bytes: int, bucket_bytes: int, bucket_shares: int) -> int:
+    """The bytes at which a bucket closes: ``bucket_bytes``, or ``total_bytes`` over
+    ``bucket_shares`` where that is less, but never under `MIN_BUCKET_BYTES`."""
+    return min(bucket_bytes, max(MIN_BUCKET_BYTES, -(-total_bytes // bucket_shares)))
 
 
 @dataclass
@@ -86,9 +86,9 @@ class GradBuckets:
     through this PriorityQueue (None: straight to the engine); release: send the partition's
     pieces into an exchange's gaps instead of buckets; order, names: each parameter's
     position in the forward and its name (for errors), kept up to date by the owner;
-    min_buckets: cut the buckets smaller than ``bucket_bytes`` where that makes fewer than
-    this many (never under `MIN_BUCKET_BYTES`), so that a model whose dense gradients fit one
-    bucket still sends most of them while backward runs.
+    bucket_shares: close a bucket at most every 1 / ``bucket_shares`` of the dense gradients
+    (`bucket_cap`: a bucket ends at a parameter's end, so a large one makes fewer), so that a
+    model whose dense gradients fit one bucket still sends most of them while backward runs.
     """
 
     def __init__(
@@ -100,10 +100,10 @@ class GradBuckets:
         release: GapRelease | None,
         order: dict[nn.Parameter, int],
         names: dict[nn.Parameter, str],
-        min_buckets: int = 1,
+        bucket_shares: int = 1,
     ) -> None:
         self.dp, self.microbatches, self.bucket_bytes = dp, microbatches, bucket_bytes
-        self.min_buckets = min_buckets
+        self.bucket_shares = bucket_shares
         self.queue, self.release = queue, release
         self.params: list[nn.Parameter] = []
         self._order, self._names = order, names  # the owner's, filled as it wraps modules
@@ -148,7 +148,7 @@ class GradBuckets:
             spans = [[(ready[i], lo, hi) for i, lo, hi in self.release.spans(k)] for k in range(len(self.release))]
         else:
             total = sum(local_tensor(p).numel() * p.element_size() for p in ready)
-            cap = bucket_cap(total, self.bucket_bytes, self.min_buckets)
+            cap = bucket_cap(total, self.bucket_bytes, self.bucket_shares)
             current: list[tuple[nn.Parameter, int, int]] = []
             size = 0
             for p in ready:

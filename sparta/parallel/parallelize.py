@@ -273,7 +273,7 @@ def parallelize(
         config.bucket_mb,
         queue=queue,
         find_unused_parameters=config.find_unused_parameters,
-        min_buckets=layers_here + 1 if per_layer else 1,
+        bucket_shares=layers_here + 1 if per_layer else 1,
     )
     tp_plan: dict[str, str] = {}
     expert_tp: list[str] = []

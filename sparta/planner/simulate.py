@@ -67,7 +67,7 @@ the fastest taken, as the tuner takes it. Not modelled: the co-scheduler's chunk
 
 After the last action the rank's gradient sync runs: the dense gradients' all-reduce over
 dp, of which the bucketed strategies hide what their buckets (``bucket_mb``; sparta's at
-least one per layer, plus one, with ``bucket_per_layer``) send while the last micro-batch's
+most the dense bytes over the layers plus one, with ``bucket_per_layer``) send while the last micro-batch's
 backward still runs (`_exposed`: one bucket hides nothing), the experts'
 over their replicas; then AdamW. Under fsdp the
 reduction is one reduce-scatter per unit (`_reduce_scatter`: an all-reduce of its gradients
@@ -264,7 +264,8 @@ def simulate(costs: ModelCosts, work: Workload, plan: Plan, trace: bool = False)
             reduce = costs.collective("all_reduce", dims.dp, dense * grad, dims.tp)
             # horovod reduces at the step's end in one go; sparta's buckets (bucket_mb) and
             # DDP's (torch's 25 MiB: the trainer sets none) are sent as backward fills each;
-            # sparta's at least one per layer of the rank, plus one, with bucket_per_layer
+            # sparta's at most the dense bytes over the rank's layers plus one (bucket_per_layer),
+            # counted as equal pieces: the trainer closes a bucket at a parameter's end
             bucket_mb = config.bucket_mb if config.data_parallel == "sparta" else DDP_BUCKET_MB
             per_layer = config.data_parallel == "sparta" and config.bucket_per_layer
             least = sum(len(layers[s]) for s in owner if owner[s] == rank) + 1 if per_layer else 1

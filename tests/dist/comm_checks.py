@@ -294,15 +294,14 @@ def check_bad_input_raises_everywhere(world: World) -> None:
         c.split_groups([[0, 1], [1, 2]])
     # past an engine's bound on one call (MPI's 32-bit counts; set low here, on every engine,
     # to be reached): the one rank over it is refused on all, before any row moves
-    c.max_call_rows = 16
+    c.max_call_rows = 64
     try:
-        with raises(InputError, r"rank 1: the \w+ engine moves at most 16 rows a call each way, and this rank's "
-                                r"part is 20"):  # fmt: skip
-            c.all_to_all(torch.ones(20 if r == bad_rank else n), [20, 0, 0, 0] if r == bad_rank else [1] * n)
-        # MPI counts in units of the largest size dividing every count (a row at least), not
-        # bytes: more bytes than the bound go through whole; only a call of more units than it
+        with raises(InputError, r"rank 1: the \w+ engine moves at most 64 rows a call each way, and this rank's "
+                                r"part is 80"):  # fmt: skip
+            c.all_to_all(torch.ones(80 if r == bad_rank else n), [80, 0, 0, 0] if r == bad_rank else [1] * n)
+        # past the bound in bytes, MPI counts in units of a divisor of every count (a row at
+        # least): more bytes than the bound go through whole; only a call of more units than it
         # (odd byte counts) is refused, on every rank
-        c.max_call_rows = 64
         rows = (torch.arange(24.0 * n) + 1000 * r).view(6 * n, 4)  # 96 n bytes
         want = torch.cat([(torch.arange(24.0 * n) + 1000 * s).view(6 * n, 4)[6 * r : 6 * r + 6] for s in range(n)])
         assert torch.equal(c.all_to_all(rows), want)

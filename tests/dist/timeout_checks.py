@@ -56,7 +56,7 @@ if __name__ == "__main__":
     everyone = [list(range(world.size))]
     group = world.comm.split_groups(everyone, CommConfig(timeout_s=3.0))
     # all made before any times out: a split's rendezvous takes its group's timeout too
-    others = {op: world.comm.split_groups(everyone, CommConfig(timeout_s=1.0)) for op in OPS}
+    others = {op: world.comm.split_groups(everyone, CommConfig(timeout_s=2.0)) for op in OPS}
     assert group is not None and all(others.values())
     skipped_by_rank0(world, group, "timeout")
     for op, other in others.items():
@@ -67,7 +67,7 @@ if __name__ == "__main__":
         pg = dist.new_group(list(range(world.size)))  # torch's default timeout
         skipped_by_rank0(world, Communicator.from_process_group(pg, CommConfig(timeout_s=3.0)), "timeout_wrapped")
     if world.rank == 0:
-        time.sleep(4 + len(OPS) * 1.5)  # alive while the peers time out, rather than see a dead connection
+        time.sleep(4 + len(OPS) * 2.5)  # alive while the peers time out, rather than see a dead connection
     sys.stdout.flush()
     # The engine is wedged by design here: skip its shutdown, which would wait for the lost op.
     os._exit(0)

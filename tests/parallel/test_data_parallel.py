@@ -81,8 +81,8 @@ def test_fsdp_units_follow_the_decoder() -> None:
     assert fsdp_units(model, set()) == [([model.layers["0"]], True), ([model.layers["1"]], True)]
 
 
-def test_min_buckets_cuts_a_model_that_fits_one_bucket() -> None:
-    """Four 1 MiB layers fit one 25 MiB bucket, sent only once backward is done; min_buckets=5
+def test_bucket_shares_cuts_a_model_that_fits_one_bucket() -> None:
+    """Four 1 MiB layers fit one 25 MiB bucket, sent only once backward is done; bucket_shares=5
     closes a bucket every 1 MiB or so (each layer's, in backward's order), and the sums
     are the same. Other strategies refuse the option."""
     world = sparta.init(backend="torch")
@@ -92,7 +92,7 @@ def test_min_buckets_cuts_a_model_that_fits_one_bucket() -> None:
     x = torch.randn(3, 512)
     grads = []
     for least, names in ((1, ["dense 0"]), (5, [f"dense {i}" for i in range(4)])):
-        dp = DataParallel(layout, "sparta", 1, False, min_buckets=least)
+        dp = DataParallel(layout, "sparta", 1, False, bucket_shares=least)
         dp.wrap(model)
         model.zero_grad()
         dp.start()
@@ -107,8 +107,8 @@ def test_min_buckets_cuts_a_model_that_fits_one_bucket() -> None:
         dp.close()
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    with pytest.raises(ConfigError, match=r"min_buckets=0.*positive integer"):
-        DataParallel(layout, "sparta", 1, False, min_buckets=0)
-    with pytest.raises(ConfigError, match=r"min_buckets choose how data_parallel='sparta' sends"):
-        DataParallel(layout, "ddp", 1, False, min_buckets=3)
+    with pytest.raises(ConfigError, match=r"bucket_shares=0.*positive integer"):
+        DataParallel(layout, "sparta", 1, False, bucket_shares=0)
+    with pytest.raises(ConfigError, match=r"bucket_shares choose how data_parallel='sparta' sends"):
+        DataParallel(layout, "ddp", 1, False, bucket_shares=3)
     world.shutdown()

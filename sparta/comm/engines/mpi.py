@@ -12,10 +12,11 @@ thread's call (mpi4py releases the GIL) does. The caller waits on the call's fut
 the communicator's timeout, so a stuck collective still raises CollectiveTimeoutError
 instead of hanging. Needs MPI_THREAD_MULTIPLE (what mpi4py asks for by default).
 
-MPI-3 counts and displacements are C ints: each call counts its bytes in units of their
-greatest common divisor (a contiguous type of that many bytes, at least a row of the call,
-since counts are whole rows), so a call moves up to 2**31 - 1 rows a rank, not bytes (2.25
-GiB a rank each way, one all-to-all of 4 KiB rows on 2 ranks, here).
+MPI-3 counts and displacements are C ints: a call of more bytes than fit counts them in
+units of a divisor of their greatest common divisor (a contiguous type of that many bytes,
+at least a row of the call, since counts are whole rows), so a call moves up to 2**31 - 1
+rows a rank, not bytes (2.25 GiB a rank each way, one all-to-all of 4 KiB rows on 2 ranks,
+here); below that, plain bytes, which MPI segments and pipelines.
 
 The threads end at shutdown (see `MPICommunicator`), which leaves none behind unless a call
 is stuck inside MPI after a timeout; a split, too, times out instead of hanging when a
@@ -233,12 +234,18 @@ class MPICommunicator(Communicator):
         except self._MPI.Exception as exc:
             raise engine_failure(exc, op) from exc
 
-    @staticmethod
-    def _units(counts: list[int]) -> tuple[int, list[int]]:
-        """`counts` (bytes) in units of their greatest common divisor (at least a row of the
-        call, whose counts are whole rows): (unit bytes, counts in units). One call moves up
-        to 2**31 - 1 units (32-bit MPI counts and displacements), not bytes."""
-        unit = math.gcd(*counts) or 1
+    def _units(self, counts: list[int]) -> tuple[int, list[int]]:
+        """`counts` (bytes) as (unit bytes, counts in units). Bytes where their sum fits 32-bit
+        MPI counts and displacements (MPI segments and pipelines those); past that, units of a
+        divisor of their greatest common divisor (at least a row of the call, whose counts
+        are whole rows) that fits an int itself, so one call moves up to 2**31 - 1 units."""
+        limit = self.max_call_rows
+        common = math.gcd(*counts)
+        if sum(counts) <= limit or common <= 1:
+            return 1, counts
+        # the largest divisor of `common` within the limit, looked for a little way only
+        first = -(-common // limit)
+        unit = next((common // k for k in range(first, first + 4096) if common % k == 0), 1)
         return unit, [c // unit for c in counts]
 
     def _unit_type(self, unit: int) -> Any:
