@@ -177,7 +177,9 @@ def check_tables_over_another_group_are_refused(world: World) -> None:
     sharded_elsewhere = r"SparseEmbedding '0' is sharded over world ranks .*\(swap_embeddings\(model, layout.dp\)\)"
     with raises(ConfigError, sharded_elsewhere):
         DataParallel(lay, "sparta", 1, False).wrap(model)
-    with raises(ConfigError, "queue, queue_config and partition choose how data_parallel='sparta' sends"):
+    with raises(
+        ConfigError, "queue, queue_config, partition and bucket_shares choose how data_parallel='sparta' sends"
+    ):
         DataParallel(lay, "fsdp", 1, False, queue=False)
 
 
