@@ -273,7 +273,7 @@ class MPICommunicator(Communicator):
         if sum(units) > self.max_call_rows:
             raise InputError(
                 f"{op}: the MPI engine moves at most {self.max_call_rows} units a call (32-bit MPI counts; a unit "
-                f"is the largest size dividing every rank's bytes, here {unit}), asked for {sum(units)}; split the "
+                f"is a size dividing every rank's bytes, here {unit}), asked for {sum(units)}; split the "
                 "tensor into smaller calls"
             )
         return unit, units
