@@ -1,5 +1,6 @@
 """Faults on real processes: a rank killed in the middle of an MoE training step, handles
-dropped without wait(), and the lifecycle of a World (tests/dist/fault_checks.py)."""
+dropped without wait() (also by a rank that then ends), Ctrl-C during a wait, and the
+lifecycle of a World (tests/dist/fault_checks.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from launch import assert_all_ok, launch, launch_raw
 
 TIMEOUT_S = 6.0  # CommConfig.timeout_s of the killed jobs
+SHORT_S = 3.0  # fault_checks.SHORT_S: the timeout of its groups meant to fail
 # What a survivor may spend past the timeout: the rest of its step's compute before the
 # collective that fails, on a loaded machine (a bound on hanging, not a speed claim).
 SLACK_S = 10.0
@@ -24,7 +26,7 @@ MPI_RECOVERY = ["--mca", "orte_enable_recovery", "1"]
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
 def test_lifecycle_dropped_handles_and_late_split(launcher: str) -> None:
     results = launch(launcher, "fault_checks.py", nprocs=4, args=["--case", "lifecycle"], timeout=240)
-    assert_all_ok(results, nprocs=4, expected_checks=7)
+    assert_all_ok(results, nprocs=4, expected_checks=8)
     for rank in range(4):  # world.exit() ran the user's finally block and atexit handler
         assert (rank, "finally_ran") in results and (rank, "user_atexit_ran") in results
 
@@ -35,6 +37,24 @@ def test_late_split_times_out_on_horovod() -> None:
     peer leaves (an uncaught gloo::IoException), so only the reports are checked."""
     results = launch("horovodrun", "fault_checks.py", nprocs=4, args=["--case", "late-split"], expect_ok=False)
     assert_all_ok({k: r for k, r in results.items() if k[1] != "finally_ran"}, nprocs=4, expected_checks=1)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "horovodrun"])
+def test_exit_with_dropped_handles(launcher: str) -> None:
+    """A rank that ends right after dropping handles: the collective its peers join late
+    still completes for them; the one they never join makes its shutdown raise, naming the
+    op and its group, within that group's timeout (it ended silently, exit code 0, on the
+    torch and Horovod engines before)."""
+    code, out, results = launch_raw(launcher, "fault_checks.py", 4, ["--case", "exit-dropped"], timeout=180)
+    assert code != 0, f"a job with a collective never joined exited 0:\n{out[-3000:]}"
+    for rank in (1, 2, 3):
+        rec = results.get((rank, "dropped_op_completed"))
+        assert rec is not None and rec["ok"], f"rank {rank}: {rec}\n{out[-3000:]}"
+    rec = results.get((0, "shutdown_names_unfinished"))
+    assert rec is not None and rec["ok"], f"{rec}\n{out[-3000:]}"
+    named = r"1 collective\(s\) whose handles were dropped.*all_reduce.*rank 0 of group 'world\[0, 1, 2, 3\]'"
+    assert re.search(named, rec["message"]), rec
+    assert rec["waited_s"] < SHORT_S + SLACK_S, rec
 
 
 def _shm_left(results: dict[tuple[int, str], dict]) -> list[str]:

@@ -75,6 +75,8 @@ class Communicator(Exchange, abc.ABC):
         self.name = name
         self._health = _Health()
         self._orphans: list[Handle[Any]] = []  # engine handles whose watched handle was dropped
+        # this communicator and the groups split from it (and from those): finish_dropped's reach
+        self._family: weakref.WeakSet[Communicator] = weakref.WeakSet([self])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, size={self.size})"
@@ -151,12 +153,38 @@ class Communicator(Exchange, abc.ABC):
 
     def _ready(self, op: str) -> None:
         self._refuse_if_broken(op)
+        if self._wait_orphans() is not None:
+            self._refuse_if_broken(op)
+
+    def _wait_orphans(self) -> str | None:
+        """Wait the dropped handles in order; the first failure breaks this communicator and
+        is returned (the rest are never waited: the ranks may disagree on them)."""
         while self._orphans:
             try:
                 self._orphans.pop(0).wait()
             except CollectiveError as exc:
                 self._break(f"{exc} (its handle was dropped without wait(), and waited at the next call)")
-                self._refuse_if_broken(op)
+                return str(exc)
+        return None
+
+    def finish_dropped(self) -> list[str]:
+        """Wait the collectives whose handles were dropped without `wait()`, on this
+        communicator and on every group split from it, each within its timeout; returns one
+        message per communicator where one failed or timed out (that communicator is broken
+        after, as at any call). Not collective.
+
+        `World.shutdown` calls it before the engine stops, so that a rank which ends right
+        after dropping a handle still completes its part for the peers that join the
+        collective later, and so that one its peers never join is reported instead of
+        ending the job silently. Communicators already broken are skipped: their failure
+        was raised when it happened."""
+        failures = []
+        for comm in list(self._family):
+            failure = comm._wait_orphans() if comm.broken is None else None
+            comm._orphans.clear()
+            if failure is not None:
+                failures.append(failure)
+        return failures
 
     def _break(self, failure: str) -> None:
         """Refuse every later call: a collective failed (`failure`, the engine's error)."""
@@ -429,8 +457,11 @@ class Communicator(Exchange, abc.ABC):
         except CollectiveError as exc:  # the groups' rendezvous failed: the ranks' group counts may differ
             self._break(str(exc))
             raise
-        if child is not None and self.failures_span_world:
-            child._health = self._health
+        if child is not None:
+            child._family = self._family
+            self._family.add(child)
+            if self.failures_span_world:
+                child._health = self._health
         return child
 
     @classmethod

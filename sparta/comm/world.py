@@ -15,7 +15,7 @@ import torch
 from sparta.comm.communicator import Communicator
 from sparta.comm.config import CommConfig
 from sparta.comm.launch import LaunchInfo, detect
-from sparta.errors import ConfigError
+from sparta.errors import CollectiveError, ConfigError
 
 BACKENDS = ("auto", "torch", "horovod", "mpi")
 log = logging.getLogger("sparta.comm")
@@ -80,8 +80,11 @@ class World:
         return self._node_comms
 
     def shutdown(self) -> None:
-        """Release the node communicators, stop the engine and join its threads. Every rank
-        calls it (it frees groups, a collective on MPI); twice is harmless.
+        """Finish the collectives whose handles were dropped without wait()
+        (`Communicator.finish_dropped`), release the node communicators, stop the engine and
+        join its threads. Every rank calls it (it frees groups, a collective on MPI); twice
+        is harmless. Raises CollectiveError, after stopping the engine, where a dropped
+        collective failed or timed out (its peers never joined it).
 
         It runs at exit by itself: `init` registers it with `atexit`, once per World, and it
         unregisters itself, so init/shutdown cycles add nothing. Registered rather than left
@@ -98,11 +101,18 @@ class World:
         ending in `exit()` and 10 just ending while the groups outlived shutdown; none of
         either since."""
         atexit.unregister(self.shutdown)
+        unfinished = self.comm.finish_dropped()  # while the engine runs: peers may still be joining them
         if self._node_comms is not None:
             for group in self._node_comms:
                 group.shutdown()
             self._node_comms = None
         self.comm.shutdown()
+        if unfinished:
+            raise CollectiveError(
+                f"world.shutdown on rank {self.rank}: {len(unfinished)} collective(s) whose handles were dropped "
+                f"without wait() did not complete: {'; '.join(unfinished)}. Some rank issued a collective that its "
+                "peers never joined (or joined in another order): wait() every handle before the end"
+            )
 
     def exit(self, code: int = 0) -> NoReturn:
         """`shutdown`, then end the process with ``code`` (SystemExit): `finally:` blocks,

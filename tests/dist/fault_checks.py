@@ -2,7 +2,8 @@
 
 lifecycle: the node communicators are made once; handles dropped without wait() never
     pair messages wrongly, and one whose collective fails breaks its communicator with a
-    clear error; a split that a rank joins late times out naming the groups (late-split:
+    clear error; Ctrl-C during a wait ends it at once and breaks the group; a split that a
+    rank joins late times out naming the groups (late-split:
     that check alone, for Horovod, where it breaks the whole world); after
     `world.shutdown()` no sparta or gloo thread is left; `world.exit()` runs `finally:` and
     atexit.
@@ -11,6 +12,8 @@ kill: expert-parallel MoE training; rank --victim SIGKILLs itself in the middle 
     and how long it took), and the communicator must refuse what comes after. Every rank
     first reports the /dev/shm files it maps or holds open, for the test to check that
     none is left behind.
+exit-dropped: rank 0 drops two handles and shuts down: the collective its peers join late
+    completes for them, the one they never join makes shutdown raise naming it.
 after: a new job after the killed one: an all-reduce, checked.
 """
 
@@ -35,6 +38,8 @@ from sparta.errors import CollectiveError, CollectiveTimeoutError, SpartaError
 from sparta.moe import MoELayer
 
 SHORT_S = 3.0  # the timeout of the groups whose collectives are meant to fail
+INTERRUPT_AFTER_S = 1.0  # when rank 1 "presses Ctrl-C" in check_interrupted_wait_breaks_its_group
+LATE_JOIN_S = 5.0  # when rank 0 joins that all-reduce
 KILL_STEP = 2
 
 
@@ -86,6 +91,36 @@ def check_dropped_failed_handle_breaks_its_communicator(world: sparta.World) -> 
         group.barrier()
 
 
+def check_interrupted_wait_breaks_its_group(world: sparta.World) -> None:
+    """Ctrl-C reaches rank 1 while it waits in an all-reduce that rank 0 joins seconds
+    later: the wait must end at once (a blocking engine wait would hold it until rank 0
+    came) with KeyboardInterrupt, and the group refuse every call after, since its op may
+    still run; the op still completes for the others once rank 0 joins."""
+    group = world.comm.split_groups([list(range(world.size))], CommConfig(timeout_s=60, check_inputs=False))
+    assert group is not None
+    total = float(sum(range(1, world.size + 1)))
+    if world.rank == 0:
+        time.sleep(LATE_JOIN_S)
+    if world.rank != 1:
+        got = group.all_reduce(torch.tensor([float(world.rank + 1)]))
+        assert got.item() == total, (got.item(), total)
+        world.comm.barrier()  # the next check's groups have a short timeout: start it together
+        return
+    threading.Timer(INTERRUPT_AFTER_S, os.kill, (os.getpid(), signal.SIGINT)).start()
+    began = time.monotonic()
+    try:
+        group.all_reduce(torch.tensor([2.0]))
+    except KeyboardInterrupt:
+        waited = time.monotonic() - began
+    else:
+        raise AssertionError("the all-reduce returned: the interrupt came only after rank 0 joined")
+    assert waited < LATE_JOIN_S - 1, f"Ctrl-C took {waited:.1f} s to end a wait (rank 0 joined at {LATE_JOIN_S} s)"
+    assert group.broken is not None and "interrupted (KeyboardInterrupt)" in group.broken, group.broken
+    with raises(CollectiveError, "broken"):
+        group.barrier()
+    world.comm.barrier()
+
+
 def check_late_split_times_out_naming_the_groups(world: sparta.World) -> None:
     """Rank 0 joins a split only after its peers gave up: those in its new group (on MPI and
     Horovod, where the split is one collective of the world, every peer) must time out
@@ -112,6 +147,7 @@ def lifecycle(world: sparta.World) -> int:
         check_node_comms_are_made_once,
         check_dropped_handles_never_mispair,
         check_dropped_failed_handle_breaks_its_communicator,
+        check_interrupted_wait_breaks_its_group,
         check_late_split_times_out_naming_the_groups,
     ]
     failures = run_checks(world, checks)
@@ -195,6 +231,37 @@ def kill(world: sparta.World, victim: int) -> int:
     return 1  # the job failed: say so to the launcher
 
 
+def exit_dropped(world: sparta.World) -> int:
+    """Rank 0 drops two all-reduces and shuts down at once: one its peers join a second
+    later, which shutdown must still complete for them, and one on a group they never join,
+    which shutdown must report (CollectiveError naming it) within that group's timeout
+    instead of ending the job silently."""
+    # no agreement rounds: rank 0's ops start at once, alone
+    late = world.comm.split_groups([list(range(world.size))], CommConfig(timeout_s=60, check_inputs=False))
+    never = _group(world, check_inputs=False)
+    assert late is not None
+    n = world.size
+    world.comm.barrier()
+    if world.rank != 0:
+        time.sleep(1.0)
+        got = late.all_reduce(torch.full((1 << 20,), float(world.rank + 1)))
+        want = n * (n + 1) / 2
+        ok = bool((got == want).all())
+        report(world.rank, "dropped_op_completed", ok, "" if ok else f"got {got.unique().tolist()}, want {want}")
+        return int(not ok)
+    late.all_reduce(torch.full((1 << 20,), 1.0), async_op=True)
+    never.all_reduce(torch.ones(2), async_op=True)
+    gc.collect()
+    began = time.monotonic()
+    try:
+        world.shutdown()
+    except CollectiveError as exc:
+        report(world.rank, "shutdown_names_unfinished", True, message=str(exc), waited_s=time.monotonic() - began)
+    else:
+        report(world.rank, "shutdown_names_unfinished", False, "shutdown returned quietly")
+    return 1  # the job failed: a collective was never joined
+
+
 def after(world: sparta.World) -> int:
     got = world.comm.all_reduce(torch.tensor([float(world.rank + 1)]))
     ok = got.item() == world.size * (world.size + 1) / 2
@@ -204,7 +271,7 @@ def after(world: sparta.World) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", choices=("lifecycle", "late-split", "kill", "after"), required=True)
+    parser.add_argument("--case", choices=("lifecycle", "late-split", "kill", "exit-dropped", "after"), required=True)
     parser.add_argument("--victim", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=90.0)
     opts, _ = parser.parse_known_args()
@@ -218,6 +285,8 @@ if __name__ == "__main__":
             meet_on_disk(world.size, check_late_split_times_out_naming_the_groups.__name__)
         elif opts.case == "kill":
             code = kill(world, opts.victim % world.size)
+        elif opts.case == "exit-dropped":
+            code = exit_dropped(world)
         else:
             code = after(world)
         world.exit(code)
