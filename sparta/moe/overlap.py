@@ -262,7 +262,7 @@ class _Dedup:
         order = torch.sort(slot, stable=True).indices  # by local rank, then its expert
         row, pair, slot = row[order], pair[order], slot[order]
         mine = torch.bincount(slot, minlength=local * per_rank).cpu()
-        theirs = exchange_counts(mine, hier.intra).view(local, per_rank)
+        theirs = exchange_counts(mine, hier.intra)[0].view(local, per_rank)
         out_splits, in_splits = mine.view(local, per_rank).sum(1).tolist(), theirs.sum(1).tolist()
         got = all_to_all(rows[:, :d].index_select(0, row), out_splits, in_splits, hier.intra, check=False)
         done = experts.forward_blocks(got, theirs.to(rows.device))

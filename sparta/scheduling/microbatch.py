@@ -140,21 +140,12 @@ def overlapped_block(
 def _routed_splits(routed: Routed, plan: _Plan, i: int) -> tuple[Tensor, list[int], list[int]]:
     """Check micro-batch i's routing, exchange its counts (and its carry, whose sum goes to
     ``plan.carried``): (recv_counts [size, slots], rows to each rank, rows from each rank)."""
-    exchange = plan.exchange
-    size = exchange.size
+    size = plan.exchange.size
     slots = check_counts(routed.rows, routed.counts, size, f"overlapped_block, micro-batch {i}")
-    if routed.carry is None:
-        recv = exchange_counts(routed.counts, exchange).view(size, slots)
-    else:
-        carry = routed.carry.to(torch.int64).cpu().reshape(1, -1).expand(size, -1)
-        send = torch.cat([routed.counts.to(torch.int64).cpu().view(size, slots), carry], dim=1)
-        width = [send.shape[1]] * size
-        got = exchange.all_to_all(send.reshape(-1), width, width, check=False)
-        assert isinstance(got, Tensor)
-        table = got.view(size, -1)
-        recv = table[:, :slots].contiguous()
-        if plan.carried is not None:
-            plan.carried.append(table[:, slots:].sum(0))
+    got, summed = exchange_counts(routed.counts, plan.exchange, routed.carry)
+    recv = got.view(size, slots)
+    if summed is not None and plan.carried is not None:
+        plan.carried.append(summed)
     return recv, routed.counts.view(size, slots).sum(1).tolist(), recv.sum(1).tolist()
 
 

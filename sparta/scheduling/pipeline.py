@@ -75,15 +75,26 @@ def check_counts(rows: Tensor, counts: Tensor, size: int, where: str) -> int:
     return counts.numel() // size
 
 
-def exchange_counts(counts: Tensor, exchange: Exchange) -> Tensor:
-    """Each rank's `counts` [size * slots] to the ranks they name: [size * slots], entry
-    s * slots + j the rows source s sends this rank for slot j (one small all-to-all)."""
-    slots = counts.numel() // exchange.size
-    got = exchange.all_to_all(
-        counts.to(torch.int64).cpu(), [slots] * exchange.size, [slots] * exchange.size, check=False
-    )
+def exchange_counts(counts: Tensor, exchange: Exchange, carry: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Each rank's `counts` [size * slots] to the ranks they name, in one small all-to-all.
+
+    carry: an integer vector (e.g. a layer's load statistics) sent along to every rank of
+        the exchange, so that summing it over the ranks costs no collective of its own.
+    Returns ([size * slots] int64 on the host, entry s * slots + j the rows source s sends
+    this rank for slot j; `carry` summed over the ranks, or None without one).
+    """
+    size = exchange.size
+    slots = counts.numel() // size
+    send = counts.to(torch.int64).cpu().view(size, slots)
+    if carry is not None:
+        send = torch.cat([send, carry.to(torch.int64).cpu().reshape(1, -1).expand(size, -1)], dim=1)
+    width = [send.shape[1]] * size
+    got = exchange.all_to_all(send.reshape(-1), width, width, check=False)
     assert isinstance(got, Tensor)
-    return got
+    if carry is None:
+        return got, None
+    table = got.view(size, -1)
+    return table[:, :slots].reshape(-1), table[:, slots:].sum(0)
 
 
 def pipelined_exchange(
@@ -114,7 +125,7 @@ def pipelined_exchange(
     size = exchange.size
     slots = check_counts(rows, counts, size, "pipelined_exchange")
     if recv_counts is None:
-        recv_counts = exchange_counts(counts, exchange)
+        recv_counts, _ = exchange_counts(counts, exchange)
     plan = _Plan(
         exchange,
         compute,
