@@ -53,8 +53,9 @@ class Communicator(Exchange, abc.ABC):
     After a collective fails, times out or is interrupted, the ranks may disagree on which
     message comes next, so the communicator is broken: every later call raises CollectiveError saying why,
     instead of pairing messages wrongly. A handle dropped without `wait()` is waited at this
-    communicator's next call (its buffers live until then); if its collective failed, that
-    call raises and the communicator is broken.
+    communicator's next call, or at the world's shutdown (`finish_dropped`); its buffers
+    live until then. If its collective failed, that call raises and the communicator is
+    broken.
     """
 
     backend: str = "abstract"
