@@ -50,11 +50,14 @@ def test_exit_with_dropped_handles(launcher: str) -> None:
     for rank in (1, 2, 3):
         rec = results.get((rank, "dropped_op_completed"))
         assert rec is not None and rec["ok"], f"rank {rank}: {rec}\n{out[-3000:]}"
+    rec = results.get((1, "shutdown_logs_beside_an_error"))
+    assert rec is not None and rec["ok"], f"{rec}\n{out[-3000:]}"
     rec = results.get((0, "shutdown_names_unfinished"))
     assert rec is not None and rec["ok"], f"{rec}\n{out[-3000:]}"
     named = r"1 collective\(s\) whose handles were dropped.*all_reduce.*rank 0 of group 'world\[0, 1, 2, 3\]'"
     assert re.search(named, rec["message"]), rec
-    assert rec["waited_s"] < SHORT_S + SLACK_S, rec
+    # MPI's shutdown then gives the call thread stuck in that op 5 s more (mpi._LATE_PEER_GRACE_S)
+    assert rec["waited_s"] < SHORT_S + SLACK_S + (5.0 if launcher == "mpirun" else 0.0), rec
 
 
 def _shm_left(results: dict[tuple[int, str], dict]) -> list[str]:

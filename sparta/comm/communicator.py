@@ -162,10 +162,14 @@ class Communicator(Exchange, abc.ABC):
         is returned (the rest are never waited: the ranks may disagree on them)."""
         while self._orphans:
             try:
-                self._orphans.pop(0).wait()
+                self._orphans[0].wait()
             except CollectiveError as exc:
                 self._break(f"{exc} (its handle was dropped without wait(), and waited at the next call)")
                 return str(exc)
+            except BaseException as exc:  # Ctrl-C: the op may still run, as in a watched wait
+                self._break(f"the wait for a dropped handle's collective was interrupted ({type(exc).__name__})")
+                raise
+            self._orphans.pop(0)
         return None
 
     def finish_dropped(self) -> list[str]:

@@ -84,7 +84,9 @@ class World:
         (`Communicator.finish_dropped`), release the node communicators, stop the engine and
         join its threads. Every rank calls it (it frees groups, a collective on MPI); twice
         is harmless. Raises CollectiveError, after stopping the engine, where a dropped
-        collective failed or timed out (its peers never joined it).
+        collective failed or timed out (its peers never joined it); logs it instead where
+        an exception is already being handled (a `finally:` or `except:` block), and at
+        interpreter exit Python prints it without changing the exit status.
 
         It runs at exit by itself: `init` registers it with `atexit`, once per World, and it
         unregisters itself, so init/shutdown cycles add nothing. Registered rather than left
@@ -101,18 +103,24 @@ class World:
         ending in `exit()` and 10 just ending while the groups outlived shutdown; none of
         either since."""
         atexit.unregister(self.shutdown)
-        unfinished = self.comm.finish_dropped()  # while the engine runs: peers may still be joining them
-        if self._node_comms is not None:
-            for group in self._node_comms:
-                group.shutdown()
-            self._node_comms = None
-        self.comm.shutdown()
+        try:
+            unfinished = self.comm.finish_dropped()  # while the engine runs: peers may still be joining them
+        finally:  # a second Ctrl-C in that wait must still stop the engine (see above)
+            if self._node_comms is not None:
+                for group in self._node_comms:
+                    group.shutdown()
+                self._node_comms = None
+            self.comm.shutdown()
         if unfinished:
-            raise CollectiveError(
+            message = (
                 f"world.shutdown on rank {self.rank}: {len(unfinished)} collective(s) whose handles were dropped "
                 f"without wait() did not complete: {'; '.join(unfinished)}. Some rank issued a collective that its "
                 "peers never joined (or joined in another order): wait() every handle before the end"
             )
+            if sys.exc_info()[1] is not None:  # called while an error is on its way out: don't replace it
+                log.error("%s", message)
+                return
+            raise CollectiveError(message)
 
     def exit(self, code: int = 0) -> NoReturn:
         """`shutdown`, then end the process with ``code`` (SystemExit): `finally:` blocks,

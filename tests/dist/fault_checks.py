@@ -13,7 +13,8 @@ kill: expert-parallel MoE training; rank --victim SIGKILLs itself in the middle 
     first reports the /dev/shm files it maps or holds open, for the test to check that
     none is left behind.
 exit-dropped: rank 0 drops two handles and shuts down: the collective its peers join late
-    completes for them, the one they never join makes shutdown raise naming it.
+    completes for them, the one they never join makes shutdown raise naming it; rank 1's
+    shutdown inside an `except:` block logs such a collective instead.
 after: a new job after the killed one: an all-reduce, checked.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import gc
+import logging
 import os
 import re
 import signal
@@ -248,6 +250,8 @@ def exit_dropped(world: sparta.World) -> int:
         want = n * (n + 1) / 2
         ok = bool((got == want).all())
         report(world.rank, "dropped_op_completed", ok, "" if ok else f"got {got.unique().tolist()}, want {want}")
+        if world.rank == 1:
+            return int(not ok) + shutdown_beside_an_error(world, never)
         return int(not ok)
     late.all_reduce(torch.full((1 << 20,), 1.0), async_op=True)
     never.all_reduce(torch.ones(2), async_op=True)
@@ -260,6 +264,29 @@ def exit_dropped(world: sparta.World) -> int:
     else:
         report(world.rank, "shutdown_names_unfinished", False, "shutdown returned quietly")
     return 1  # the job failed: a collective was never joined
+
+
+def shutdown_beside_an_error(world: sparta.World, never: Communicator) -> int:
+    """Rank 1 drops a collective that ranks 2 and 3 never join, then shuts down while its
+    own error is being handled: shutdown must log the unfinished collective, not replace
+    that error with its own."""
+    never.all_reduce(torch.ones(2), async_op=True)
+    gc.collect()
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("sparta.comm").addHandler(handler)
+    try:
+        try:
+            raise RuntimeError("the user's own error")
+        except RuntimeError:
+            world.shutdown()
+    except CollectiveError as exc:
+        report(world.rank, "shutdown_logs_beside_an_error", False, f"raised: {exc}")
+        return 1
+    ok = any("did not complete" in m for m in logged)
+    report(world.rank, "shutdown_logs_beside_an_error", ok, "" if ok else f"logged: {logged}")
+    return 1  # the job failed
 
 
 def after(world: sparta.World) -> int:

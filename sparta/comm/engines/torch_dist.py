@@ -55,10 +55,10 @@ def wait_interruptibly(work: dist.Work, timeout_s: float) -> None:
             # at least 1 ms: c10d reads a zero timeout as "wait forever"
             work.wait(datetime.timedelta(seconds=max(min(left, WAIT_SLICE_S), 1e-3)))
             return
-        except RuntimeError:
+        except RuntimeError as exc:
             if work.is_completed():  # it failed, or ended just after the slice ran out
                 break
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or "timed out" not in str(exc):  # not a slice running out
                 raise
     work.wait()  # returns at once, or raises the collective's own failure
 
