@@ -8,10 +8,10 @@ import os
 import re
 
 import pytest
+from fault_checks import SHORT_S
 from launch import assert_all_ok, launch, launch_raw
 
 TIMEOUT_S = 6.0  # CommConfig.timeout_s of the killed jobs
-SHORT_S = 3.0  # fault_checks.SHORT_S: the timeout of its groups meant to fail
 # What a survivor may spend past the timeout: the rest of its step's compute before the
 # collective that fails, on a loaded machine (a bound on hanging, not a speed claim).
 SLACK_S = 10.0

@@ -38,8 +38,11 @@ def cpu_problem(backend_config: str, ranks: list[int]) -> str | None:
     )
 
 
-def wait_interruptibly(work: dist.Work, timeout_s: float) -> None:
-    """`work.wait()` within `timeout_s`, in slices of WAIT_SLICE_S.
+_WAIT_SLICE_S = 0.2  # how long Ctrl-C may wait to be seen; each slice that runs out costs one exception
+
+
+def _wait_interruptibly(work: dist.Work, timeout_s: float) -> None:
+    """`work.wait()` within `timeout_s`, in slices of _WAIT_SLICE_S.
 
     Python runs signal handlers only between bytecodes, so one blocking wait of the whole
     timeout kept Ctrl-C (SIGINT's KeyboardInterrupt, a SIGTERM handler) out until the
@@ -53,7 +56,7 @@ def wait_interruptibly(work: dist.Work, timeout_s: float) -> None:
         left = deadline - time.monotonic()
         try:
             # at least 1 ms: c10d reads a zero timeout as "wait forever"
-            work.wait(datetime.timedelta(seconds=max(min(left, WAIT_SLICE_S), 1e-3)))
+            work.wait(datetime.timedelta(seconds=max(min(left, _WAIT_SLICE_S), 1e-3)))
             return
         except RuntimeError as exc:
             if work.is_completed():  # it failed, or ended just after the slice ran out
@@ -61,9 +64,6 @@ def wait_interruptibly(work: dist.Work, timeout_s: float) -> None:
             if time.monotonic() >= deadline or "timed out" not in str(exc):  # not a slice running out
                 raise
     work.wait()  # returns at once, or raises the collective's own failure
-
-
-WAIT_SLICE_S = 0.2  # how long Ctrl-C may wait to be seen; each slice that runs out costs one exception
 
 
 @dataclass
@@ -148,7 +148,7 @@ class TorchCommunicator(Communicator):
                 if result.device.type == "cpu":
                     # the communicator's timeout, not the group's: a group made elsewhere (a
                     # DeviceMesh's) keeps torch's default of 30 minutes
-                    wait_interruptibly(work, self.config.timeout_s)
+                    _wait_interruptibly(work, self.config.timeout_s)
                 else:
                     # on CUDA wait() orders the current stream after the op and returns: the CPU
                     # must not block here; NCCL's watchdog aborts on the group's timeout
