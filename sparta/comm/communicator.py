@@ -40,6 +40,19 @@ class _Health:
     broken: str | None = None
 
 
+class _Family:
+    """A communicator and the groups split from it (and from those): `finish_dropped`'s reach.
+    Members are held weakly, but one with dropped handles not yet waited strongly (``holding``),
+    so that a split the caller let go still completes, or reports, what it started."""
+
+    def __init__(self) -> None:
+        self.members: weakref.WeakSet[Communicator] = weakref.WeakSet()
+        self.holding: set[Communicator] = set()
+
+    def all(self) -> list[Communicator]:
+        return list({*self.members, *self.holding.copy()})  # (a copy: a finalizer may add meanwhile)
+
+
 class Communicator(Exchange, abc.ABC):
     """A group of ranks and the collectives among them.
 
@@ -76,8 +89,8 @@ class Communicator(Exchange, abc.ABC):
         self.name = name
         self._health = _Health()
         self._orphans: list[Handle[Any]] = []  # engine handles whose watched handle was dropped
-        # this communicator and the groups split from it (and from those): finish_dropped's reach
-        self._family: weakref.WeakSet[Communicator] = weakref.WeakSet([self])
+        self._family = _Family()
+        self._family.members.add(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, size={self.size})"
@@ -148,9 +161,15 @@ class Communicator(Exchange, abc.ABC):
                 raise
 
         watched = Handle(wait)
-        watch = weakref.finalize(watched, self._orphans.append, raw)
+        watch = weakref.finalize(watched, self._orphan, raw)
         watch.atexit = False
         return watched
+
+    def _orphan(self, raw: Handle[Any]) -> None:
+        """``raw``'s watched handle was dropped unwaited: wait it before the next call, and hold
+        this communicator until then (`_Family`)."""
+        self._orphans.append(raw)
+        self._family.holding.add(self)
 
     def _ready(self, op: str) -> None:
         self._refuse_if_broken(op)
@@ -170,11 +189,13 @@ class Communicator(Exchange, abc.ABC):
                 self._break(f"the wait for a dropped handle's collective was interrupted ({type(exc).__name__})")
                 raise
             self._orphans.pop(0)
+        self._family.holding.discard(self)
         return None
 
     def finish_dropped(self) -> list[str]:
         """Wait the collectives whose handles were dropped without `wait()`, on this
-        communicator and on every group split from it, each within its timeout; returns one
+        communicator and on every group split from it (one the caller has let go included),
+        each within its timeout; returns one
         message per communicator where one failed or timed out (that communicator is broken
         after, as at any call). Not collective.
 
@@ -184,11 +205,12 @@ class Communicator(Exchange, abc.ABC):
         ending the job silently. Communicators already broken are skipped: their failure
         was raised when it happened."""
         failures = []
-        for comm in list(self._family):
+        for comm in self._family.all():
             failure = comm._wait_orphans() if comm.broken is None else None
             comm._orphans.clear()
             if failure is not None:
                 failures.append(failure)
+        self._family.holding.clear()
         return failures
 
     def _break(self, failure: str) -> None:
@@ -464,7 +486,7 @@ class Communicator(Exchange, abc.ABC):
             raise
         if child is not None:
             child._family = self._family
-            self._family.add(child)
+            self._family.members.add(child)
             if self.failures_span_world:
                 child._health = self._health
         return child

@@ -12,9 +12,10 @@ kill: expert-parallel MoE training; rank --victim SIGKILLs itself in the middle 
     and how long it took), and the communicator must refuse what comes after. Every rank
     first reports the /dev/shm files it maps or holds open, for the test to check that
     none is left behind.
-exit-dropped: rank 0 drops two handles and shuts down: the collective its peers join late
-    completes for them, the one they never join makes shutdown raise naming it; rank 1's
-    shutdown inside an `except:` block logs such a collective instead.
+exit-dropped: rank 0 drops two handles, lets go of their groups and shuts down: the
+    collective its peers join late completes for them, the one they never join makes
+    shutdown raise naming it; rank 1's shutdown inside an `except:` block logs such a
+    collective instead.
 after: a new job after the killed one: an all-reduce, checked.
 """
 
@@ -234,10 +235,10 @@ def kill(world: sparta.World, victim: int) -> int:
 
 
 def exit_dropped(world: sparta.World) -> int:
-    """Rank 0 drops two all-reduces and shuts down at once: one its peers join a second
-    later, which shutdown must still complete for them, and one on a group they never join,
-    which shutdown must report (CollectiveError naming it) within that group's timeout
-    instead of ending the job silently."""
+    """Rank 0 drops two all-reduces, lets go of their groups and shuts down at once: one its
+    peers join a second later, which shutdown must still complete for them, and one on a
+    group they never join, which shutdown must report (CollectiveError naming it) within
+    that group's timeout instead of ending the job silently."""
     # no agreement rounds: rank 0's ops start at once, alone
     late = world.comm.split_groups([list(range(world.size))], CommConfig(timeout_s=60, check_inputs=False))
     never = _group(world, check_inputs=False)
@@ -255,6 +256,7 @@ def exit_dropped(world: sparta.World) -> int:
         return int(not ok)
     late.all_reduce(torch.full((1 << 20,), 1.0), async_op=True)
     never.all_reduce(torch.ones(2), async_op=True)
+    del late, never
     gc.collect()
     began = time.monotonic()
     try:
