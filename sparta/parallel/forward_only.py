@@ -83,7 +83,7 @@ def forward_only(
     if failure is not None and not isinstance(failure, _Refused):
         raise failure
     if origins:
-        raise InputError(
+        raise PeerStageFailure(
             f"the forward-only pass failed on pp rank(s) {origins}: see the first of their errors (this rank's "
             "stages stopped there)"
         )
@@ -118,6 +118,10 @@ def _run(
                 assert links is not None
                 links.send(y, stage + 1)
     return losses
+
+
+class PeerStageFailure(InputError):
+    """The forward-only pass failed on other ranks of the pp group, not on this one."""
 
 
 class _Refused(InputError):

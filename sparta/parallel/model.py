@@ -18,12 +18,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 from torch.utils.hooks import RemovableHandle
 
-from sparta.errors import InputError
+from sparta.embedding.checks import inspect_ids
+from sparta.errors import InputError, SpartaError
 from sparta.moe import MoELayer
 from sparta.parallel.auto_schedule import AutoSchedule
 from sparta.parallel.data_parallel import DataParallel
 from sparta.parallel.dims import Layout
-from sparta.parallel.forward_only import forward_only
+from sparta.parallel.forward_only import PeerStageFailure, forward_only
 from sparta.parallel.pipeline import stage_owner
 from sparta.parallel.vocab_stages import HeadStage, token_loss
 from sparta.scheduling.varlen import IGNORE_INDEX
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 
 # the tp style of an output head whose vocabulary is split over tp (parallelize's tp plan)
 VOCAB_STYLE = "vocab"
+# a rank's state after a validation pass: its stage failed, or a pipeline peer's failure reached it
+_ORIGIN, _RELAY = 2, 1
 
 
 def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
@@ -62,6 +65,8 @@ class ParallelModel:
     rank's head stages under ``config.vocab_stages`` (unwrapped), fed each step's targets.
     auto: the MoE layers whose co-scheduler degrees the first step tunes
     (``MoESpec.pipeline_degree="auto"``; `auto.plans` holds what each layer took), or None.
+    num_ids, num_classes: the token embedding's rows and the output head's classes, which
+    each batch's ids and targets are checked against (None: not checked).
     """
 
     def __init__(
@@ -76,6 +81,8 @@ class ParallelModel:
         has_last: bool,
         heads: list[HeadStage] | None = None,
         auto: AutoSchedule | None = None,
+        num_ids: int | None = None,
+        num_classes: int | None = None,
     ) -> None:
         self.layout, self.config, self.parts, self._new_schedule = layout, config, parts, schedule
         # (batch, padded length) -> the schedule whose stages were shaped by such batches
@@ -87,6 +94,7 @@ class ParallelModel:
         self.seq_len = config.seq_len
         self._vocab_parallel = has_last and VOCAB_STYLE in plan.tp_plan.values()
         self.auto = auto
+        self.num_ids, self.num_classes = num_ids, num_classes
 
     def param_groups(self) -> list[dict[str, Any]]:
         """This rank's parameters as optimizer groups, one per kind of tensor: plain tensors
@@ -128,7 +136,12 @@ class ParallelModel:
         """Forward and backward over this rank's batch: ids, targets [B, T] int64, the same on
         the ranks of one data-parallel rank (pp and tp peers). Leaves in ``.grad`` the
         gradient of the mean loss over the global batch (every dp rank's B sequences) and
-        returns that loss, from the last stage, on every rank. Does not step an optimizer."""
+        returns that loss, from the last stage, on every rank. Does not step an optimizer.
+        A bad batch on any rank (its shape, an id past the token embedding, a target past the
+        head) raises the same InputError on every rank before anything else moves."""
+        problem = self._batch_problem(ids, targets)
+        shape = None if problem else (ids.shape[0], self.padded_length(ids.shape[1]))
+        new = self._agree_batch(problem, "ParallelModel.step", new=not self.one_stage and shape not in self.schedules)
         ids, targets = self._padded(ids, targets)
         self.data_parallel.start()
         losses: list[Tensor] = []
@@ -137,7 +150,7 @@ class ParallelModel:
             if self.one_stage:
                 self._step_one_stage(ids, targets, losses)
             else:
-                schedule = self._schedule(ids.shape[0], ids.shape[1])
+                schedule = self._schedule(ids.shape[0], ids.shape[1], new)
                 inference = tuple(ids.shape) not in self._stepped
                 self._feed_heads(targets, inference)
                 self._stepped.add(tuple(ids.shape))  # type: ignore[arg-type]
@@ -151,7 +164,7 @@ class ParallelModel:
         self.data_parallel.finish()
         if tune:
             self.auto.tune()  # type: ignore[union-attr]
-        return self._global_mean(losses)
+        return self._global_mean(losses)[0]
 
     @property
     def one_stage(self) -> bool:
@@ -186,23 +199,57 @@ class ParallelModel:
     @torch.no_grad()
     def evaluate(self, ids: Tensor, targets: Tensor) -> float:
         """Forward only over this rank's batch (as `step` takes it); the mean loss over the
-        global batch, from the last stage, on every rank. Touches no gradient."""
+        global batch, from the last stage, on every rank. Touches no gradient.
+
+        Failures: a bad batch raises as in `step`. A stage that fails raises its own error on
+        its rank; every other rank raises one SpartaError naming the ranks where failures
+        began and their reasons (its pipeline's forward-only pass ends early, the others'
+        run to the end, and all meet at the loss's all-reduce, which carries who failed).
+        A failure inside a collective with other pipelines' ranks (an expert exchange) ends at
+        that communicator's timeout instead."""
+        self._agree_batch(self._batch_problem(ids, targets), "ParallelModel.evaluate")
         ids, targets = self._padded(ids, targets)
         m, dims, config = self.config.microbatches, self.layout.dims, self.config
+        failure: Exception | None = None
+        losses: list[Tensor] = []
         self._feed_heads(targets, inference=False)
-        # not the schedule's eval(): torch 2.13's fails under V-shaped schedules (forward_only.py)
-        with self._loss_context():
-            losses = forward_only(
-                dict(zip(self.plan.stage_ids, self.parts, strict=True)),
-                dims.pp * config.stages_per_rank,
-                partial(stage_owner, config.schedule, dims.pp, stages_per_rank=config.stages_per_rank),
-                self.layout.pp_group if dims.pp > 1 else None,
-                ids.to(self.layout.device).tensor_split(m),
-                targets.to(self.layout.device).tensor_split(m),
-                self._loss_fn,
+        try:
+            # not the schedule's eval(): torch 2.13's fails under V-shaped schedules (forward_only.py)
+            with self._loss_context():
+                losses = forward_only(
+                    dict(zip(self.plan.stage_ids, self.parts, strict=True)),
+                    dims.pp * config.stages_per_rank,
+                    partial(stage_owner, config.schedule, dims.pp, stages_per_rank=config.stages_per_rank),
+                    self.layout.pp_group if dims.pp > 1 else None,
+                    ids.to(self.layout.device).tensor_split(m),
+                    targets.to(self.layout.device).tensor_split(m),
+                    self._loss_fn,
+                )
+            self._check_heads()
+        except Exception as exc:
+            failure = exc
+        state = 0 if failure is None else _RELAY if isinstance(failure, PeerStageFailure) else _ORIGIN
+        mean, states = self._global_mean(losses, state)
+        origins = [r for r, s in enumerate(states) if s == _ORIGIN] or [r for r, s in enumerate(states) if s]
+        if origins:
+            self._agree_failure(failure, state, origins)
+        return mean
+
+    def _agree_failure(self, failure: Exception | None, state: int, origins: list[int]) -> None:
+        """Raise on every rank after a failed forward-only pass: where it began (``origins``,
+        world ranks), the rank's own error; elsewhere the one error naming them all."""
+        comm = self.layout.world.comm
+        reason: SpartaError | None = None
+        if state == _ORIGIN and failure is not None:
+            reason = (
+                failure if isinstance(failure, SpartaError) else SpartaError(f"{type(failure).__name__}: {failure}")
             )
-        self._check_heads()
-        return self._global_mean(losses)
+        try:
+            comm.agree(reason, "ParallelModel.evaluate (the validation pass)", failed=origins)
+        except SpartaError:
+            if state == _ORIGIN and failure is not None:
+                raise failure from None
+            raise
 
     def _feed_heads(self, targets: Tensor, inference: bool) -> None:
         """Every head stage of this rank takes the step's targets, one per micro-batch
@@ -212,6 +259,48 @@ class ParallelModel:
         for head in self.heads:
             head.feed(chunks, inference)
 
+    def _batch_problem(self, ids: Tensor, targets: Tensor) -> InputError | None:
+        """What is wrong with this rank's batch (the error, unraised), or None; talks to no
+        other rank."""
+        shapes = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in (ids, targets)]
+        if not isinstance(ids, Tensor) or not isinstance(targets, Tensor) or ids.dim() != 2 or shapes[0] != shapes[1]:
+            return InputError(f"ids {shapes[0]} and targets {shapes[1]} must both be tensors [B, T]")
+        batch, length = ids.shape
+        if batch % self.config.microbatches:
+            return InputError(
+                f"a batch of {batch} sequences does not divide into microbatches={self.config.microbatches}: "
+                f"give each rank a multiple of {self.config.microbatches}"
+            )
+        try:
+            self.padded_length(length)
+        except InputError as exc:
+            return exc
+        if self.num_ids is not None:
+            problem = inspect_ids(ids, self.num_ids, "ParallelModel's ids")
+            if problem is not None:
+                return problem
+        if self.num_classes is not None and targets.numel():
+            if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+                return InputError(f"targets of dtype {targets.dtype} must be integer class indices: use targets.long()")
+            bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= self.num_classes)
+            if bool(bad.any()):
+                return InputError(
+                    f"targets hold {int(targets[bad].flatten()[0])}, outside the output head's classes "
+                    f"0..{self.num_classes - 1} ({IGNORE_INDEX} marks a position without loss): map them into range"
+                )
+        return None
+
+    def _agree_batch(self, problem: InputError | None, op: str, new: bool = False) -> bool:
+        """Collective over dp, before anything else moves: every rank raises ``problem``'s
+        kind naming each dp rank whose batch is bad (a batch's pp and tp ranks hold it alike,
+        so every group of the world agrees). Returns whether any dp rank's ``new`` is set (a
+        batch shape it has no schedule for). One all-gather of two integers per rank."""
+        dp = self.layout.dp
+        mine = torch.tensor([int(problem is not None), int(new)], dtype=torch.int64)
+        rows = [row.tolist() for row in dp.all_gather(mine, sizes=[2] * dp.size, check=False)]  # type: ignore[union-attr]
+        dp.agree(problem, op, failed=[r for r, row in enumerate(rows) if row[0]])
+        return any(row[1] for row in rows)
+
     def _check_heads(self) -> None:
         left = {head.shard: head.pending for head in self.heads if head.pending}
         if left:
@@ -220,22 +309,21 @@ class ParallelModel:
                 "schedule did not run each micro-batch once; vocab_stages needs every stage's forwards in order"
             )
 
-    def _global_mean(self, losses: list[Tensor]) -> float:
-        """The mean over the global batch of the last stage's micro-batch losses (one all-reduce)."""
-        local = torch.stack(losses).detach().float().mean() if losses else torch.zeros((), device=self.layout.device)
-        total = self._sum_over_world(local.reshape(1))
+    def _global_mean(self, losses: list[Tensor], state: int = 0) -> tuple[float, list[int]]:
+        """The mean over the global batch of the last stage's micro-batch losses, and every
+        world rank's ``state`` (0: fine), in one all-reduce."""
+        comm, device = self.layout.world.comm, self.layout.device
+        both = torch.zeros(1 + comm.size, dtype=torch.float64, device=device)
+        if losses:
+            both[0] = torch.stack(losses).detach().double().mean()
+        both[1 + comm.rank] = state
+        total = comm.all_reduce(both, op="sum", check=False).tolist()  # type: ignore[union-attr]
         dims = self.layout.dims
-        return float(total) / (dims.dp * dims.tp)  # type: ignore[arg-type]
+        return total[0] / (dims.dp * dims.tp), [int(s) for s in total[1:]]
 
     def _padded(self, ids: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        if ids.dim() != 2 or ids.shape != targets.shape:
-            raise InputError(f"ids {tuple(ids.shape)} and targets {tuple(targets.shape)} must both be [B, T]")
-        batch, length = ids.shape
-        if batch % self.config.microbatches:
-            raise InputError(
-                f"a batch of {batch} sequences does not divide into microbatches={self.config.microbatches}: "
-                f"give each rank a multiple of {self.config.microbatches}"
-            )
+        """A batch `_batch_problem` passed, padded to its length's bucket."""
+        length = ids.shape[1]
         pad = self.padded_length(length) - length
         if pad:
             ids = nn.functional.pad(ids, (0, pad), value=0)
@@ -262,20 +350,18 @@ class ParallelModel:
             )
         return self.seq_len
 
-    def _schedule(self, batch: int, length: int) -> object:
+    def _schedule(self, batch: int, length: int, new_somewhere: bool) -> object:
         """The schedule of batches [batch, length] (padded), built at the first such batch:
         torch's stages keep the shapes of their first step, which they learn by running it an
         extra time, with its stage's collectives (expert exchanges, FSDP2 gathers over dp).
         The dp ranks of a step may hold other shapes (documents, ragged batches), so where one
-        of them meets a new shape every one builds its own shape's schedule anew: their extra
-        runs pair up (one small all-gather over dp a step)."""
+        of them meets a new shape (``new_somewhere``, from `_agree_batch`'s all-gather) every
+        one builds its own shape's schedule anew: their extra runs pair up."""
         shape = (batch, length)
         fresh = shape not in self.schedules
-        if self.layout.dims.dp > 1:
-            flags = self.layout.dp.all_gather(torch.tensor([int(fresh)]))
-            if any(int(f) for f in flags) and not fresh:  # type: ignore[union-attr]
-                self._stepped.discard(shape)
-                fresh = True
+        if new_somewhere and not fresh:
+            self._stepped.discard(shape)
+            fresh = True
         if fresh:
             self.schedules[shape] = self._new_schedule()
         return self.schedules[shape]

@@ -203,6 +203,7 @@ def parallelize(
     # --- every check first: no collective has run yet
     parts = ModelParts.of(model)
     config.check(dims, len(parts.layers), layout.world.backend)
+    num_ids, num_classes = token_bounds(model, parts)
     apart = _apart(model, parts, config, dims.pp, dims.tp)  # checks the head / table where they split
     stages = plan_stages(model, body, config.split_points, None, apart)  # validates split points / stage count
     tie = tied_across_parts(model, parts) if num_stages > 1 else None
@@ -335,7 +336,18 @@ def parallelize(
         blocks = {n: m for n, m in named if overlap and isinstance(m, Block) and isinstance(m.mlp, MoELayer)}
         auto = AutoSchedule(layers, moe_exchange, blocks=blocks)
     return ParallelModel(layout, config, modules, schedule, data_parallel, plan, has_first=0 in mine,
-                         has_last=num_stages - 1 in mine, heads=head_stages, auto=auto)  # fmt: skip
+                         has_last=num_stages - 1 in mine, heads=head_stages, auto=auto, num_ids=num_ids,
+                         num_classes=num_classes)  # fmt: skip
+
+
+def token_bounds(model: nn.Module, parts: ModelParts) -> tuple[int | None, int | None]:
+    """The rows of ``model``'s token embedding (its first child before ``layers``, where it
+    has ``num_embeddings``) and the classes of its output head (its last child, where an
+    ``nn.Linear``): what a batch's ids and targets must stay below (None: unknown). Pure."""
+    table = model.get_submodule(parts.first[0]) if parts.first else None
+    head = model.get_submodule(parts.last[-1]) if parts.last else None
+    rows = getattr(table, "num_embeddings", None)
+    return rows if isinstance(rows, int) else None, head.out_features if isinstance(head, nn.Linear) else None
 
 
 def _apart(model: nn.Module, parts: ModelParts, config: ParallelConfig, pp: int, tp: int) -> tuple[str, ...]:

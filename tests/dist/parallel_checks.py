@@ -411,6 +411,7 @@ def bad_inputs(layout: Layout) -> None:
     with raises(ConfigError, "both set"):
         ParallelConfig(seq_len=8, lengths=(4, 8))
     rank0_failures(layout)
+    one_replica_failures(layout)
 
 
 def rank0_failures(layout: Layout) -> None:
@@ -442,6 +443,53 @@ def rank0_failures(layout: Layout) -> None:
         with raises(InputError, "handed on" if first else r"failed on pp rank\(s\) \[0\]"):
             forward_only({layout.pp_rank: stage}, layout.dims.pp, lambda s: s, layout.pp_group, ids, ids,
                          lambda y, t: y.float().mean())  # fmt: skip
+
+
+def one_replica_failures(layout: Layout) -> None:
+    """A bad batch, or a stage that fails, on the last data-parallel rank alone raises on every
+    rank, none left waiting for it: step and evaluate agree on the batches over dp first, and
+    evaluate's loss all-reduce carries who failed, so the other pipelines, whose forward-only
+    passes ran to the end, raise too. After each the model steps and evaluates as before."""
+    dims = layout.dims
+    odd, last = layout.dp_rank == dims.dp - 1, f"rank {dims.dp - 1}"
+    split = _even_split(dims.pp) if dims.pp > 1 else None
+    torch.manual_seed(0)
+    pm = parallelize(Decoder(MODEL), layout, ParallelConfig(microbatches=2, split_points=split, moe=MOE))
+    ids = torch.arange(2 * MODEL.seq_len).reshape(2, MODEL.seq_len) % MODEL.vocab_size
+    before = pm.evaluate(ids, ids)
+    bad = ids.clone()
+    if odd:
+        bad[1, 3] = MODEL.vocab_size + 5
+    with raises(InputError, rf"ParallelModel.step.*{last}: ParallelModel's ids got id {MODEL.vocab_size + 5}, outside"):
+        pm.step(bad, ids)
+    if odd:
+        bad[1, 3], bad[0, 0] = 1, -3
+    with raises(InputError, rf"ParallelModel.evaluate.*{last}: targets hold -3, outside the output head's classes"):
+        pm.evaluate(ids, bad)
+    with raises(InputError, r"ids \(2, 8\) and targets \(2, 7\) must both be tensors"):
+        pm.evaluate(ids, ids[:, :7] if odd else ids)
+    # the final norm breaks at the last micro-batch, after every expert exchange with the
+    # other pipelines, on the last dp rank's last stage
+    calls = 0
+
+    def broken(module: nn.Module, args: object) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("the final norm broke")
+
+    origin = odd and pm.has_last
+    norms = [m for p in pm.parts for n, m in p.named_modules() if origin and n.split(".")[-1] == "norm"]
+    hooks = [m.register_forward_pre_hook(broken) for m in norms]
+    assert len(hooks) == int(origin), hooks
+    with raises(RuntimeError if origin else sparta.SpartaError, "the final norm broke"):
+        pm.evaluate(ids, ids)
+    for h in hooks:
+        h.remove()
+    after = pm.evaluate(ids, ids)
+    assert abs(after - before) < 1e-6, ("evaluate after the failed passes", after, before)
+    assert pm.step(ids, ids) > 0
+    pm.close()
 
 
 def forward_only_failures(layout: Layout) -> None:
