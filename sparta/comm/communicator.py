@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import math
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,9 +49,24 @@ class _Family:
     def __init__(self) -> None:
         self.members: weakref.WeakSet[Communicator] = weakref.WeakSet()
         self.holding: set[Communicator] = set()
+        # a finalizer may run on any thread, at any allocation (the garbage collector's), and
+        # again inside these on the same thread
+        self._lock = threading.RLock()
 
     def all(self) -> list[Communicator]:
-        return list({*self.members, *self.holding.copy()})  # (a copy: a finalizer may add meanwhile)
+        with self._lock:
+            return list({*self.members, *self.holding.copy()})  # (copied whole: a finalizer may add)
+
+    def orphan(self, comm: Communicator, raw: Handle[Any]) -> None:
+        with self._lock:
+            comm._orphans.append(raw)
+            self.holding.add(comm)
+
+    def release(self, comm: Communicator) -> None:
+        """Let go of ``comm`` once it holds no dropped handle."""
+        with self._lock:
+            if not comm._orphans:
+                self.holding.discard(comm)
 
 
 class Communicator(Exchange, abc.ABC):
@@ -168,8 +184,7 @@ class Communicator(Exchange, abc.ABC):
     def _orphan(self, raw: Handle[Any]) -> None:
         """``raw``'s watched handle was dropped unwaited: wait it before the next call, and hold
         this communicator until then (`_Family`)."""
-        self._orphans.append(raw)
-        self._family.holding.add(self)
+        self._family.orphan(self, raw)
 
     def _ready(self, op: str) -> None:
         self._refuse_if_broken(op)
@@ -189,7 +204,7 @@ class Communicator(Exchange, abc.ABC):
                 self._break(f"the wait for a dropped handle's collective was interrupted ({type(exc).__name__})")
                 raise
             self._orphans.pop(0)
-        self._family.holding.discard(self)
+        self._family.release(self)
         return None
 
     def finish_dropped(self) -> list[str]:
@@ -208,9 +223,9 @@ class Communicator(Exchange, abc.ABC):
         for comm in self._family.all():
             failure = comm._wait_orphans() if comm.broken is None else None
             comm._orphans.clear()
+            self._family.release(comm)
             if failure is not None:
                 failures.append(failure)
-        self._family.holding.clear()
         return failures
 
     def _break(self, failure: str) -> None:

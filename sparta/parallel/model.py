@@ -228,8 +228,16 @@ class ParallelModel:
             self._check_heads()
         except Exception as exc:
             failure = exc
+            for head in self.heads:
+                head.drop_pending()
         state = 0 if failure is None else _RELAY if isinstance(failure, PeerStageFailure) else _ORIGIN
-        mean, states = self._global_mean(losses, state)
+        try:
+            mean, states = self._global_mean(losses, state)
+        except BaseException:
+            if failure is not None:
+                # this rank's own error first, with the all-reduce's failure as its context
+                raise failure  # noqa: B904
+            raise
         origins = [r for r, s in enumerate(states) if s == _ORIGIN] or [r for r, s in enumerate(states) if s]
         if origins:
             self._agree_failure(failure, state, origins)
@@ -294,8 +302,13 @@ class ParallelModel:
         """Collective over dp, before anything else moves: every rank raises ``problem``'s
         kind naming each dp rank whose batch is bad (a batch's pp and tp ranks hold it alike,
         so every group of the world agrees). Returns whether any dp rank's ``new`` is set (a
-        batch shape it has no schedule for). One all-gather of two integers per rank."""
+        batch shape it has no schedule for). One all-gather of two integers per rank (none
+        where dp is 1)."""
         dp = self.layout.dp
+        if dp.size == 1:
+            if problem is not None:
+                raise problem
+            return new
         mine = torch.tensor([int(problem is not None), int(new)], dtype=torch.int64)
         rows = [row.tolist() for row in dp.all_gather(mine, sizes=[2] * dp.size, check=False)]  # type: ignore[union-attr]
         dp.agree(problem, op, failed=[r for r, row in enumerate(rows) if row[0]])
@@ -322,8 +335,11 @@ class ParallelModel:
         return total[0] / (dims.dp * dims.tp), [int(s) for s in total[1:]]
 
     def _padded(self, ids: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """A batch `_batch_problem` passed, padded to its length's bucket."""
+        """A batch every dp rank's `_batch_problem` passed, padded to its length's bucket (the
+        first such batch fixes ``seq_len`` where neither it nor ``lengths`` is set)."""
         length = ids.shape[1]
+        if self.seq_len is None and not self.config.lengths:
+            self.seq_len = length
         pad = self.padded_length(length) - length
         if pad:
             ids = nn.functional.pad(ids, (0, pad), value=0)
@@ -332,7 +348,8 @@ class ParallelModel:
 
     def padded_length(self, length: int) -> int:
         """The length a batch of ``length`` tokens is padded to: the smallest of
-        ``config.lengths`` that holds it, else ``seq_len`` (the first batch's, if not set)."""
+        ``config.lengths`` that holds it, else ``seq_len`` (fixed by the first batch a step or
+        evaluation ran; ``length`` itself before that)."""
         lengths = self.config.lengths
         if lengths:
             if length > lengths[-1]:
@@ -342,7 +359,7 @@ class ParallelModel:
                 )
             return next(n for n in lengths if n >= length)
         if self.seq_len is None:
-            self.seq_len = length
+            return length
         if length > self.seq_len:
             raise InputError(
                 f"a batch of length {length} exceeds the pipeline's sequence length {self.seq_len} (fixed at the "

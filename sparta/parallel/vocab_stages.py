@@ -125,6 +125,10 @@ class HeadStage(nn.Module):
         self._targets.extend([targets[0]] if inference else [])
         self._targets.extend(targets)
 
+    def drop_pending(self) -> None:
+        """Forget the targets a pass that stopped half-way left (a failed evaluation)."""
+        self._targets.clear()
+
     @property
     def pending(self) -> int:
         """Targets fed and not yet taken by a forward (0 after a whole step)."""
