@@ -68,6 +68,13 @@ class _Family:
             if not comm._orphans:
                 self.holding.discard(comm)
 
+    def forget(self, comm: Communicator) -> None:
+        """Let go of ``comm`` and of the dropped handles it still holds (it is broken: they
+        are never waited, since its ranks may disagree on them)."""
+        with self._lock:
+            comm._orphans.clear()
+            self.holding.discard(comm)
+
 
 class Communicator(Exchange, abc.ABC):
     """A group of ranks and the collectives among them.
@@ -222,8 +229,8 @@ class Communicator(Exchange, abc.ABC):
         failures = []
         for comm in self._family.all():
             failure = comm._wait_orphans() if comm.broken is None else None
-            comm._orphans.clear()
-            self._family.release(comm)
+            if comm.broken is not None:  # (a failed wait broke it)
+                self._family.forget(comm)
             if failure is not None:
                 failures.append(failure)
         return failures

@@ -158,8 +158,12 @@ class ParallelModel:
                 kwargs = {"target": targets.to(self.layout.device), "losses": losses} if self.has_last else {}
                 # no outputs back: the last stage would keep every micro-batch's logits alive and
                 # concatenate them (a copy of [B, T, vocab] a step) for a caller that reads losses only
-                with _first_forwards_keep_loads(self.parts) if inference else nullcontext():
-                    schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
+                try:
+                    with _first_forwards_keep_loads(self.parts) if inference else nullcontext():
+                        schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
+                except BaseException:
+                    self._drop_targets()  # a step that stopped half-way leaves none for the next
+                    raise
         self._check_heads()
         self.data_parallel.finish()
         if tune:
@@ -228,12 +232,11 @@ class ParallelModel:
             self._check_heads()
         except Exception as exc:
             failure = exc
-            for head in self.heads:
-                head.drop_pending()
+            self._drop_targets()
         state = 0 if failure is None else _RELAY if isinstance(failure, PeerStageFailure) else _ORIGIN
         try:
             mean, states = self._global_mean(losses, state)
-        except BaseException:
+        except Exception:
             if failure is not None:
                 # this rank's own error first, with the all-reduce's failure as its context
                 raise failure  # noqa: B904
@@ -305,18 +308,22 @@ class ParallelModel:
         batch shape it has no schedule for). One all-gather of two integers per rank (none
         where dp is 1)."""
         dp = self.layout.dp
-        if dp.size == 1:
-            if problem is not None:
-                raise problem
+        if dp.size == 1:  # agree() asks no engine of a group of one unless some rank failed
+            dp.agree(problem, op)
             return new
         mine = torch.tensor([int(problem is not None), int(new)], dtype=torch.int64)
         rows = [row.tolist() for row in dp.all_gather(mine, sizes=[2] * dp.size, check=False)]  # type: ignore[union-attr]
         dp.agree(problem, op, failed=[r for r, row in enumerate(rows) if row[0]])
         return any(row[1] for row in rows)
 
+    def _drop_targets(self) -> None:
+        for head in self.heads:
+            head.drop_pending()
+
     def _check_heads(self) -> None:
         left = {head.shard: head.pending for head in self.heads if head.pending}
         if left:
+            self._drop_targets()
             raise InputError(
                 f"head stages {sorted(left)} ran fewer forwards than micro-batches ({left} targets left): the "
                 "schedule did not run each micro-batch once; vocab_stages needs every stage's forwards in order"
