@@ -184,14 +184,10 @@ class Communicator(Exchange, abc.ABC):
                 raise
 
         watched = Handle(wait)
-        watch = weakref.finalize(watched, self._orphan, raw)
+        # dropped unwaited: waited before the next call, this communicator held until then (_Family)
+        watch = weakref.finalize(watched, self._family.orphan, self, raw)
         watch.atexit = False
         return watched
-
-    def _orphan(self, raw: Handle[Any]) -> None:
-        """``raw``'s watched handle was dropped unwaited: wait it before the next call, and hold
-        this communicator until then (`_Family`)."""
-        self._family.orphan(self, raw)
 
     def _ready(self, op: str) -> None:
         self._refuse_if_broken(op)

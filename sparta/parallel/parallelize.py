@@ -203,7 +203,7 @@ def parallelize(
     # --- every check first: no collective has run yet
     parts = ModelParts.of(model)
     config.check(dims, len(parts.layers), layout.world.backend)
-    num_ids, num_classes = token_bounds(model, parts)
+    num_ids, num_classes = _token_bounds(model, parts)
     apart = _apart(model, parts, config, dims.pp, dims.tp)  # checks the head / table where they split
     stages = plan_stages(model, body, config.split_points, None, apart)  # validates split points / stage count
     tie = tied_across_parts(model, parts) if num_stages > 1 else None
@@ -340,7 +340,7 @@ def parallelize(
                          num_classes=num_classes)  # fmt: skip
 
 
-def token_bounds(model: nn.Module, parts: ModelParts) -> tuple[int | None, int | None]:
+def _token_bounds(model: nn.Module, parts: ModelParts) -> tuple[int | None, int | None]:
     """The rows of ``model``'s token embedding (its first child before ``layers``, where it
     has ``num_embeddings``) and the classes of its output head (its last child, where an
     ``nn.Linear``): what a batch's ids and targets must stay below (None: unknown). Pure."""

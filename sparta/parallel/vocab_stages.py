@@ -126,7 +126,7 @@ class HeadStage(nn.Module):
         self._targets.extend(targets)
 
     def drop_pending(self) -> None:
-        """Forget the targets a pass that stopped half-way left (a failed evaluation)."""
+        """Forget the targets a step or evaluation that stopped half-way left."""
         self._targets.clear()
 
     @property
