@@ -11,7 +11,8 @@ from sparta.errors import ConfigError
 class CommConfig:
     """How a communicator behaves.
 
-    timeout_s: a collective that has not completed after this many seconds raises
+    timeout_s: a collective that has not completed this many seconds after it started (its
+        issue; on MPI, when its communicator's call thread began it) raises
         CollectiveTimeoutError naming the rank, the operation and the group (and leaves the
         communicator broken: see `Communicator.broken`).
     check_inputs: before a collective moves data, every rank learns every other rank's dtype,

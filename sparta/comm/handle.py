@@ -46,8 +46,10 @@ def _spent() -> None:
     raise AssertionError("unreachable: a handle's wait function runs once")
 
 
-def poll_until_done(test: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
-    """Wait for `test()` to turn true, or raise CollectiveTimeoutError after `timeout_s`.
+def poll_until_done(test: Callable[[], bool], timeout_s: float, what: Callable[[], str], since: float) -> None:
+    """Wait for `test()` to turn true, or raise CollectiveTimeoutError `timeout_s` after
+    `since` (`time.monotonic()` when the collective was issued: k collectives that peers
+    never join then time out together, not one timeout after another).
 
     For engines whose blocking wait cannot be interrupted (MPI, Horovod): polling is the
     only way to turn a hang into an exception. MPI progresses non-blocking collectives only
@@ -57,7 +59,7 @@ def poll_until_done(test: Callable[[], bool], timeout_s: float, what: Callable[[
     backoff, leaving the cores to the ranks that still have work.
     """
     start = time.monotonic()
-    spin_until, deadline = start + _SPIN_S, start + timeout_s
+    spin_until, deadline = start + _SPIN_S, since + timeout_s
     while not test():
         now = time.monotonic()
         if now < spin_until:

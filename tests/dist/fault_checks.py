@@ -12,10 +12,11 @@ kill: expert-parallel MoE training; rank --victim SIGKILLs itself in the middle 
     and how long it took), and the communicator must refuse what comes after. Every rank
     first reports the /dev/shm files it maps or holds open, for the test to check that
     none is left behind.
-exit-dropped: rank 0 drops two handles, lets go of their groups and shuts down: the
-    collective its peers join late completes for them, the one they never join makes
-    shutdown raise naming it; rank 1's shutdown inside an `except:` block logs such a
-    collective instead.
+exit-dropped: rank 0 drops four handles, lets go of their groups and shuts down: the
+    collective its peers join late completes for them, the three they never join (on
+    three groups) make shutdown raise naming them, about one timeout after they were
+    issued, not one timeout per group; rank 1's shutdown inside an `except:` block logs
+    such a collective instead.
 after: a new job after the killed one: an all-reduce, checked.
 """
 
@@ -43,6 +44,7 @@ from sparta.moe import MoELayer
 SHORT_S = 3.0  # the timeout of the groups whose collectives are meant to fail
 INTERRUPT_AFTER_S = 1.0  # when rank 1 "presses Ctrl-C" in check_interrupted_wait_breaks_its_group
 LATE_JOIN_S = 5.0  # when rank 0 joins that all-reduce
+NEVER_GROUPS = 3  # groups with a collective their peers never join, in exit-dropped
 KILL_STEP = 2
 
 
@@ -235,13 +237,14 @@ def kill(world: sparta.World, victim: int) -> int:
 
 
 def exit_dropped(world: sparta.World) -> int:
-    """Rank 0 drops two all-reduces, lets go of their groups and shuts down at once: one its
-    peers join a second later, which shutdown must still complete for them, and one on a
-    group they never join, which shutdown must report (CollectiveError naming it) within
-    that group's timeout instead of ending the job silently."""
+    """Rank 0 drops four all-reduces, lets go of their groups and shuts down at once: one its
+    peers join a second later, which shutdown must still complete for them, and one on each
+    of three groups they never join, which shutdown must report (CollectiveError naming
+    them) within about one timeout of their issue, together, instead of ending the job
+    silently."""
     # no agreement rounds: rank 0's ops start at once, alone
     late = world.comm.split_groups([list(range(world.size))], CommConfig(timeout_s=60, check_inputs=False))
-    never = _group(world, check_inputs=False)
+    never, *more = [_group(world, check_inputs=False) for _ in range(NEVER_GROUPS)]
     assert late is not None
     n = world.size
     world.comm.barrier()
@@ -255,8 +258,9 @@ def exit_dropped(world: sparta.World) -> int:
             return int(not ok) + shutdown_beside_an_error(world, never)
         return int(not ok)
     late.all_reduce(torch.full((1 << 20,), 1.0), async_op=True)
-    never.all_reduce(torch.ones(2), async_op=True)
-    del late, never
+    for group in (never, *more):
+        group.all_reduce(torch.ones(2), async_op=True)
+    del late, never, more, group
     gc.collect()
     began = time.monotonic()
     try:

@@ -14,6 +14,7 @@ ends with SIGABRT, after the error was raised and reported.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -99,6 +100,7 @@ class HorovodCommunicator(Communicator):
         issue (a loop already shut down by a lost peer) or at wait, come out as
         CollectiveError naming the operation."""
         hvd = self._hvd
+        issued = time.monotonic()
         try:
             handle = start()
         except Exception as exc:  # HorovodInternalError and friends carry no common base
@@ -106,7 +108,7 @@ class HorovodCommunicator(Communicator):
 
         def wait() -> torch.Tensor:
             try:
-                poll_until_done(lambda: hvd.poll(handle), self.config.timeout_s, lambda: op)
+                poll_until_done(lambda: hvd.poll(handle), self.config.timeout_s, lambda: op, issued)
                 out = hvd.synchronize(handle)
             except CollectiveError:  # poll_until_done's timeout, already named
                 raise

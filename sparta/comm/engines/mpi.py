@@ -8,9 +8,10 @@ Each communicator runs its MPI calls, in issue order, on a thread of its own, as
 calls: Open MPI's blocking collectives are 1.6-2.7x faster than its non-blocking ones
 (libnbc; 64 MiB all-to-all on 4 ranks here: 37 ms vs 100 ms), and a non-blocking call
 progresses only inside MPI calls, so it never overlaps the caller's compute, while the
-thread's call (mpi4py releases the GIL) does. The caller waits on the call's future with
-the communicator's timeout, so a stuck collective still raises CollectiveTimeoutError
-instead of hanging. Needs MPI_THREAD_MULTIPLE (what mpi4py asks for by default).
+thread's call (mpi4py releases the GIL) does. The caller waits on the call's future until
+the communicator's timeout, counted from when the thread began the call, so a stuck
+collective still raises CollectiveTimeoutError instead of hanging. Needs
+MPI_THREAD_MULTIPLE (what mpi4py asks for by default).
 
 MPI-3 counts and displacements are C ints: a call of more bytes than fit counts them in
 units of a divisor of their greatest common divisor (a contiguous type of that many bytes,
@@ -37,13 +38,14 @@ import logging
 import math
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -54,26 +56,39 @@ from sparta.comm.handle import Handle, engine_failure
 from sparta.comm.launch import LaunchInfo
 from sparta.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, InputError
 
-T = TypeVar("T")
 log = logging.getLogger("sparta.comm")
 
 _MAX_COUNT = 2**31 - 1  # MPI-3 counts are C ints
 # A call that outlived its timeout ends moments after a late peer joins it, but on its own
-# thread: shutdown gives it this long (a CI run lost that race with no wait at all), and a
-# failed job's shutdown is no longer than that per stuck group.
+# thread: shutdown gives the stuck calls this long, together (a CI run lost that race with
+# no wait at all), and a failed job's shutdown is no longer than that.
 _LATE_PEER_GRACE_S = 5.0
-_Call = tuple[Callable[[], Any], "Future[Any]"]
+
+
+@dataclass(eq=False)
+class _Call:
+    """One call queued on a call thread. Its timeout counts from `began`, when the thread
+    began it (from `queued` while it waits behind another call): k collectives that peers
+    never join then time out together, not one timeout after another."""
+
+    run: Callable[[], Any]
+    done: Future[Any] = field(default_factory=Future)
+    queued: float = field(default_factory=time.monotonic)
+    began: float | None = None
+
+    def deadline(self, timeout_s: float) -> float:
+        return (self.queued if self.began is None else self.began) + timeout_s
 
 
 def _serve(calls: queue.SimpleQueue[_Call | None]) -> None:
     """A call thread's loop, until it takes None. A function of the queue alone, so that the
     thread holds no reference to its communicator, which can then be collected."""
-    while (item := calls.get()) is not None:
-        call, done = item
+    while (call := calls.get()) is not None:
+        call.began = time.monotonic()
         try:
-            done.set_result(call())
+            call.done.set_result(call.run())
         except BaseException as exc:  # handed to the waiting caller, not lost in this thread
-            done.set_exception(exc)
+            call.done.set_exception(exc)
 
 
 class _CallThread:
@@ -84,15 +99,15 @@ class _CallThread:
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self.stopped = False
         self.timed_out = False  # a call outlived its caller's wait: the thread may be stuck
-        self._last: Future[Any] | None = None
+        self._last: _Call | None = None
         self._thread = threading.Thread(target=_serve, args=(self._calls,), name=f"sparta-mpi-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, call: Callable[[], T]) -> Future[T]:
-        done: Future[T] = Future()
-        self._calls.put((call, done))
-        self._last = done
-        return done
+    def submit(self, run: Callable[[], Any]) -> _Call:
+        call = _Call(run)
+        self._calls.put(call)
+        self._last = call
+        return call
 
     def close(self) -> None:
         """Let the thread end once the calls queued before have run (without waiting: the
@@ -101,14 +116,14 @@ class _CallThread:
             self._calls.put(None)
             self.stopped = True
 
-    def stop(self, timeout_s: float) -> bool:
-        """`close`, and wait for the thread to end; False if it is still in a call after
-        `timeout_s` (a collective its peers never joined). Where a call already timed out
-        and is still running, the wait is cut to `_LATE_PEER_GRACE_S`: a peer that joined
-        late has let the call end by then, a dead one never will."""
-        self.close()
-        late = self.timed_out and self._last is not None and not self._last.done()
-        self._thread.join(min(timeout_s, _LATE_PEER_GRACE_S) if late else timeout_s)
+    def join(self, since: float, timeout_s: float) -> bool:
+        """Wait, after `close`, for the thread to end until `since + timeout_s`; False if it
+        is still in a call then (a collective its peers never joined). Where a call already
+        timed out and is still running, only until `since + _LATE_PEER_GRACE_S`: a peer that
+        joined late has let the call end by then, a dead one never will."""
+        late = self.timed_out and self._last is not None and not self._last.done.done()
+        until = since + (min(timeout_s, _LATE_PEER_GRACE_S) if late else timeout_s)
+        self._thread.join(max(0.0, until - time.monotonic()))
         return not self._thread.is_alive()
 
 
@@ -182,7 +197,10 @@ class MPICommunicator(Communicator):
         thread is stuck in a call its peers never joined (then MPI_Comm_free and
         MPI_Finalize would wait for it forever: the job has failed, so leave them undone
         and let the launcher report it)."""
-        stuck = [g for g in groups if not g.thread.stop(self.config.timeout_s)]
+        for g in groups:
+            g.thread.close()
+        since = time.monotonic()  # one wait for all: each stuck thread would add its own
+        stuck = [g for g in groups if not g.thread.join(since, self.config.timeout_s)]
         if stuck:
             log.warning("sparta mpi: %d call thread(s) still inside MPI at shutdown; aborting MPI at exit", len(stuck))
             # mpi4py would still call MPI_Finalize at exit, which with a thread stuck beside
@@ -210,29 +228,34 @@ class MPICommunicator(Communicator):
         """Queue ``call`` (which fills ``result``) on this communicator's thread. The closure
         holds the buffers, so they live until MPI is done with them even if the caller drops
         the handle."""
-        done = self._submit(call, op)
+        queued = self._submit(call, op)
 
         def wait() -> torch.Tensor:
-            self._wait(done, op)
+            self._wait(queued, op)
             return result.to(device)
 
         return Handle(wait)
 
-    def _submit(self, call: Callable[[], T], op: str) -> Future[T]:
+    def _submit(self, call: Callable[[], Any], op: str) -> _Call:
         if self._group.thread.stopped:
             raise CollectiveError(f"{op}: this communicator was shut down; use one that is still open")
         return self._group.thread.submit(call)
 
-    def _wait(self, done: Future[T], op: str) -> T:
-        """The result of a call on this communicator's thread, within the timeout; MPI's own
-        errors come out as CollectiveError naming the operation."""
-        try:
-            return done.result(timeout=self.config.timeout_s)
-        except FutureTimeout:
-            self._group.thread.timed_out = True
-            raise CollectiveTimeoutError(f"{op} did not complete within {self.config.timeout_s:g} s") from None
-        except self._MPI.Exception as exc:
-            raise engine_failure(exc, op) from exc
+    def _wait(self, call: _Call, op: str) -> Any:
+        """The result of a call on this communicator's thread, within the timeout counted
+        from when the thread began it (`_Call`); MPI's own errors come out as
+        CollectiveError naming the operation."""
+        timeout_s = self.config.timeout_s
+        while True:
+            try:
+                return call.done.result(timeout=max(0.0, call.deadline(timeout_s) - time.monotonic()))
+            except FutureTimeout:
+                if time.monotonic() < call.deadline(timeout_s):  # it began while this waited
+                    continue
+                self._group.thread.timed_out = True
+                raise CollectiveTimeoutError(f"{op} did not complete within {timeout_s:g} s") from None
+            except self._MPI.Exception as exc:
+                raise engine_failure(exc, op) from exc
 
     def _units(self, counts: list[int]) -> tuple[int, list[int]]:
         """`counts` (bytes) as (unit bytes, counts in units). Bytes where their sum fits 32-bit

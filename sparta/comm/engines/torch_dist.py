@@ -41,8 +41,8 @@ def cpu_problem(backend_config: str, ranks: list[int]) -> str | None:
 _WAIT_SLICE_S = 0.2  # how long Ctrl-C may wait to be seen; each slice that runs out costs one exception
 
 
-def _wait_interruptibly(work: dist.Work, timeout_s: float) -> None:
-    """`work.wait()` within `timeout_s`, in slices of _WAIT_SLICE_S.
+def _wait_interruptibly(work: dist.Work, deadline: float) -> None:
+    """`work.wait()` until `deadline` (`time.monotonic()` seconds), in slices of _WAIT_SLICE_S.
 
     Python runs signal handlers only between bytecodes, so one blocking wait of the whole
     timeout kept Ctrl-C (SIGINT's KeyboardInterrupt, a SIGTERM handler) out until the
@@ -50,8 +50,7 @@ def _wait_interruptibly(work: dist.Work, timeout_s: float) -> None:
     A slice that runs out leaves the collective running (c10d's Work::wait only stops
     waiting), so waiting again is safe; an op that ends within a slice returns as soon as
     one blocking wait would. Raises RuntimeError as `work.wait` does (a failure, or
-    "Operation timed out!" past `timeout_s`)."""
-    deadline = time.monotonic() + timeout_s
+    "Operation timed out!" past `deadline`)."""
     while True:
         left = deadline - time.monotonic()
         try:
@@ -138,6 +137,7 @@ class TorchCommunicator(Communicator):
     def _run(self, start: Callable[[], dist.Work], result: torch.Tensor, op: str) -> Handle[torch.Tensor]:
         """Issue `start` (an async torch.distributed call that fills `result`); its errors,
         at issue or at wait, come out as CollectiveError naming the operation."""
+        deadline = time.monotonic() + self.config.timeout_s  # from the start, as gloo's own timeout
         try:
             work = start()
         except RuntimeError as exc:
@@ -148,7 +148,7 @@ class TorchCommunicator(Communicator):
                 if result.device.type == "cpu":
                     # the communicator's timeout, not the group's: a group made elsewhere (a
                     # DeviceMesh's) keeps torch's default of 30 minutes
-                    _wait_interruptibly(work, self.config.timeout_s)
+                    _wait_interruptibly(work, deadline)
                 else:
                     # on CUDA wait() orders the current stream after the op and returns: the CPU
                     # must not block here; NCCL's watchdog aborts on the group's timeout
