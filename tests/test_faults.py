@@ -68,6 +68,32 @@ def test_exit_with_dropped_handles(launcher: str) -> None:
     print(f"{launcher}: shutdown took {rec['waited_s']:.2f} s")
 
 
+STAGE_TIMEOUT_S = 5.0  # the world's timeout in the stage-fails launch
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])  # mpirun: torch.distributed started beside MPI
+def test_peer_of_a_failed_stage_raises_within_the_timeout(launcher: str) -> None:
+    """A stage fails inside torch's schedule and its rank stays alive: its pp peer, waiting in
+    torch's receive, raises CollectiveTimeoutError naming its rank, stage and pipeline within
+    about the world's timeout (it waited torch's 30 minutes, or until the failing process
+    ended, when the mesh's groups kept torch's default; and raised gloo's bare words)."""
+    args = ["--case", "stage-fails", "--timeout", str(STAGE_TIMEOUT_S)]
+    # pp 2 dp 2: a mesh dimension over the whole world would be torch's default group, whose
+    # timeout was the world's all along
+    _, out, results = launch_raw(launcher, "fault_checks.py", 4, args, timeout=180)
+    for rank in (0, 1):
+        rec = results.get((rank, "failing_stage_raised"))
+        assert rec is not None and rec["ok"], f"{rec}\n{out[-3000:]}"
+    for rank in (2, 3):
+        rec = results.get((rank, "peer_stage_raised"))
+        assert rec is not None and rec["ok"], f"{rec}\n{out[-3000:]}"
+        assert rec["waited_s"] < 2 * STAGE_TIMEOUT_S, rec  # the failing ranks stay alive for 3 timeouts
+        pipeline = f"[{rank - 2}, {rank}]"
+        named = f"CollectiveTimeoutError: rank {rank} (pipeline stage(s) [1] of the pipeline over ranks {pipeline})"
+        assert rec["message"].startswith(named) and "a peer stage" in rec["message"], rec
+        print(f"{launcher}: rank {rank}: {rec['waited_s']:.2f} s, {rec['message'][:300]}")
+
+
 def _shm_left(results: dict[tuple[int, str], dict]) -> list[str]:
     mapped = {f for (_, check), rec in results.items() if check == "shm_files" for f in rec["files"]}
     return sorted(f for f in mapped if os.path.exists(f))

@@ -15,12 +15,13 @@ in the same order, so their all-to-alls line up (a group spanning stages would d
 
 from __future__ import annotations
 
+import datetime
 import socket
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from sparta.comm import Communicator, World, process_group_backend
 from sparta.errors import ConfigError
@@ -71,6 +72,10 @@ class ParallelDims:
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(pp_rank, dp_rank, tp_rank) of world rank ``rank``."""
         return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+
+    def pp_groups(self) -> list[list[int]]:
+        """World ranks of every pipeline (one per (dp, tp) coordinate)."""
+        return [[self.rank_of(p, d, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
 
     def dp_groups(self) -> list[list[int]]:
         """World ranks of every data-parallel group (one per (pp, tp) coordinate)."""
@@ -146,7 +151,7 @@ def build_layout(dims: ParallelDims, world: World, device: str | torch.device = 
         device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
     _start_torch_distributed(world, device)
-    mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = _mesh(dims, device, world.comm.config.timeout_s)
     if world.backend == "torch":  # the mesh's own groups: no second one over the same ranks
         dp: Communicator | None = Communicator.from_process_group(mesh.get_group("dp"), world.comm.config)
         tp = Communicator.from_process_group(mesh.get_group("tp"), world.comm.config) if dims.tp > 1 else None
@@ -157,6 +162,20 @@ def build_layout(dims: ParallelDims, world: World, device: str | torch.device = 
     replicas = world.comm.split_groups(dims.expert_replica_groups()) if dims.ep > 1 and dims.ep < dims.dp else None
     assert dp is not None  # every rank is in one group of each
     return Layout(dims=dims, world=world, mesh=mesh, device=device, dp=dp, ep=ep, expert_dp=replicas, tp=tp)
+
+
+def _mesh(dims: ParallelDims, device: torch.device, timeout_s: float) -> DeviceMesh:
+    """The ("pp", "dp", "tp") mesh over groups whose timeout is the world's `timeout_s`.
+    `init_device_mesh` gives its groups torch's default instead (30 minutes on gloo), so a
+    pipeline peer of a stage that failed inside torch's schedule waited that long in its
+    receive; every group is made by every rank, in the same order."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    groups = [
+        dist.new_subgroups_by_enumeration(g, timeout=timeout)[0]
+        for g in (dims.pp_groups(), dims.dp_groups(), dims.tp_groups())
+    ]
+    ranks = torch.arange(dims.world_size).reshape(dims.pp, dims.dp, dims.tp)
+    return DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=("pp", "dp", "tp"))
 
 
 def _start_torch_distributed(world: World, device: torch.device) -> None:
@@ -183,4 +202,5 @@ def _start_torch_distributed(world: World, device: torch.device) -> None:
         init_method=f"tcp://{host}:{int(address[1])}",
         rank=world.rank,
         world_size=world.size,
+        timeout=datetime.timedelta(seconds=world.comm.config.timeout_s),
     )

@@ -9,6 +9,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -19,7 +20,7 @@ from torch.nn.utils import get_total_norm
 from torch.utils.hooks import RemovableHandle
 
 from sparta.embedding.checks import inspect_ids
-from sparta.errors import InputError, SpartaError
+from sparta.errors import CollectiveError, CollectiveTimeoutError, InputError, SpartaError
 from sparta.moe import MoELayer
 from sparta.parallel.auto_schedule import AutoSchedule
 from sparta.parallel.data_parallel import DataParallel
@@ -47,6 +48,13 @@ def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
     # a copy, not to_local()'s view: zero-bubble schedules detach the loss in place after
     # their input-gradient pass, which a view refuses
     return loss.to_local().clone() if isinstance(loss, DTensor) else loss
+
+
+def _lost_peer(exc: RuntimeError) -> bool:
+    """Whether torch's point-to-point failed for want of a peer (gloo's words for a receive
+    that timed out or a connection the peer closed), not the stage's own compute."""
+    text = str(exc).lower()
+    return "timed out" in text or "connection closed" in text or "connection reset" in text
 
 
 def step_loss(config: ParallelConfig) -> Callable[[Tensor, Tensor], Tensor]:
@@ -161,14 +169,28 @@ class ParallelModel:
                 try:
                     with _first_forwards_keep_loads(self.parts) if inference else nullcontext():
                         schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
-                except BaseException:
+                except BaseException as exc:
                     self._drop_targets()  # a step that stopped half-way leaves none for the next
+                    if isinstance(exc, RuntimeError) and _lost_peer(exc):
+                        raise self._peer_stage_failure(exc) from exc
                     raise
         self._check_heads()
         self.data_parallel.finish()
         if tune:
             self.auto.tune()  # type: ignore[union-attr]
         return self._global_mean(losses)[0]
+
+    def _peer_stage_failure(self, exc: RuntimeError) -> CollectiveError:
+        """What torch's point-to-point raised when a peer stage never sent or closed its
+        connection, as an error naming this rank, its stages and its pipeline."""
+        kind = CollectiveTimeoutError if "timed out" in str(exc).lower() else CollectiveError
+        ranks = dist.get_process_group_ranks(self.layout.pp_group)
+        return kind(
+            f"rank {self.layout.world.rank} (pipeline stage(s) {list(self.plan.stage_ids)} of the pipeline over ranks "
+            f"{ranks}): torch's schedule stopped waiting for a peer stage: {exc}. A peer stage failed (its rank's "
+            f"own error says why) or stalled past CommConfig.timeout_s = {self.layout.world.comm.config.timeout_s:g} "
+            "s; the pipeline's messages are lost: restart the job on every rank (from the last checkpoint)"
+        )
 
     @property
     def one_stage(self) -> bool:

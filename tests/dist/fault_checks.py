@@ -17,6 +17,9 @@ exit-dropped: rank 0 drops four handles, lets go of their groups and shuts down:
     three groups) make shutdown raise naming them, about one timeout after they were
     issued, not one timeout per group; rank 1's shutdown inside an `except:` block logs
     such a collective instead.
+stage-fails: pp 2 dp 2; stage 0's forward raises in the second step, and its rank catches the
+    error and stays alive; stage 1, waiting in torch's receive, must raise within about the
+    world's timeout (the mesh's groups kept torch's 30 minutes before).
 after: a new job after the killed one: an all-reduce, checked.
 """
 
@@ -40,6 +43,7 @@ import sparta
 from sparta.comm import CommConfig, Communicator
 from sparta.errors import CollectiveError, CollectiveTimeoutError, SpartaError
 from sparta.moe import MoELayer
+from sparta.parallel import Decoder, DecoderConfig, ParallelConfig, ParallelDims, build_layout, parallelize
 
 SHORT_S = 3.0  # the timeout of the groups whose collectives are meant to fail
 INTERRUPT_AFTER_S = 1.0  # when rank 1 "presses Ctrl-C" in check_interrupted_wait_breaks_its_group
@@ -295,6 +299,45 @@ def shutdown_beside_an_error(world: sparta.World, never: Communicator) -> int:
     return 1  # the job failed
 
 
+def stage_fails(world: sparta.World) -> int:
+    """Stage 0's forward raises in the second step; its rank catches that and stays alive
+    (its sockets open) for three timeouts. Stage 1 waits in torch's receive for activations
+    that never come: it must raise within about the world's timeout, naming it."""
+    layout = build_layout(ParallelDims(pp=2, dp=world.size // 2), world)
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32))
+    pm = parallelize(model, layout, ParallelConfig(schedule="1F1B", microbatches=2, split_points=("layers.1",)))
+    ids = torch.randint(0, 32, (4, 8))
+    pm.step(ids, ids)  # a good step first: the stages' shapes are known, no setup collective is left
+    if layout.pp_rank == 0:
+
+        def planted(*_: object) -> None:
+            raise RuntimeError("a planted failure in stage 0's forward")
+
+        pm.parts[0].register_forward_pre_hook(planted)
+        try:
+            pm.step(ids, ids)
+        except RuntimeError as exc:  # torch's "[Stage 0] failed to run forward", from the planted one
+            ok = "planted" in str(exc) or "planted" in str(exc.__cause__)
+            report(world.rank, "failing_stage_raised", ok, message=f"{exc} (from: {exc.__cause__})")
+        time.sleep(3 * world.comm.config.timeout_s)  # alive: a closed socket would end the peer's wait
+        return 1
+    began = time.monotonic()
+    try:
+        pm.step(ids, ids)
+    except Exception as exc:  # noqa: BLE001  (what it raises is the point: reported, then checked)
+        report(
+            world.rank,
+            "peer_stage_raised",
+            True,
+            message=f"{type(exc).__name__}: {exc}",
+            waited_s=time.monotonic() - began,
+        )
+    else:
+        report(world.rank, "peer_stage_raised", False, "step returned")
+    return 1
+
+
 def after(world: sparta.World) -> int:
     got = world.comm.all_reduce(torch.tensor([float(world.rank + 1)]))
     ok = got.item() == world.size * (world.size + 1) / 2
@@ -304,7 +347,8 @@ def after(world: sparta.World) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", choices=("lifecycle", "late-split", "kill", "exit-dropped", "after"), required=True)
+    cases = ("lifecycle", "late-split", "kill", "exit-dropped", "stage-fails", "after")
+    parser.add_argument("--case", choices=cases, required=True)
     parser.add_argument("--victim", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=90.0)
     opts, _ = parser.parse_known_args()
@@ -320,6 +364,8 @@ if __name__ == "__main__":
             code = kill(world, opts.victim % world.size)
         elif opts.case == "exit-dropped":
             code = exit_dropped(world)
+        elif opts.case == "stage-fails":
+            code = stage_fails(world)
         else:
             code = after(world)
         world.exit(code)
