@@ -14,7 +14,9 @@ class CommConfig:
     timeout_s: a collective that has not completed this many seconds after it started (its
         issue; on MPI, when its communicator's call thread began it) raises
         CollectiveTimeoutError naming the rank, the operation and the group (and leaves the
-        communicator broken: see `Communicator.broken`).
+        communicator broken: see `Communicator.broken`). The world's is also the timeout of
+        the 3D trainer's mesh groups (`sparta.parallel.build_layout`: pipeline send and
+        receive, FSDP2, TP; on CUDA, that of NCCL's watchdog, which aborts the process).
     check_inputs: before a collective moves data, every rank learns every other rank's dtype,
         shape and verdict on its own arguments, so that bad input raises the same error on
         every rank instead of hanging or pairing messages wrongly. The all-to-all carries

@@ -170,9 +170,11 @@ def _mesh(dims: ParallelDims, device: torch.device, timeout_s: float) -> DeviceM
     pipeline peer of a stage that failed inside torch's schedule waited that long in its
     receive; every group is made by every rank, in the same order."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    # a dimension over the whole world gets a group of its own too, not the default group:
+    # one more gloo mesh (or NCCL communicator), made once, for one rule for every dimension
+    every = {"pp": dims.pp_groups(), "dp": dims.dp_groups(), "tp": dims.tp_groups()}
     groups = [
-        dist.new_subgroups_by_enumeration(g, timeout=timeout)[0]
-        for g in (dims.pp_groups(), dims.dp_groups(), dims.tp_groups())
+        dist.new_subgroups_by_enumeration(g, timeout=timeout, group_desc=f"mesh_{name}")[0] for name, g in every.items()
     ]
     ranks = torch.arange(dims.world_size).reshape(dims.pp, dims.dp, dims.tp)
     return DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=("pp", "dp", "tp"))

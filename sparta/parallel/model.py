@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
@@ -50,11 +51,20 @@ def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
     return loss.to_local().clone() if isinstance(loss, DTensor) else loss
 
 
-def _lost_peer(exc: RuntimeError) -> bool:
-    """Whether torch's point-to-point failed for want of a peer (gloo's words for a receive
-    that timed out or a connection the peer closed), not the stage's own compute."""
+# gloo's words for a receive that timed out and for a connection its peer closed
+_LOST_PEER_WORDS = ("timed out", "connection closed", "connection reset", "broken pipe")
+
+
+def lost_peer_stage(exc: BaseException) -> bool:
+    """Whether torch's schedule failed in its point-to-point with a peer stage (a receive
+    that timed out, a connection the peer closed), not in the stage's own compute nor in
+    its FSDP2 or TP collectives: those fail with the same words on other groups, so only
+    the frame of the schedule's send/receive wait (`_wait_batch_p2p`) tells them apart."""
+    if not isinstance(exc, RuntimeError) or isinstance(exc, SpartaError):  # a SpartaError names its group
+        return False
     text = str(exc).lower()
-    return "timed out" in text or "connection closed" in text or "connection reset" in text
+    in_p2p = any(frame.name == "_wait_batch_p2p" for frame in traceback.extract_tb(exc.__traceback__))
+    return in_p2p and any(word in text for word in _LOST_PEER_WORDS)
 
 
 def step_loss(config: ParallelConfig) -> Callable[[Tensor, Tensor], Tensor]:
@@ -171,7 +181,7 @@ class ParallelModel:
                         schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
                 except BaseException as exc:
                     self._drop_targets()  # a step that stopped half-way leaves none for the next
-                    if isinstance(exc, RuntimeError) and _lost_peer(exc):
+                    if lost_peer_stage(exc):
                         raise self._peer_stage_failure(exc) from exc
                     raise
         self._check_heads()
@@ -180,7 +190,7 @@ class ParallelModel:
             self.auto.tune()  # type: ignore[union-attr]
         return self._global_mean(losses)[0]
 
-    def _peer_stage_failure(self, exc: RuntimeError) -> CollectiveError:
+    def _peer_stage_failure(self, exc: BaseException) -> CollectiveError:
         """What torch's point-to-point raised when a peer stage never sent or closed its
         connection, as an error naming this rank, its stages and its pipeline."""
         kind = CollectiveTimeoutError if "timed out" in str(exc).lower() else CollectiveError

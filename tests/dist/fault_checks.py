@@ -12,11 +12,11 @@ kill: expert-parallel MoE training; rank --victim SIGKILLs itself in the middle 
     and how long it took), and the communicator must refuse what comes after. Every rank
     first reports the /dev/shm files it maps or holds open, for the test to check that
     none is left behind.
-exit-dropped: rank 0 drops four handles, lets go of their groups and shuts down: the
-    collective its peers join late completes for them, the three they never join (on
-    three groups) make shutdown raise naming them, about one timeout after they were
-    issued, not one timeout per group; rank 1's shutdown inside an `except:` block logs
-    such a collective instead.
+exit-dropped: rank 0 drops seven handles, lets go of their groups and shuts down: the
+    collective its peers join late completes for them, the six they never join (on six
+    groups) make shutdown raise naming them (Horovod: the first, whose timeout breaks
+    every group), about one timeout after they were issued, not one timeout per group;
+    rank 1's shutdown inside an `except:` block logs such a collective instead.
 stage-fails: pp 2 dp 2; stage 0's forward raises in the second step, and its rank catches the
     error and stays alive; stage 1, waiting in torch's receive, must raise within about the
     world's timeout (the mesh's groups kept torch's 30 minutes before).
@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from runner import RESULTS_DIR, raises, report, run_checks, start
 
 import sparta
@@ -48,7 +49,7 @@ from sparta.parallel import Decoder, DecoderConfig, ParallelConfig, ParallelDims
 SHORT_S = 3.0  # the timeout of the groups whose collectives are meant to fail
 INTERRUPT_AFTER_S = 1.0  # when rank 1 "presses Ctrl-C" in check_interrupted_wait_breaks_its_group
 LATE_JOIN_S = 5.0  # when rank 0 joins that all-reduce
-NEVER_GROUPS = 3  # groups with a collective their peers never join, in exit-dropped
+NEVER_GROUPS = 6  # groups with a collective their peers never join, in exit-dropped
 KILL_STEP = 2
 
 
@@ -241,11 +242,11 @@ def kill(world: sparta.World, victim: int) -> int:
 
 
 def exit_dropped(world: sparta.World) -> int:
-    """Rank 0 drops four all-reduces, lets go of their groups and shuts down at once: one its
+    """Rank 0 drops all-reduces, lets go of their groups and shuts down at once: one its
     peers join a second later, which shutdown must still complete for them, and one on each
-    of three groups they never join, which shutdown must report (CollectiveError naming
-    them) within about one timeout of their issue, together, instead of ending the job
-    silently."""
+    of NEVER_GROUPS groups they never join, which shutdown must report (CollectiveError
+    naming them) within about one timeout of their issue, together, instead of ending the
+    job silently."""
     # no agreement rounds: rank 0's ops start at once, alone
     late = world.comm.split_groups([list(range(world.size))], CommConfig(timeout_s=60, check_inputs=False))
     never, *more = [_group(world, check_inputs=False) for _ in range(NEVER_GROUPS)]
@@ -304,6 +305,11 @@ def stage_fails(world: sparta.World) -> int:
     (its sockets open) for three timeouts. Stage 1 waits in torch's receive for activations
     that never come: it must raise within about the world's timeout, naming it."""
     layout = build_layout(ParallelDims(pp=2, dp=world.size // 2), world)
+    placed = all(
+        dist.get_process_group_ranks(layout.mesh.get_group(d)) == layout.mesh[d].mesh.tolist()
+        for d in "pp dp tp".split()
+    )
+    report(world.rank, "mesh_groups_match_the_mesh", placed)
     torch.manual_seed(0)
     model = Decoder(DecoderConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32))
     pm = parallelize(model, layout, ParallelConfig(schedule="1F1B", microbatches=2, split_points=("layers.1",)))
@@ -320,7 +326,7 @@ def stage_fails(world: sparta.World) -> int:
         except RuntimeError as exc:  # torch's "[Stage 0] failed to run forward", from the planted one
             ok = "planted" in str(exc) or "planted" in str(exc.__cause__)
             report(world.rank, "failing_stage_raised", ok, message=f"{exc} (from: {exc.__cause__})")
-        time.sleep(3 * world.comm.config.timeout_s)  # alive: a closed socket would end the peer's wait
+        time.sleep(2 * world.comm.config.timeout_s + 5)  # alive: a closed socket would end the peer's wait
         return 1
     began = time.monotonic()
     try:

@@ -163,6 +163,20 @@ def test_degrees_against_the_world_size() -> None:
     demo_with("parallel.pp=1", "parallel.split_points=[]").check(4)
 
 
+def test_each_dimensions_groups_partition_the_world_along_its_coordinate() -> None:
+    """`build_layout`'s mesh is made from these groups over `arange(world).reshape(pp, dp,
+    tp)`, and `DeviceMesh.from_group` checks neither against the other."""
+    dims = ParallelDims(pp=2, dp=4, tp=2, ep=2)
+    mesh = torch.arange(dims.world_size).reshape(dims.pp, dims.dp, dims.tp)
+    for axis, groups in enumerate((dims.pp_groups(), dims.dp_groups(), dims.tp_groups())):
+        assert sorted(r for g in groups for r in g) == list(range(dims.world_size))
+        assert sorted(groups) == sorted(mesh.movedim(axis, -1).reshape(-1, mesh.shape[axis]).tolist())
+        for group in groups:  # a rank's place in its group is its coordinate along the axis
+            assert [dims.coordinates(r)[axis] for r in group] == list(range(len(group)))
+            assert len({tuple(c for i, c in enumerate(dims.coordinates(r)) if i != axis) for r in group}) == 1
+    assert [dims.rank_of(*dims.coordinates(r)) for r in range(dims.world_size)] == list(range(dims.world_size))
+
+
 def test_bad_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.toml")

@@ -3,11 +3,13 @@ balanced split, and the configuration errors raised before any collective."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
 
-from sparta.errors import ConfigError
+from sparta.errors import CollectiveTimeoutError, ConfigError
 from sparta.parallel import (
     Decoder,
     DecoderConfig,
@@ -18,6 +20,7 @@ from sparta.parallel import (
     schedule_actions,
 )
 from sparta.parallel.experts import check_expert_tp
+from sparta.parallel.model import lost_peer_stage
 from sparta.parallel.parallelize import tp_plan_of
 from sparta.parallel.pipeline import (
     ModelParts,
@@ -51,9 +54,11 @@ def test_action_lists_are_data() -> None:
     with pytest.raises(TypeError):
         action_table("ZBVZeroBubble", 2, 4, 2)[0] = ()  # type: ignore[index]
     zbv[0].clear()
-    assert schedule_actions("ZBVZeroBubble", pp=2, microbatches=4, stages_per_rank=2)[0] == list(
-        action_table("ZBVZeroBubble", 2, 4, 2)[0]
-    ) != []
+    assert (
+        schedule_actions("ZBVZeroBubble", pp=2, microbatches=4, stages_per_rank=2)[0]
+        == list(action_table("ZBVZeroBubble", 2, 4, 2)[0])
+        != []
+    )
 
 
 def test_stage_cuts_keep_full_names_and_chain_to_the_whole() -> None:
@@ -170,3 +175,44 @@ def test_the_head_splits_its_vocabulary_over_tp_where_it_can() -> None:
     tied = Decoder(cfg)
     tied.output.weight = tied.tok_emb.weight  # type: ignore[union-attr]
     assert "output" not in tp_plan_of(tied, 2)
+
+
+def _raised(fn: Callable[[], None]) -> BaseException:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001  (the exception, with its traceback, is the value)
+        return exc
+    raise AssertionError(f"{fn} did not raise")
+
+
+def test_only_a_lost_peer_stage_is_reported_as_one() -> None:
+    """`ParallelModel.step` names a failure a peer stage's only where it came from torch's
+    send/receive wait with gloo's words for a lost peer; the same words from a stage's FSDP2
+    or TP collectives (another group), a SpartaError (which names its own group) or other
+    words stay as they are. The frame is the schedule's own function name."""
+    lost = (
+        "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete",
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:40351",
+        "Connection reset by peer",
+        "Write error: Broken pipe",
+    )
+    for words in lost:
+
+        def _wait_batch_p2p(words: str = words) -> None:
+            raise RuntimeError(words)
+
+        def all_reduce(words: str = words) -> None:
+            raise RuntimeError(words)
+
+        assert lost_peer_stage(_raised(_wait_batch_p2p)), words
+        assert not lost_peer_stage(_raised(all_reduce)), words
+
+    def _wait_batch_p2p() -> None:
+        raise RuntimeError("shape mismatch: [2, 8, 16] vs [2, 6, 16]")
+
+    assert not lost_peer_stage(_raised(_wait_batch_p2p))
+
+    def _wait_batch_p2p() -> None:  # noqa: F811  (a third frame of that name)
+        raise CollectiveTimeoutError("all_to_all on rank 0 of group 'world' did not complete within 5 s")
+
+    assert not lost_peer_stage(_raised(_wait_batch_p2p))

@@ -119,8 +119,9 @@ class _CallThread:
     def join(self, since: float, timeout_s: float) -> bool:
         """Wait, after `close`, for the thread to end until `since + timeout_s`; False if it
         is still in a call then (a collective its peers never joined). Where a call already
-        timed out and is still running, only until `since + _LATE_PEER_GRACE_S`: a peer that
-        joined late has let the call end by then, a dead one never will."""
+        timed out and is still running, only until `since` plus the smaller of `timeout_s`
+        and `_LATE_PEER_GRACE_S`: a peer that joined late has let the call end by then, a
+        dead one never will."""
         late = self.timed_out and self._last is not None and not self._last.done.done()
         until = since + (min(timeout_s, _LATE_PEER_GRACE_S) if late else timeout_s)
         self._thread.join(max(0.0, until - time.monotonic()))
@@ -250,7 +251,7 @@ class MPICommunicator(Communicator):
             try:
                 return call.done.result(timeout=max(0.0, call.deadline(timeout_s) - time.monotonic()))
             except FutureTimeout:
-                if time.monotonic() < call.deadline(timeout_s):  # it began while this waited
+                if call.done.done() or time.monotonic() < call.deadline(timeout_s):  # it ended, or began, meanwhile
                     continue
                 self._group.thread.timed_out = True
                 raise CollectiveTimeoutError(f"{op} did not complete within {timeout_s:g} s") from None

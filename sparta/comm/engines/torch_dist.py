@@ -146,8 +146,8 @@ class TorchCommunicator(Communicator):
         def wait() -> torch.Tensor:
             try:
                 if result.device.type == "cpu":
-                    # the communicator's timeout, not the group's: a group made elsewhere (a
-                    # DeviceMesh's) keeps torch's default of 30 minutes
+                    # the communicator's timeout, not the group's: a group made elsewhere
+                    # (`dist.new_group`, `init_device_mesh`) has torch's 30 minutes by default
                     _wait_interruptibly(work, deadline)
                 else:
                     # on CUDA wait() orders the current stream after the op and returns: the CPU
