@@ -52,6 +52,11 @@ def failed_ranks(rows: Sequence[Sequence[int]]) -> list[int]:
     return [r for r, row in enumerate(rows) if row[0]]
 
 
+def total_rows(rows: Sequence[Sequence[int]]) -> int:
+    """The rows the whole group passes, from every rank's meta row (its dim 0)."""
+    return sum(row[3] for row in rows)
+
+
 def splits_problem(splits: Sequence[int] | None, size: int, rows: int | None, name: str) -> str | None:
     """What is wrong with `splits` (`name`: "send_splits" or "recv_splits"), or None."""
     if splits is None:

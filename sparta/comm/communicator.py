@@ -311,13 +311,8 @@ class Communicator(Exchange, abc.ABC):
         send, problem = checks.send_splits_of(x, send_splits, self.size, problem)
         problem = problem or checks.splits_problem(recv_splits, self.size, None, "recv_splits")
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
-        if problem is None and self.max_call_rows is not None:  # in the verdict, so every rank raises
-            most = max(sum(send), 0 if recv_splits is None else sum(recv_splits))
-            if most > self.max_call_rows:
-                problem = (
-                    f"the {self.backend} engine moves at most {self.max_call_rows} rows a call each way, and this "
-                    f"rank's part is {most}: split the exchange into smaller calls"
-                )
+        if problem is None:  # in the verdict, so every rank raises
+            problem = self._rows_problem(max(sum(send), 0 if recv_splits is None else sum(recv_splits)))
         checking = self.config.check_inputs if check is None else check
         # equal blocks with checks off: every rank sends n / size to each, as it receives
         # (torch's all_to_all_single without splits asks the same), so no split exchange
@@ -339,9 +334,10 @@ class Communicator(Exchange, abc.ABC):
         """All-to-all of [meta, rows I send you] rows; returns the recv splits.
 
         Carries every rank's meta row to every rank, so a local problem, or a dtype or row
-        shape that differs, raises on every rank. When the caller gave recv_splits, one
-        more agreement spreads each rank's verdict on them, so a mismatch between two ranks
-        raises on all ranks, not just those two.
+        shape that differs, raises on every rank. When the caller gave recv_splits, or the
+        group moves more rows in all than the engine's bound (`max_call_rows`), one more
+        agreement spreads each rank's verdict (splits that differ from what is sent, a receive
+        past the bound), so it raises on all ranks, not just the ones it concerns.
         """
         meta = checks.meta_row(x, problem is not None)
         table = torch.tensor([[*meta, send[r] if problem is None else 0] for r in range(self.size)], dtype=torch.int64)
@@ -355,10 +351,25 @@ class Communicator(Exchange, abc.ABC):
         self.agree(InputError(problem) if problem else None, name, checks.failed_ranks(rows))
         checks.raise_if_inconsistent(rows, name, same_dim0=False)
         incoming = [row[-1] for row in rows]
-        if expected is not None:
-            mismatch = checks.recv_problem(expected, incoming)
-            self.agree(InputError(mismatch) if mismatch else None, name)
+        problem = None if expected is None else checks.recv_problem(expected, incoming)
+        # a receive past the engine's bound is known to its rank only now; every rank holds
+        # every rank's meta row, so all of them take this agreement or none does: only a
+        # group that moves more rows in all than the bound pays for it
+        crowded = self.max_call_rows is not None and checks.total_rows(rows) > self.max_call_rows
+        if crowded:
+            problem = problem or self._rows_problem(sum(incoming))
+        if expected is not None or crowded:
+            self.agree(InputError(problem) if problem else None, name)
         return incoming
+
+    def _rows_problem(self, most: int) -> str | None:
+        """What is wrong with a rank sending or receiving `most` rows in one all-to-all."""
+        if self.max_call_rows is None or most <= self.max_call_rows:
+            return None
+        return (
+            f"the {self.backend} engine moves at most {self.max_call_rows} rows a call each way, and this rank's "
+            f"part is {most}: split the exchange into smaller calls"
+        )
 
     def all_gather(
         self,
