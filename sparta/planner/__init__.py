@@ -25,7 +25,8 @@ from sparta.planner.command import workload
 from sparta.planner.costs import ModelCosts, PartCost, model_fingerprint
 from sparta.planner.hardware import HARDWARE, Hardware, analytic_costs, model_flops_per_step
 from sparta.planner.measure import measure_costs
-from sparta.planner.search import GIB, Ranked, SearchResult, Space, layouts, plan_overrides, search, write_plan
+from sparta.planner.plan_file import plan_overrides, write_plan
+from sparta.planner.search import GIB, Ranked, SearchResult, Space, layouts, search
 from sparta.planner.simulate import Plan, Prediction, Workload, length_cost, simulate, stage_layers
 
 __all__ = [

@@ -28,7 +28,8 @@ from sparta.scheduling.trace import write_chrome_trace
 from .costs import ModelCosts, hardware_fingerprint
 from .hardware import HARDWARE, analytic_costs
 from .measure import measure_costs
-from .search import GIB, SearchResult, Space, search, write_plan
+from .plan_file import write_plan
+from .search import GIB, SearchResult, Space, search
 from .simulate import Workload, simulate
 
 

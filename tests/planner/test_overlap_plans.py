@@ -14,7 +14,8 @@ from sparta.errors import ConfigError
 from sparta.parallel import DecoderConfig, MoESpec, ParallelConfig, ParallelDims
 from sparta.parallel.config_file import load_config
 from sparta.planner import GIB, ModelCosts, PartCost, Plan, Space, Workload, model_fingerprint, search, simulate
-from sparta.planner.search import SearchResult, plan_overrides, write_plan
+from sparta.planner.plan_file import plan_overrides, write_plan
+from sparta.planner.search import SearchResult
 from sparta.scheduling.profiler import LinearFit
 
 MODEL = DecoderConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=4, n_heads=4, d_ff=32)

@@ -19,7 +19,8 @@ from sparta.parallel.config_file import load_config, read_file
 from sparta.parallel.parallel_config import overlap_refusal
 from sparta.planner import GIB, ModelCosts, Plan, Workload, search, simulate, workload
 from sparta.planner.parts import saved_activation_bytes
-from sparta.planner.search import Ranked, write_plan
+from sparta.planner.plan_file import write_plan
+from sparta.planner.search import Ranked
 
 PY = sys.executable
 RUN = """

@@ -30,8 +30,9 @@ from sparta.planner import (
     stage_layers,
 )
 from sparta.planner.parts import saved_activation_bytes
+from sparta.planner.plan_file import plan_overrides, write_plan
 from sparta.planner.replay import replay
-from sparta.planner.search import FSDP_ALONE, SPARSE_ALONE, SPARSE_STAGES, plan_overrides, write_plan
+from sparta.planner.search import FSDP_ALONE, SPARSE_ALONE, SPARSE_STAGES
 from sparta.planner.stage_cost import StageCost, stage_cost
 from sparta.scheduling.profiler import LinearFit
 
