@@ -3,20 +3,17 @@
 Engines implement a handful of primitives on flat byte buffers and on reducible tensors
 (`_all_to_all_bytes`, `_all_gather_bytes`, `_broadcast_bytes`, `_all_reduce`, `_split`);
 this class gives them one validated, dtype-complete, shape-aware API, the agreement that
-makes bad input raise on every rank (`agree`), and the broken state after a failure. Every
-public operation takes `async_op=True` and then returns a `Handle` whose `wait()` gives the
-result.
+makes bad input raise on every rank (`agree`), and (from `health.Watched`) the broken state
+after a failure. Every public operation takes `async_op=True` and then returns a `Handle`
+whose `wait()` gives the result.
 """
 
 from __future__ import annotations
 
 import abc
 import math
-import threading
-import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,58 +22,14 @@ from sparta.comm.config import CommConfig
 from sparta.comm.dtypes import as_bytes, from_bytes, reduction_result, widened_for_reduction
 from sparta.comm.exchange import Exchange, PendingAllToAll
 from sparta.comm.handle import Handle
+from sparta.comm.health import Watched
 from sparta.errors import CollectiveError, InputError, SpartaError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-T = TypeVar("T")
 
-
-@dataclass
-class _Health:
-    """Why a communicator is broken, or None; shared by the groups split from one world where
-    the engine's failures reach them all (`Communicator.failures_span_world`)."""
-
-    broken: str | None = None
-
-
-class _Family:
-    """A communicator and the groups split from it (and from those): `finish_dropped`'s reach.
-    Members are held weakly, but one with dropped handles not yet waited strongly (``holding``),
-    so that a split the caller let go still completes, or reports, what it started."""
-
-    def __init__(self) -> None:
-        self.members: weakref.WeakSet[Communicator] = weakref.WeakSet()
-        self.holding: set[Communicator] = set()
-        # a finalizer may run on any thread, at any allocation (the garbage collector's), and
-        # again inside these on the same thread
-        self._lock = threading.RLock()
-
-    def all(self) -> list[Communicator]:
-        with self._lock:
-            return list({*self.members, *self.holding.copy()})  # (copied whole: a finalizer may add)
-
-    def orphan(self, comm: Communicator, raw: Handle[Any]) -> None:
-        with self._lock:
-            comm._orphans.append(raw)
-            self.holding.add(comm)
-
-    def release(self, comm: Communicator) -> None:
-        """Let go of ``comm`` once it holds no dropped handle."""
-        with self._lock:
-            if not comm._orphans:
-                self.holding.discard(comm)
-
-    def forget(self, comm: Communicator) -> None:
-        """Let go of ``comm`` and of the dropped handles it still holds (it is broken: they
-        are never waited, since its ranks may disagree on them)."""
-        with self._lock:
-            comm._orphans.clear()
-            self.holding.discard(comm)
-
-
-class Communicator(Exchange, abc.ABC):
+class Communicator(Watched, Exchange, abc.ABC):
     """A group of ranks and the collectives among them.
 
     Attributes: `rank` (this process's index in the group), `size` (ranks in the group),
@@ -110,10 +63,7 @@ class Communicator(Exchange, abc.ABC):
         self.ranks = tuple(ranks)
         self.config = config
         self.name = name
-        self._health = _Health()
-        self._orphans: list[Handle[Any]] = []  # engine handles whose watched handle was dropped
-        self._family = _Family()
-        self._family.members.add(self)
+        super().__init__()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, size={self.size})"
@@ -123,11 +73,8 @@ class Communicator(Exchange, abc.ABC):
         """How error messages name this rank and group."""
         return f"rank {self.rank} of group {self.name!r} (world ranks {list(self.ranks)})"
 
-    @property
-    def broken(self) -> str | None:
-        """Why this communicator refuses every collective (the failure that broke it, or its
-        world's shutdown), or None."""
-        return self._health.broken
+    def _op(self, op: str) -> str:
+        return f"{op} on {self.where} [{self.backend}]"
 
     # ---------------------------------------------------------------- engine primitives
     @abc.abstractmethod
@@ -159,95 +106,6 @@ class Communicator(Exchange, abc.ABC):
     # ---------------------------------------------------------------- issuing and health
     def _op(self, op: str) -> str:
         return f"{op} on {self.where} [{self.backend}]"
-
-    def _issue(self, op: str, start: Callable[[], Handle[T]]) -> Handle[T]:
-        """Start one engine collective: refuse if broken, first wait the handles dropped
-        unwaited, and watch the new one (its failure breaks the communicator; dropped
-        unwaited, it joins the handles to wait)."""
-        self._ready(op)
-        try:
-            raw = start()
-        except CollectiveError as exc:
-            self._break(str(exc))
-            raise
-
-        def wait() -> T:
-            watch.detach()
-            self._refuse_if_broken(op)
-            try:
-                return raw.wait()
-            except CollectiveError as exc:
-                self._break(str(exc))
-                raise
-            except BaseException as exc:  # Ctrl-C, a SIGTERM handler's SystemExit: the op may still run
-                self._break(f"{op} was interrupted ({type(exc).__name__}) before it completed")
-                raise
-
-        watched = Handle(wait)
-        # dropped unwaited: waited before the next call, this communicator held until then (_Family)
-        watch = weakref.finalize(watched, self._family.orphan, self, raw)
-        watch.atexit = False
-        return watched
-
-    def _ready(self, op: str) -> None:
-        self._refuse_if_broken(op)
-        if self._wait_orphans() is not None:
-            self._refuse_if_broken(op)
-
-    def _wait_orphans(self) -> str | None:
-        """Wait the dropped handles in order; the first failure breaks this communicator and
-        is returned (the rest are never waited: the ranks may disagree on them)."""
-        while self._orphans:
-            try:
-                self._orphans[0].wait()
-            except CollectiveError as exc:
-                self._break(f"{exc} (its handle was dropped without wait(), and waited at the next call)")
-                return str(exc)
-            except BaseException as exc:  # Ctrl-C: the op may still run, as in a watched wait
-                self._break(f"the wait for a dropped handle's collective was interrupted ({type(exc).__name__})")
-                raise
-            self._orphans.pop(0)
-        self._family.release(self)
-        return None
-
-    def finish_dropped(self) -> list[str]:
-        """Wait the collectives whose handles were dropped without `wait()`, on this
-        communicator and on every group split from it (one the caller has let go included),
-        each within its timeout; returns one
-        message per communicator where one failed or timed out (that communicator is broken
-        after, as at any call). Not collective.
-
-        `World.shutdown` calls it before the engine stops, so that a rank which ends right
-        after dropping a handle still completes its part for the peers that join the
-        collective later, and so that one its peers never join is reported instead of
-        ending the job silently. Communicators already broken are skipped: their failure
-        was raised when it happened."""
-        failures = []
-        for comm in self._family.all():
-            failure = comm._wait_orphans() if comm.broken is None else None
-            if comm.broken is not None:  # (a failed wait broke it)
-                self._family.forget(comm)
-            if failure is not None:
-                failures.append(failure)
-        return failures
-
-    def _break(self, failure: str) -> None:
-        """Refuse every later call: a collective failed (`failure`, the engine's error)."""
-        self._retire(
-            f"an earlier collective failed: {failure}. Its ranks may now disagree on which message comes "
-            "next. Rebuild the world: call world.shutdown() and start the job again on every rank "
-            "(e.g. torchrun --max-restarts, or your scheduler's retry)"
-        )
-
-    def _retire(self, why: str) -> None:
-        """Refuse every later call, saying `why` (the first reason given stays)."""
-        if self._health.broken is None:
-            self._health.broken = why
-
-    def _refuse_if_broken(self, op: str) -> None:
-        if self._health.broken is not None:
-            why = self._health.broken
-            raise CollectiveError(f"{op}: this communicator is broken and refuses every collective: {why}.")
 
     # ---------------------------------------------------------------- agreement
     def agree(self, error: SpartaError | None, op: str, failed: Sequence[int] | None = None) -> None:
