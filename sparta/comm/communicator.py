@@ -103,10 +103,6 @@ class Communicator(Watched, Exchange, abc.ABC):
     def shutdown(self) -> None:
         """Release engine resources. Idempotent."""
 
-    # ---------------------------------------------------------------- issuing and health
-    def _op(self, op: str) -> str:
-        return f"{op} on {self.where} [{self.backend}]"
-
     # ---------------------------------------------------------------- agreement
     def agree(self, error: SpartaError | None, op: str, failed: Sequence[int] | None = None) -> None:
         """Raise the same error on every rank of the group if any rank has one. Collective.

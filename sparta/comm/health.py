@@ -2,8 +2,8 @@
 handle (a failure breaks the communicator; a handle dropped unwaited is waited at the next
 call, or at the world's shutdown), and share that state with the groups split from it.
 
-`Watched` is the Communicator's base for this; the engines start their collectives through
-its `_issue` and mark failures of their own with `_break`.
+`Watched` is the Communicator's base for this: every collective starts through its `_issue`,
+and an engine marks failures found outside a wait with `_break`.
 """
 
 from __future__ import annotations

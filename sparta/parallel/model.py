@@ -20,10 +20,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 from torch.utils.hooks import RemovableHandle
 
-from sparta.embedding.checks import inspect_ids
 from sparta.errors import CollectiveError, CollectiveTimeoutError, InputError, SpartaError
 from sparta.moe import MoELayer
 from sparta.parallel.auto_schedule import AutoSchedule
+from sparta.parallel.batches import Batches
 from sparta.parallel.data_parallel import DataParallel
 from sparta.parallel.dims import Layout
 from sparta.parallel.forward_only import PeerStageFailure, forward_only
@@ -84,7 +84,8 @@ class ParallelModel:
     auto: the MoE layers whose co-scheduler degrees the first step tunes
     (``MoESpec.pipeline_degree="auto"``; `auto.plans` holds what each layer took), or None.
     num_ids, num_classes: the token embedding's rows and the output head's classes, which
-    each batch's ids and targets are checked against (None: not checked).
+    each batch's ids and targets are checked against (None: not checked; `batches` holds
+    the rules a batch is checked and padded by).
     """
 
     def __init__(
@@ -109,10 +110,9 @@ class ParallelModel:
         self._loss_fn = step_loss(config)
         self._stepped: set[tuple[int, int]] = set()  # shapes whose schedule inferred its shapes
         self.has_first, self.has_last = has_first, has_last
-        self.seq_len = config.seq_len
         self._vocab_parallel = has_last and VOCAB_STYLE in plan.tp_plan.values()
         self.auto = auto
-        self.num_ids, self.num_classes = num_ids, num_classes
+        self.batches = Batches(config.microbatches, tuple(config.lengths), config.seq_len, num_ids, num_classes)
 
     def param_groups(self) -> list[dict[str, Any]]:
         """This rank's parameters as optimizer groups, one per kind of tensor: plain tensors
@@ -157,10 +157,10 @@ class ParallelModel:
         returns that loss, from the last stage, on every rank. Does not step an optimizer.
         A bad batch on any rank (its shape, an id past the token embedding, a target past the
         head) raises the same InputError on every rank before anything else moves."""
-        problem = self._batch_problem(ids, targets)
-        shape = None if problem else (ids.shape[0], self.padded_length(ids.shape[1]))
+        problem = self.batches.problem(ids, targets)
+        shape = None if problem else (ids.shape[0], self.batches.padded_length(ids.shape[1]))
         new = self._agree_batch(problem, "ParallelModel.step", new=not self.one_stage and shape not in self.schedules)
-        ids, targets = self._padded(ids, targets)
+        ids, targets = self.batches.padded(ids, targets)
         self.data_parallel.start()
         losses: list[Tensor] = []
         tune = self.auto is not None and self.auto.pending
@@ -243,8 +243,8 @@ class ParallelModel:
         run to the end, and all meet at the loss's all-reduce, which carries who failed).
         A failure inside a collective with other pipelines' ranks (an expert exchange) ends at
         that communicator's timeout instead."""
-        self._agree_batch(self._batch_problem(ids, targets), "ParallelModel.evaluate")
-        ids, targets = self._padded(ids, targets)
+        self._agree_batch(self.batches.problem(ids, targets), "ParallelModel.evaluate")
+        ids, targets = self.batches.padded(ids, targets)
         m, dims, config = self.config.microbatches, self.layout.dims, self.config
         failure: Exception | None = None
         losses: list[Tensor] = []
@@ -302,37 +302,6 @@ class ParallelModel:
         for head in self.heads:
             head.feed(chunks, inference)
 
-    def _batch_problem(self, ids: Tensor, targets: Tensor) -> InputError | None:
-        """What is wrong with this rank's batch (the error, unraised), or None; talks to no
-        other rank."""
-        shapes = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in (ids, targets)]
-        if not isinstance(ids, Tensor) or not isinstance(targets, Tensor) or ids.dim() != 2 or shapes[0] != shapes[1]:
-            return InputError(f"ids {shapes[0]} and targets {shapes[1]} must both be tensors [B, T]")
-        batch, length = ids.shape
-        if batch % self.config.microbatches:
-            return InputError(
-                f"a batch of {batch} sequences does not divide into microbatches={self.config.microbatches}: "
-                f"give each rank a multiple of {self.config.microbatches}"
-            )
-        try:
-            self.padded_length(length)
-        except InputError as exc:
-            return exc
-        if self.num_ids is not None:
-            problem = inspect_ids(ids, self.num_ids, "ParallelModel's ids")
-            if problem is not None:
-                return problem
-        if self.num_classes is not None and targets.numel():
-            if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-                return InputError(f"targets of dtype {targets.dtype} must be integer class indices: use targets.long()")
-            bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= self.num_classes)
-            if bool(bad.any()):
-                return InputError(
-                    f"targets hold {int(targets[bad].flatten()[0])}, outside the output head's classes "
-                    f"0..{self.num_classes - 1} ({IGNORE_INDEX} marks a position without loss): map them into range"
-                )
-        return None
-
     def _agree_batch(self, problem: InputError | None, op: str, new: bool = False) -> bool:
         """Collective over dp, before anything else moves: every rank raises ``problem``'s
         kind naming each dp rank whose batch is bad (a batch's pp and tp ranks hold it alike,
@@ -372,39 +341,6 @@ class ParallelModel:
         total = comm.all_reduce(both, op="sum", check=False).tolist()  # type: ignore[union-attr]
         dims = self.layout.dims
         return total[0] / (dims.dp * dims.tp), [int(s) for s in total[1:]]
-
-    def _padded(self, ids: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """A batch every dp rank's `_batch_problem` passed, padded to its length's bucket (the
-        first such batch fixes ``seq_len`` where neither it nor ``lengths`` is set)."""
-        length = ids.shape[1]
-        if self.seq_len is None and not self.config.lengths:
-            self.seq_len = length
-        pad = self.padded_length(length) - length
-        if pad:
-            ids = nn.functional.pad(ids, (0, pad), value=0)
-            targets = nn.functional.pad(targets, (0, pad), value=IGNORE_INDEX)
-        return ids, targets
-
-    def padded_length(self, length: int) -> int:
-        """The length a batch of ``length`` tokens is padded to: the smallest of
-        ``config.lengths`` that holds it, else ``seq_len`` (fixed by the first batch a step or
-        evaluation ran; ``length`` itself before that)."""
-        lengths = self.config.lengths
-        if lengths:
-            if length > lengths[-1]:
-                raise InputError(
-                    f"a batch of length {length} exceeds the longest of lengths={list(lengths)}: cut it, or add "
-                    f"a length of at least {length}"
-                )
-            return next(n for n in lengths if n >= length)
-        if self.seq_len is None:
-            return length
-        if length > self.seq_len:
-            raise InputError(
-                f"a batch of length {length} exceeds the pipeline's sequence length {self.seq_len} (fixed at the "
-                "first step, or by ParallelConfig.seq_len): cut it, or set seq_len to the longest"
-            )
-        return self.seq_len
 
     def _schedule(self, batch: int, length: int, new_somewhere: bool) -> object:
         """The schedule of batches [batch, length] (padded), built at the first such batch:

@@ -204,7 +204,7 @@ def trained_losses(
     assert not (pm.one_stage and pm.schedules), pm.schedules
     if config.lengths and not pm.one_stage:  # one schedule per batch shape the padded batches took
         shift = layout.dp_rank if uneven else 0
-        want = sorted({(BATCH, pm.padded_length(n - shift)) for n in LENGTHS_SEEN})
+        want = sorted({(BATCH, pm.batches.padded_length(n - shift)) for n in LENGTHS_SEEN})
         assert sorted(pm.schedules) == want, pm.schedules
     marks = {s: " (recomputed)" if s in config.recompute else "" for s in range(len(pm.plan.stages))}
     assert all(f"stage {s}{mark}:" in str(pm.plan) for s, mark in marks.items()), str(pm.plan)

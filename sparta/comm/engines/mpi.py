@@ -310,9 +310,10 @@ class MPICommunicator(Communicator):
     def _all_to_all_bytes(self, buf: torch.Tensor, send: list[int], recv: list[int], op: str) -> Handle[torch.Tensor]:
         (su, send_units), (ru, recv_units) = self._units(send), self._units(recv)
         if max(sum(send_units), sum(recv_units)) > self.max_call_rows:
-            # start_all_to_all refuses a part of more rows than this on every rank, and a unit
-            # is a row at least, unless `_units` found no divisor near the bound (rows of
-            # kilobytes, terabytes a call): then only this rank knows, and its peers time out
+            # start_all_to_all refuses a part of more rows than this first (on every rank
+            # where checks are on or the splits are exchanged), and a unit is a row at least,
+            # unless `_units` found no divisor near the bound (rows of kilobytes, terabytes a
+            # call): then only this rank knows, and its peers time out
             raise CollectiveError(
                 f"{op}: the MPI engine moves at most {self.max_call_rows} units a call each way (32-bit MPI counts and "
                 f"displacements); this rank would send {sum(send_units)} of {su} bytes and receive "
