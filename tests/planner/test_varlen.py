@@ -27,7 +27,7 @@ from sparta.scheduling import (
     summed_loss,
 )
 
-from .test_planner import MODEL, WORK, costs
+from .cost_tables import MODEL, WORK, costs
 
 COST = LengthCost(alpha=0.5, per_token=0.01, per_token_len=1e-4)
 
