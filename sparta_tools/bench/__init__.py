@@ -10,7 +10,7 @@ Suites (`registry()`): collectives, alltoallv, and the folded scripts (moe-layer
 dispatch: moe.py; embedding; trainer: suites.py). Without a launcher a suite
 starts its own local ranks, one job per engine (runner.drive); under torchrun, mpirun or
 horovodrun each rank runs it directly (rank.worker). Output: JSON lines, a header first
-(records.py says what every field means), and a table on stdout.
+(records.py says what every field means; header.py builds the header), and a table on stdout.
 
 A suite is a `Suite`: its flags and the frozen dataclass they parse into (a SuiteFlags,
 validated on construction), a check of what they need of the whole run (both ConfigError,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from sparta.errors import ConfigError
-from sparta_tools.bench import records
+from sparta_tools.bench import header, records
 from sparta_tools.bench.options import BenchOptions
 
 
@@ -234,15 +234,15 @@ def worker(opts: BenchOptions, suite_run: Callable[[BenchContext], None], comman
             print(f"sparta bench {opts.suite}: {problem}", file=sys.stderr, flush=True)
         world.shutdown()
         return 2
-    facts = gather_json(world.comm, records.local_facts(opts.device))
+    facts = gather_json(world.comm, header.local_facts(opts.device))
     stream = None
     if world.rank == 0 and opts.output:
         stream = records.emit_stream(opts.output)
     options = asdict(opts)
     options["suite_options"] = options.pop("flags")  # the name `sparta bench` runs have always recorded them under
     # under the user's own launcher, `command` is one rank's argv: the launcher's line says how to rerun
-    launched_by = records.user_launch_command() if standalone else None
-    head = records.header(
+    launched_by = header.user_launch_command() if standalone else None
+    head = header.record(
         opts.suite, world.backend, launch.launcher, world.node_ranks, facts, options, command, launched_by
     )
     ctx = BenchContext(opts, world, stream)
