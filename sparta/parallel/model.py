@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
@@ -20,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
 from torch.utils.hooks import RemovableHandle
 
-from sparta.errors import CollectiveError, CollectiveTimeoutError, InputError, SpartaError
+from sparta.errors import InputError, SpartaError
 from sparta.moe import MoELayer
 from sparta.parallel.auto_schedule import AutoSchedule
 from sparta.parallel.batches import Batches
@@ -28,6 +27,7 @@ from sparta.parallel.data_parallel import DataParallel
 from sparta.parallel.dims import Layout
 from sparta.parallel.forward_only import PeerStageFailure, forward_only
 from sparta.parallel.pipeline import stage_owner
+from sparta.parallel.stage_failure import lost_peer_stage, peer_stage_failure
 from sparta.parallel.vocab_stages import HeadStage, token_loss
 from sparta.scheduling.varlen import IGNORE_INDEX
 
@@ -49,22 +49,6 @@ def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
     # a copy, not to_local()'s view: zero-bubble schedules detach the loss in place after
     # their input-gradient pass, which a view refuses
     return loss.to_local().clone() if isinstance(loss, DTensor) else loss
-
-
-# gloo's words for a receive that timed out and for a connection its peer closed
-_LOST_PEER_WORDS = ("timed out", "connection closed", "connection reset", "broken pipe")
-
-
-def lost_peer_stage(exc: BaseException) -> bool:
-    """Whether torch's schedule failed in its point-to-point with a peer stage (a receive
-    that timed out, a connection the peer closed), not in the stage's own compute nor in
-    its FSDP2 or TP collectives: those fail with the same words on other groups, so only
-    the frame of the schedule's send/receive wait (`_wait_batch_p2p`) tells them apart."""
-    if not isinstance(exc, RuntimeError) or isinstance(exc, SpartaError):  # a SpartaError names its group
-        return False
-    text = str(exc).lower()
-    in_p2p = any(frame.name == "_wait_batch_p2p" for frame in traceback.extract_tb(exc.__traceback__))
-    return in_p2p and any(word in text for word in _LOST_PEER_WORDS)
 
 
 def step_loss(config: ParallelConfig) -> Callable[[Tensor, Tensor], Tensor]:
@@ -182,25 +166,20 @@ class ParallelModel:
                 except BaseException as exc:
                     self._drop_targets()  # a step that stopped half-way leaves none for the next
                     if lost_peer_stage(exc):
-                        raise self._peer_stage_failure(exc) from exc
+                        layout = self.layout
+                        raise peer_stage_failure(
+                            exc,
+                            layout.world.rank,
+                            self.plan.stage_ids,
+                            dist.get_process_group_ranks(layout.pp_group),
+                            layout.world.comm.config.timeout_s,
+                        ) from exc
                     raise
         self._check_heads()
         self.data_parallel.finish()
         if tune:
             self.auto.tune()  # type: ignore[union-attr]
         return self._global_mean(losses)[0]
-
-    def _peer_stage_failure(self, exc: BaseException) -> CollectiveError:
-        """What torch's point-to-point raised when a peer stage never sent or closed its
-        connection, as an error naming this rank, its stages and its pipeline."""
-        kind = CollectiveTimeoutError if "timed out" in str(exc).lower() else CollectiveError
-        ranks = dist.get_process_group_ranks(self.layout.pp_group)
-        return kind(
-            f"rank {self.layout.world.rank} (pipeline stage(s) {list(self.plan.stage_ids)} of the pipeline over ranks "
-            f"{ranks}): torch's schedule stopped waiting for a peer stage: {exc}. A peer stage failed (its rank's "
-            f"own error says why) or stalled past CommConfig.timeout_s = {self.layout.world.comm.config.timeout_s:g} "
-            "s; the pipeline's messages are lost: restart the job on every rank (from the last checkpoint)"
-        )
 
     @property
     def one_stage(self) -> bool:

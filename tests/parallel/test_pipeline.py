@@ -20,7 +20,6 @@ from sparta.parallel import (
     schedule_actions,
 )
 from sparta.parallel.experts import check_expert_tp
-from sparta.parallel.model import lost_peer_stage
 from sparta.parallel.parallelize import tp_plan_of
 from sparta.parallel.pipeline import (
     ModelParts,
@@ -32,6 +31,7 @@ from sparta.parallel.pipeline import (
     stage_module,
     tied_across_parts,
 )
+from sparta.parallel.stage_failure import lost_peer_stage
 
 CFG = DecoderConfig(vocab_size=300, seq_len=8, d_model=16, n_layers=6, n_heads=2, d_ff=32)
 
