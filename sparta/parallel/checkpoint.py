@@ -51,12 +51,10 @@ one with exactly the losses of a run never stopped.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,7 +66,6 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
-from sparta.comm.launch import detect
 from sparta.errors import ConfigError, SpartaError
 from sparta.parallel.checkpoint_files import (
     STEP_PREFIX,
@@ -79,6 +76,7 @@ from sparta.parallel.checkpoint_files import (
     remove_partial,
     set_aside_later,
 )
+from sparta.parallel.checkpoint_group import CheckpointError, CheckpointGroup
 from sparta.parallel.checkpoint_planners import Piece, PieceLoadPlanner, PieceSavePlanner
 from sparta.parallel.checkpoint_state import (
     PARAM_GROUPS,
@@ -98,10 +96,6 @@ from sparta.parallel.checkpoint_state import (
 _EXTRA, _RNG = "extra", "rng."
 
 log = logging.getLogger("sparta.parallel.checkpoint")
-
-
-class CheckpointError(SpartaError, RuntimeError):
-    """A checkpoint could not be written or read; raised on every rank alike."""
 
 
 @dataclass
@@ -161,7 +155,7 @@ class Checkpointer:
         extra: plain values to hand back from ``load`` (data position, scheduler state, ...),
             the same on every rank; saved from rank 0. ``load`` adds ``"step"``.
         """
-        group = _Group(self.process_group)
+        group = CheckpointGroup(self.process_group)
         problem = _check_step_extra(step, extra)
         state: dict[str, Any] = {}
         pieces: dict[str, Piece] = {}
@@ -189,7 +183,7 @@ class Checkpointer:
         group.agree(problem, f"saving step {step}")
 
         try:
-            with _quiet(group):
+            with group.quiet():
                 dcp.save(
                     state,
                     storage_writer=FileSystemWriter(tmp, sync_files=True),
@@ -239,7 +233,7 @@ class Checkpointer:
         Collective (see the module). Raises CheckpointError on every rank when the
         checkpoint does not fit the model (naming the missing and unexpected keys).
         """
-        group = _Group(self.process_group)
+        group = CheckpointGroup(self.process_group)
         chosen: Path | None = None
         problem = None
         if group.rank == 0:
@@ -305,7 +299,7 @@ class Checkpointer:
         if self.rng and world == group.size and mine in held:
             state[mine] = None
         try:
-            with _quiet(group):
+            with group.quiet():
                 reader = FileSystemReader(path)
                 dcp.load(state, storage_reader=reader, planner=PieceLoadPlanner(pieces), process_group=group.pg)
         except (Exception, CheckpointException) as exc:  # DCP raises the same exception on every rank
@@ -347,54 +341,6 @@ def _optimizers(
                 f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(opt).__name__}"
             )
     return optimizers
-
-
-# ------------------------------------------------------------------- agreement
-class _Group:
-    """The ranks that save or load together (one process when torch.distributed is off)."""
-
-    def __init__(self, pg: dist.ProcessGroup | None) -> None:
-        self.pg = pg
-        self.on = dist.is_available() and dist.is_initialized()
-        launched = detect().size
-        if not self.on and (pg is not None or launched > 1):
-            # every rank would take itself for the only one and write the same files
-            raise CheckpointError(
-                f"this process is one of {launched} launched ranks but torch.distributed is not initialised: "
-                "build the layout first (sparta.parallel.build_layout starts it), or "
-                "torch.distributed.init_process_group"
-            )
-        self.rank = dist.get_rank(pg) if self.on else 0
-        self.size = dist.get_world_size(pg) if self.on else 1
-
-    def gather(self, obj: Any) -> list[Any]:
-        if not self.on:
-            return [obj]
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
-
-    def broadcast(self, obj: Any) -> Any:
-        if not self.on:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.pg, group_src=0)
-        return box[0]
-
-    def agree(self, problem: str | None, what: str) -> None:
-        """Raise CheckpointError on every rank if any rank has a problem (a collective)."""
-        problems = [f"rank {r}: {p}" for r, p in enumerate(self.gather(problem)) if p is not None]
-        if problems:
-            raise CheckpointError(f"{what} failed: " + "; ".join(problems))
-
-
-@contextlib.contextmanager
-def _quiet(group: _Group) -> Iterator[None]:
-    """Silence DCP's warning that it runs in one process, when that is what was meant."""
-    with warnings.catch_warnings():
-        if not group.on:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def _check_step_extra(step: Any, extra: Any) -> str | None:
