@@ -20,9 +20,9 @@ from torch import nn
 
 from sparta.comm import World
 from sparta.errors import ConfigError
+from sparta.parallel import MoESpec, ParallelConfig, moe_layers, parallelize
 from sparta.parallel.dims import ParallelDims, build_layout
 from sparta.parallel.hf import HFDecoder, from_hf
-from sparta.parallel import MoESpec, ParallelConfig, moe_layers, parallelize
 from sparta.parallel.pipeline import ModelParts, stage_module
 
 VOCAB, D_MODEL, LAYERS, SEQ, STEPS, LR = 64, 32, 4, 8, 3, 0.5

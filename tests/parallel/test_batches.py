@@ -1,5 +1,5 @@
 """The rules a ParallelModel's batches are checked and padded by (one process; the same
-rules agreed over dp are checked on real ranks in tests/dist/parallel_checks.py)."""
+rules agreed over dp are checked on real ranks in tests/dist/trainer_failures.py)."""
 
 from __future__ import annotations
 
