@@ -36,7 +36,8 @@ def peer_stage_failure(
 ) -> CollectiveError:
     """``exc`` (a `lost_peer_stage`) as an error naming world ``rank``, its pipeline
     ``stage_ids`` and the world ranks of its pipeline; ``timeout_s``: the world
-    communicator's `CommConfig.timeout_s` (seconds), which the mesh's groups take. A timeout gives CollectiveTimeoutError, a closed connection CollectiveError."""
+    communicator's `CommConfig.timeout_s` (seconds), which the mesh's groups take. A
+    timeout gives CollectiveTimeoutError, a closed connection CollectiveError."""
     kind = CollectiveTimeoutError if "timed out" in str(exc).lower() else CollectiveError
     return kind(
         f"rank {rank} (pipeline stage(s) {list(stage_ids)} of the pipeline over ranks {list(pp_ranks)}): torch's "
