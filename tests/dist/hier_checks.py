@@ -7,7 +7,7 @@ horovodrun-over-MPI.
 from __future__ import annotations
 
 import torch
-from comm_checks import engine_calls
+from comm_agreement_checks import engine_calls
 from runner import finish, raises, run_checks, start
 
 import sparta
