@@ -226,7 +226,10 @@ class DataParallel:
             module = DistributedDataParallel(
                 module,
                 process_group=self.layout.mesh.get_group("dp"),
-                broadcast_buffers=False,
+                # buffers synced once, at init; each forward's broadcast would be one more
+                # collective per micro-batch, and the one buffer Sparta keeps (the sigmoid
+                # router's bias) stays equal through its own counts' all-reduce
+                forward_sync_buffers=False,
                 find_unused_parameters=self.find_unused_parameters,
             )
         elif self.strategy == "fsdp":
