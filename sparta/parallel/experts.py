@@ -110,6 +110,13 @@ class MoESpec:
         return " and ".join(asked)
 
     @property
+    def balances_by_load(self) -> bool:
+        """The router moves a bias by each training forward's load (sigmoid, DeepSeek-V3's
+        aux-loss-free balancing): every replica must count the same load, the global
+        micro-batch's, or the replicas route apart."""
+        return self.router == "sigmoid"
+
+    @property
     def auto(self) -> bool:
         """The co-scheduler's degrees are tuned on the first step (pipeline_degree="auto")."""
         return self.pipeline_degree == AUTO
@@ -133,6 +140,7 @@ def moe_layers(
     exchange: HierarchicalAllToAll | None = None,
     tp: Communicator | None = None,
     dedup: HierarchicalAllToAll | None = None,
+    stats: Communicator | None = None,
 ) -> list[str]:
     """Turn the MLP of every ``spec.every``-th layer of ``module.layers`` into an MoELayer,
     in place, its experts split over ``ep`` (a layout's ``ep``; None: all on this rank); each
@@ -142,7 +150,13 @@ def moe_layers(
     tensor-parallel group, over which each expert's hidden units are split when
     ``spec.expert_tp`` (`MoELayer.split_experts`; the whole experts are built first, so
     the slices are the one-process model's). ``dedup``: the two-level all-to-all over
-    ``ep`` that ``spec.dedup`` sends tokens through (`Block.set_overlap`)."""
+    ``ep`` that ``spec.dedup`` sends tokens through (`Block.set_overlap`). ``stats``: every
+    rank that trains these layers on other tokens (a layout's ``dp``, which holds ``ep``), over
+    which a router that balances by load (`MoESpec.balances_by_load`) sums each forward's
+    counts, one all-reduce a layer, so that its bias moves alike on every replica, as one
+    process's on the global micro-batch; None: the counts of ``ep``'s ranks (one replica)."""
+    # where stats holds no rank outside ep, the counts exchange over ep already sums the load
+    wider = spec.balances_by_load and stats is not None and stats.size > (ep.size if ep is not None else 1)
     replaced = []
     for key, layer in module.layers.items():  # type: ignore[union-attr, operator]
         if not spec.is_moe(int(key)):
@@ -160,6 +174,7 @@ def moe_layers(
                 capacity_factor=spec.capacity_factor,
                 aux_loss_coef=spec.aux_loss_coef,
                 pipeline_degree=1 if spec.auto else spec.pipeline_degree,  # "auto": flat until tuned
+                stats_comm=stats if wider else None,
             )
         for path in paths:
             moe = layer.get_submodule(path)

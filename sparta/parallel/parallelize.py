@@ -305,7 +305,7 @@ def parallelize(
             table = model.get_submodule(parts.first[0])
             module.set_submodule(parts.first[0], TakenRows(table.weight.dtype))  # type: ignore[union-attr, arg-type]
         if config.moe is not None:
-            replaced = moe_layers(module, config.moe, layout.ep, layer_exchange, split_experts, moe_exchange)
+            replaced = moe_layers(module, config.moe, layout.ep, layer_exchange, split_experts, moe_exchange, layout.dp)
             expert_tp += replaced if split_experts is not None else []
         if config.embedding == "sparse" and index == first:
             swap_embeddings(module, layout.dp)

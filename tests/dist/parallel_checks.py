@@ -28,6 +28,7 @@ from trainer_oracle import (
     NORM_CAP,
     OVERLAPPED,
     REPLICATED,
+    SIGMOID,
     STEPS,
     TOL,
     batches,
@@ -95,6 +96,10 @@ def trained_losses(
         blocks = [b for part in pm.parts for b in part.modules() if isinstance(b, Block)]
         assert blocks and all(b.overlap == config.moe.overlap for b in blocks), [b.overlap for b in blocks]
         assert all((b.dedup is not None) == config.moe.dedup for b in blocks), [b.dedup for b in blocks]
+    if config.moe is not None and config.moe.balances_by_load:  # the same bias on every dp replica, moved
+        biases = torch.stack([m.router.expert_bias for m in moe])
+        every = layout.dp.all_gather(biases)
+        assert biases.abs().sum() > 0 and all(torch.equal(b, biases) for b in every), f"router biases: {every}"
     assert all(m.experts.w1.shape[-1] == MODEL.d_ff // (layout.dims.tp if split else 1) for m in moe), "experts' d_ff"
     assert (len(pm.plan.expert_tp) == len(moe)) if split else not pm.plan.expert_tp, pm.plan.expert_tp
     # the last stage's head: its vocabulary over tp, its loss on the shards (losses compared below)
@@ -183,7 +188,7 @@ def parity(
     check.__name__ = f"parity_{schedule}_{strategy}_{embedding}" + ("_ragged" * ragged) + ("_balanced" * balance)
     check.__name__ += "_coscheduled" * (moe is COSCHEDULED) + "_experts_replicated" * (moe is REPLICATED)
     check.__name__ += "_auto_degrees" * (moe is AUTO) + "_overlapped" * (moe is OVERLAPPED)
-    check.__name__ += "_deduplicated" * (moe is DEDUPLICATED)
+    check.__name__ += "_deduplicated" * (moe is DEDUPLICATED) + "_sigmoid" * (moe is SIGMOID)
     check.__name__ += "".join(f"_recompute{i}" for i in recompute) + "".join(f"_len{n}" for n in lengths)
     check.__name__ += "_uneven" * uneven + "_vocab_stages" * vocab_stages + "_embedding_stages" * embedding_stages
     return check
@@ -324,6 +329,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("1F1B", 1, "ddp", moe=AUTO),  # the blocks timed beside DDP's hooks, which must not fire
         parity("GPipe", 1, "sparta", embedding="dense"),
         parity("1F1B", 1, "ddp", recompute=(0,)),
+        parity("1F1B", 1, "ddp", moe=SIGMOID),  # ep2 of dp4: the load summed over both ep groups
         forward_only_failures,
     ],
     "ddp_pp": [parity("1F1B", 1, "ddp", microbatches=4), router_loads, bad_inputs],  # bad_inputs at tp1 with ep too

@@ -22,6 +22,10 @@ OVERLAPPED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, overlap=2)
 DEDUPLICATED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, overlap=2, dedup=True)
 # under tp, whole experts on every tp rank (MOE splits their hidden units over tp)
 REPLICATED = MoESpec(num_experts=4, top_k=2, aux_loss_coef=1e-2, expert_tp=False)
+# a router that balances by load (its bias moved by each forward's counts), without the aux
+# loss, whose balance term is per rank's tokens: one process runs each micro-batch of every
+# dp rank at once, whose load the trainer sums over dp
+SIGMOID = MoESpec(num_experts=4, top_k=2, router="sigmoid", aux_loss_coef=0.0)
 STEPS, BATCH, LR, TOL = 10, 4, 0.05, 1e-5  # BATCH: sequences per dp rank per step
 # the lengths of ragged batches (seq_len - step * 3 % 4 over the steps)
 LENGTHS_SEEN = (MODEL.seq_len, MODEL.seq_len - 3, MODEL.seq_len - 2, MODEL.seq_len - 1)
@@ -67,7 +71,8 @@ def reference_losses(
 ) -> tuple[list[tuple[float, float]], float]:
     """One process, the global batch in dp x microbatches chunks, SGD on the chunks' mean,
     gradients clipped to NORM_CAP. Returns (loss, gradient norm before clipping) per step, and
-    the trained model's loss on the next batch, forward only."""
+    the trained model's loss on the next batch, forward only. A router that balances by load
+    runs the dp ranks' chunks of one micro-batch as one (the same mean over equal chunks)."""
     torch.manual_seed(0)
     model = Decoder(MODEL)
     if moe is not None:
@@ -75,7 +80,7 @@ def reference_losses(
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
-        chunks = _chunks(dp, step, microbatches, ragged, lengths, uneven)
+        chunks = _chunks(dp, step, microbatches, ragged, lengths, uneven, _merged(moe))
         total = 0.0
         for x, y in chunks:
             loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -88,24 +93,34 @@ def reference_losses(
         opt.step()
         opt.zero_grad()
         losses.append((total / len(chunks), norm))
-    return losses, _probe(model, dp, microbatches, ragged, lengths, uneven)
+    return losses, _probe(model, dp, microbatches, ragged, lengths, uneven, _merged(moe))
+
+
+def _merged(moe: MoESpec | None) -> bool:
+    return moe is not None and moe.balances_by_load
 
 
 def _chunks(
-    dp: int, step: int, microbatches: int, ragged: bool, lengths: tuple[int, ...], uneven: bool
+    dp: int, step: int, microbatches: int, ragged: bool, lengths: tuple[int, ...], uneven: bool, merged: bool = False
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The micro-batches the dp ranks run at ``step``, each rank's padded as the trainer pads."""
+    """The micro-batches the dp ranks run at ``step``, each rank's padded as the trainer pads;
+    ``merged``: the dp ranks' m-th chunks as one, for each m."""
     chunks = []
     for ids, targets in rank_batches(dp, step, ragged, uneven):
         ids, targets = padded(ids, targets, lengths)
         chunks += list(zip(ids.chunk(microbatches), targets.chunk(microbatches), strict=True))
+    if merged:
+        return [(torch.cat([c[0] for c in chunks[m::microbatches]]), torch.cat([c[1] for c in chunks[m::microbatches]]))
+                for m in range(microbatches)]  # fmt: skip
     return chunks
 
 
 @torch.no_grad()
-def _probe(model: nn.Module, dp: int, microbatches: int, ragged: bool, lengths: tuple[int, ...], uneven: bool) -> float:
+def _probe(
+    model: nn.Module, dp: int, microbatches: int, ragged: bool, lengths: tuple[int, ...], uneven: bool, merged: bool
+) -> float:
     """The trained model's forward loss on the batch after the last step, in the same chunks."""
-    chunks = _chunks(dp, STEPS, microbatches, ragged, lengths, uneven)
+    chunks = _chunks(dp, STEPS, microbatches, ragged, lengths, uneven, merged)
     losses = [float(nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())) for x, y in chunks]
     return sum(losses) / len(losses)
 
