@@ -140,13 +140,17 @@ class ParallelConfig:
         before any collective; `parallelize` calls it too."""
         check_schedule(self.schedule, dims.pp, self.microbatches, self.stages_per_rank)
         check_strategy(self.data_parallel, self.schedule in ZERO_BUBBLE, dims.tp, backend)
-        if self.data_parallel == "ddp" and self.schedule != "1F1B" and self.microbatches > 1:
+        one_f_one_b = self.schedule == "1F1B" and not (dims.pp > 1 and self.microbatches == dims.pp)
+        if self.data_parallel == "ddp" and not one_f_one_b and self.microbatches > 1:
             # torch 2.13: under GPipe and the interleaved schedules DDP's first-step bucket rebuild
             # counts every micro-batch's hooks (reducer.cpp: "rebuilt parameter indices size is not
-            # same as original"); 1F1B, checked here with 4 micro-batches over 2 stages, runs
+            # same as original"), and under 1F1B with as many micro-batches as stages (2 over 2,
+            # 4 over 4); 1F1B with more (3, 4, 6, 8 over 2 stages; 6, 8, 12 over 4) runs
+            more = f"microbatches > pp={dims.pp}"
+            fix = more if self.schedule == "1F1B" else f"schedule='1F1B' with {more}"
             raise ConfigError(
-                f"data_parallel='ddp' under {self.schedule} with {self.microbatches} micro-batches fails inside torch "
-                "DDP; use schedule='1F1B', or data_parallel='fsdp' or 'sparta'"
+                f"data_parallel='ddp' under {self.schedule} with {self.microbatches} micro-batches over {dims.pp} "
+                f"stage(s) fails inside torch DDP; use {fix}, or data_parallel='fsdp' or 'sparta'"
             )
         if self.moe is not None and self.moe.num_experts % dims.ep:
             raise ConfigError(
@@ -183,7 +187,7 @@ class ParallelConfig:
                 f"recompute={list(self.recompute)} names stage {self.recompute[-1]}, but the pipeline has {stages} "
                 f"stage(s) (pp={dims.pp} x stages_per_rank={self.stages_per_rank}): use indices 0..{stages - 1}"
             )
-        if self.recompute and self.moe is not None and self.moe.router == "sigmoid":
+        if self.recompute and self.moe is not None and self.moe.balances_by_load:
             # its forward moves the balancing bias in place: a recomputation would route with
             # the moved bias (other experts than the forward chose) and move it a second time
             raise ConfigError(

@@ -132,6 +132,10 @@ def test_bad_plans_raise_config_errors() -> None:
         ParallelConfig(schedule="Interleaved1F1B", stages_per_rank=2, microbatches=2, data_parallel="ddp").check(
             ParallelDims(pp=2, dp=2)
         )
+    with pytest.raises(ConfigError, match=r"1F1B with 2 micro-batches over 2 stage\(s\) fails inside torch DDP; use "
+                       r"microbatches > pp=2"):  # fmt: skip
+        ParallelConfig(microbatches=2, data_parallel="ddp").check(ParallelDims(pp=2, dp=2))
+    ParallelConfig(microbatches=3, data_parallel="ddp").check(ParallelDims(pp=2, dp=2))  # runs (test_trainer_dist: 4)
     with pytest.raises(ConfigError, match="DTensor"):
         ParallelConfig(data_parallel="ddp").check(ParallelDims(dp=2, tp=2))
     with pytest.raises(ConfigError, match="horovodrun"):
