@@ -87,6 +87,7 @@ every reduced gradient before any step.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -224,14 +225,18 @@ class DataParallel:
             names = [n for n, p in module.named_parameters() if p in special]
             # the one way DDP takes parameters it must not reduce
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+            # no buffer broadcast each forward: it would be one more collective per micro-batch,
+            # and the one buffer Sparta keeps (the sigmoid router's bias) starts equal and stays
+            # so through its own counts' all-reduce. torch 2.13 names the flag
+            # forward_sync_buffers (broadcast_buffers warns there); torch >= 2.4 before it has
+            # only broadcast_buffers
+            accepted = inspect.signature(DistributedDataParallel.__init__).parameters
+            flag = "forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"
             module = DistributedDataParallel(
                 module,
                 process_group=self.layout.mesh.get_group("dp"),
-                # buffers synced once, at init; each forward's broadcast would be one more
-                # collective per micro-batch, and the one buffer Sparta keeps (the sigmoid
-                # router's bias) stays equal through its own counts' all-reduce
-                forward_sync_buffers=False,
                 find_unused_parameters=self.find_unused_parameters,
+                **{flag: False},
             )
         elif self.strategy == "fsdp":
             from torch.distributed.fsdp import fully_shard
