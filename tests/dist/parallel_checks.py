@@ -334,7 +334,11 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
     ],
     "ddp_pp": [parity("1F1B", 1, "ddp", microbatches=4), router_loads, bad_inputs],  # bad_inputs at tp1 with ep too
     "horovod": [parity("1F1B", 1, "horovod")],
-    "sparta": [parity("1F1B", 1, "sparta"), parity("1F1B", 1, "sparta", ragged=True, lengths=(6, MODEL.seq_len))],
+    "sparta": [
+        parity("1F1B", 1, "sparta"),
+        parity("1F1B", 1, "sparta", ragged=True, lengths=(6, MODEL.seq_len)),
+        parity("1F1B", 1, "sparta", moe=SIGMOID),  # ep = dp: the counts exchange sums the load
+    ],
     "coscheduled": [
         parity("1F1B", 1, "sparta", moe=COSCHEDULED),
         parity("1F1B", 1, "sparta", moe=AUTO),
