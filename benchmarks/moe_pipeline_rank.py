@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 import sparta
-from sparta.comm import HierarchicalAllToAll
+from sparta.comm import Communicator, HierarchicalAllToAll
 from sparta.parallel import DataParallel, ParallelDims, build_layout
 from sparta.scheduling.chunks import PipelineDegrees
 from sparta.scheduling.cost_model import CostModel, LayerShape
@@ -87,7 +87,7 @@ class Bounds:
     all_reduce_s: float
     experts_s: float
     dense_compute_s: float
-    exchange_cpu_s: float  # this rank's CPU (every thread) inside the exchange alone
+    exchange_cpu_s: float  # CPU (every thread of a process) inside the exchange alone, the most any rank used
 
 
 class Bench:
@@ -141,7 +141,7 @@ class Bench:
     def dense_only(self, x: torch.Tensor) -> torch.Tensor:
         return self.block.tail(self.block.pre(x))
 
-    def measure_profile(self, intra: sparta.Communicator) -> Profile:
+    def measure_profile(self, intra: Communicator) -> Profile:
         """The links, and the experts and dense layers as this benchmark runs them, not stand-ins."""
         comm, mib = self.world.comm, 2**20
         # up to the whole exchange (16 MiB at r=1): chunked transfers span 1 to 16 MiB

@@ -60,7 +60,7 @@ Without a pipeline, in a plain training loop (any model; a Communicator per grou
 
     layout = build_layout(ParallelDims(dp=world.size, ep=4), world)
     moeify(model, 8, 2, comm=layout.ep, ep_size=4)            # experts over 4 ranks
-                                    # (router="sigmoid": add stats_comm=layout.dp, its load)
+                                    # (router="sigmoid" with dp > ep: stats_comm=layout.dp)
     swap_embeddings(model, layout.dp)                          # tables sharded over dp
     dp = DataParallel(layout, "sparta", microbatches=1, zero_bubble=False)
     model = dp.wrap(model)                                     # DDP-wrapped for "ddp"

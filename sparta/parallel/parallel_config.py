@@ -140,8 +140,8 @@ class ParallelConfig:
         before any collective; `parallelize` calls it too."""
         check_schedule(self.schedule, dims.pp, self.microbatches, self.stages_per_rank)
         check_strategy(self.data_parallel, self.schedule in ZERO_BUBBLE, dims.tp, backend)
-        one_f_one_b = self.schedule == "1F1B" and not (dims.pp > 1 and self.microbatches == dims.pp)
-        if self.data_parallel == "ddp" and not one_f_one_b and self.microbatches > 1:
+        ddp_runs = self.schedule == "1F1B" and not (dims.pp > 1 and self.microbatches == dims.pp)
+        if self.data_parallel == "ddp" and not ddp_runs and self.microbatches > 1:
             # torch 2.13: under GPipe and the interleaved schedules DDP's first-step bucket rebuild
             # counts every micro-batch's hooks (reducer.cpp: "rebuilt parameter indices size is not
             # same as original"), and under 1F1B with as many micro-batches as stages (2 over 2,

@@ -109,7 +109,8 @@ def _chunks(
     for ids, targets in rank_batches(dp, step, ragged, uneven):
         ids, targets = padded(ids, targets, lengths)
         chunks += list(zip(ids.chunk(microbatches), targets.chunk(microbatches), strict=True))
-    if merged:
+    if merged:  # one micro-batch's mean over its dp chunks only where they hold equal targets
+        assert not (ragged or uneven or lengths), "merged chunks of unequal lengths"
         return [(torch.cat([c[0] for c in chunks[m::microbatches]]), torch.cat([c[1] for c in chunks[m::microbatches]]))
                 for m in range(microbatches)]  # fmt: skip
     return chunks
