@@ -25,7 +25,9 @@ def _snippet() -> str:
 @pytest.mark.parametrize("nprocs", [1, 4])
 def test_the_readme_snippet_and_the_all_to_all_example_run(tmp_path: Path, nprocs: int) -> None:
     snippet = tmp_path / "snippet.py"
-    snippet.write_text(_snippet() + "print('SNIPPET', world.rank, tuple(y.shape))\n")
+    # One os.write per rank: print's separate writes interleave across ranks on the shared pipe.
+    mark = "import os; os.write(1, f'SNIPPET {world.rank} {tuple(y.shape)}\\n'.encode())\n"
+    snippet.write_text(_snippet() + mark)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "OMPI_COMM_WORLD_SIZE", "HOROVOD_RANK"):
         env.pop(var, None)
@@ -33,4 +35,7 @@ def test_the_readme_snippet_and_the_all_to_all_example_run(tmp_path: Path, nproc
         cmd = [sys.executable, str(script)] if nprocs == 1 else command("torchrun", nprocs, script, [])
         code, out = run_killing_on_timeout(cmd, env, 120, script.name)
         assert code == 0 and want in out, out[-3000:]
+        if script == snippet:
+            ranks = {int(r) for r in re.findall(r"^SNIPPET (\d+) \(\d+, 512\)$", out, re.M)}
+            assert ranks == set(range(nprocs)), out[-3000:]
     assert f"{nprocs} ranks on torch" in out, out[-2000:]

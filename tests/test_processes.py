@@ -24,7 +24,9 @@ def _running(pid: int) -> bool:
 
 def test_a_launch_past_its_timeout_is_stopped_with_its_ranks(tmp_path: Path) -> None:
     script = tmp_path / "stuck.py"
-    script.write_text("import os, time\nprint('RANK', os.environ['RANK'], os.getpid(), flush=True)\ntime.sleep(600)\n")
+    # one os.write per rank, so the two ranks' lines cannot interleave on the shared pipe
+    script.write_text("import os, time\nos.write(1, f\"RANK {os.environ['RANK']} {os.getpid()}\\n\".encode())\n"
+                      "time.sleep(600)\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", str(script)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
