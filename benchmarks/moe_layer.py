@@ -65,11 +65,8 @@ exactly as Sparta's top-k router does on the shared gate weights.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
@@ -81,7 +78,6 @@ from moe_candidates import (
     CANDIDATES,
     CONFIGS,
     DTYPES,
-    EP_CANDIDATES,
     GPU_CONFIGS,
     TOLERANCE,
     UNCHECKED,
@@ -95,13 +91,10 @@ from moe_candidates import (
     reference_output,
     wrong_values,
 )
+from moe_layer_launch import emit, launch_ranks, memory_candidates
 
 if TYPE_CHECKING:
     from sparta.comm import Communicator
-
-
-def _emit(record: dict[str, object]) -> None:
-    print(json.dumps(record), flush=True)
 
 
 def _timings(
@@ -184,7 +177,7 @@ def time_candidates(
         step = build(name, cfg, x, place)
         if isinstance(step, str):
             if rank == 0:
-                _emit({"bench": bench, "config": cfg.name, "ranks": place.ranks, "candidate": name, "skipped": step})
+                emit({"bench": bench, "config": cfg.name, "ranks": place.ranks, "candidate": name, "skipped": step})
             continue
         step()  # warm-up: first-touch allocations and lazy init stay out of the timings
         steps[name] = step
@@ -196,7 +189,7 @@ def time_candidates(
         return sum(wrong.values())
     load = {"busiest_rank_load": round(busiest_rank_load(cfg, place.ranks), 4)} if place.ranks > 1 else {}
     for name in steps:
-        _emit(
+        emit(
             {
                 "bench": bench,
                 "config": cfg.name,
@@ -242,97 +235,19 @@ def measure_peak(name: str, cfg: BenchConfig) -> None:
     x = make_input(cfg)
     step = build(name, cfg, x)
     if isinstance(step, str):
-        _emit({"skipped": step})
+        emit({"skipped": step})
         return
     if cfg.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated() / 2**20
         step()
         peak = torch.cuda.max_memory_allocated() / 2**20
-        _emit({"peak_cuda_mib": round(peak, 1), "step_cuda_mib": round(peak - before, 1)})
+        emit({"peak_cuda_mib": round(peak, 1), "step_cuda_mib": round(peak - before, 1)})
         return
     before = _status_mib("VmRSS")
     step()
     peak = _status_mib("VmHWM")
-    _emit({"peak_rss_mib": round(peak, 1), "step_rss_mib": round(peak - before, 1)})
-
-
-def memory_candidates(cfg: BenchConfig, candidates: list[str], threads: int) -> None:
-    dense: dict[str, float] = {}
-    kind = "cuda" if cfg.device == "cuda" else "rss"
-    for name in candidates:
-        cmd = [sys.executable, __file__, *_config_args(cfg), "--threads", str(threads), "--_child", name]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-        result = json.loads(out)
-        if name == "dense":
-            dense = result
-        elif "skipped" not in result and dense:
-            for what in ("step", "peak"):
-                key = f"{what}_{kind}_mib"
-                result[f"{what}_ratio_to_dense"] = round(result[key] / dense[key], 4)
-        _emit({"bench": "moe_layer_memory", "config": cfg.name, "candidate": name, **asdict(cfg), **result})
-
-
-def _config_args(cfg: BenchConfig) -> list[str]:
-    """The command-line flags that rebuild ``cfg`` in a child process."""
-    flags = ["--config", cfg.name, "--device", cfg.device, "--dtype", cfg.dtype]
-    return flags + (["--zero-grad"] if cfg.zero_grad else [])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_ranks(ranks: int, args: argparse.Namespace, configs: list[BenchConfig], candidates: list[str]) -> int:
-    """Run the expert-parallel timings on ``ranks`` processes under torchrun (``--engine
-    torch``) or mpirun (``--engine mpi``); rank 0's JSON lines come out on our stdout.
-    Returns the launches that failed (a wrong output value among them)."""
-    failed = 0
-    # One thread per rank: the ranks share the machine's cores, more would only contend.
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for cfg in configs:
-        port = _free_port()
-        if args.engine == "mpi":
-            launcher = ["mpirun", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(ranks)]
-            launcher += ["-x", "OMP_NUM_THREADS", "-x", "MKL_NUM_THREADS", "-x", "PYTHONUNBUFFERED", sys.executable]
-        else:
-            launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
-            launcher += ["--master-addr=127.0.0.1", f"--master-port={port}"]
-        cmd = [
-            *launcher,
-            __file__,
-            "--_ep_worker",
-            "--_port",
-            str(port),
-            "--engine",
-            args.engine,
-            *_config_args(cfg),
-            "--repeats",
-            str(args.repeats),
-            "--bind",
-            args.bind,
-            "--candidates",
-            ",".join(c for c in candidates if c in EP_CANDIDATES),
-        ]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        for line in lines:
-            print(line, flush=True)
-        if proc.returncode != 0 or not lines:
-            failed += 1
-            _emit(
-                {
-                    "bench": "moe_layer_ep",
-                    "config": cfg.name,
-                    "ranks": ranks,
-                    "engine": args.engine,
-                    "error": f"{launcher[0]} exited with {proc.returncode}",
-                    "output_tail": (proc.stdout + proc.stderr)[-2000:],
-                }
-            )
-    return failed
+    emit({"peak_rss_mib": round(peak, 1), "step_rss_mib": round(peak - before, 1)})
 
 
 def ep_worker(cfg: BenchConfig, candidates: list[str], repeats: int, engine: str, port: int, bind: bool) -> None:

@@ -3,11 +3,14 @@ any layout builds the same experts as one process, and the co-scheduler's exchan
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from sparta.comm import Communicator, HierarchicalAllToAll
 from sparta.errors import ConfigError
@@ -265,3 +268,38 @@ def hierarchical_ep(layout: Layout) -> HierarchicalAllToAll:
     inter = world.comm.split_groups(inter_groups)
     assert layout.ep is not None and intra is not None and inter is not None
     return HierarchicalAllToAll(layout.ep, intra, inter)
+
+
+@contextmanager
+def first_forwards_keep_loads(parts: list[nn.Module]) -> Iterator[None]:
+    """Inside: each stage module's first forward leaves its MoE routers' load state alone.
+    That forward is torch's shape-learning run at a schedule's first step: on uninitialised
+    rows after stage 0, and on stage 0 a second run of the first micro-batch; a router that
+    balances by load (sigmoid's bias) must take the micro-batches' loads only."""
+    handles: list[RemovableHandle] = []
+    layers = [[m for m in part.modules() if isinstance(m, MoELayer)] for part in parts]
+
+    def hold(moe: list[MoELayer], value: bool) -> None:
+        for layer in moe:
+            layer.load_updates = value
+
+    for part, moe in zip(parts, layers, strict=True):
+        if not moe:
+            continue
+        mine: list[RemovableHandle] = []
+
+        def release(*_: Any, moe: list[MoELayer] = moe, mine: list[RemovableHandle] = mine) -> None:
+            hold(moe, True)
+            for handle in mine:
+                handle.remove()
+
+        mine.append(part.register_forward_pre_hook(lambda *_, moe=moe: hold(moe, False)))
+        mine.append(part.register_forward_hook(release))
+        handles += mine
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for moe in layers:
+            hold(moe, True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import get_total_norm
-from torch.utils.hooks import RemovableHandle
 
 from sparta.errors import InputError, SpartaError
 from sparta.moe import MoELayer
@@ -25,6 +24,7 @@ from sparta.parallel.auto_schedule import AutoSchedule
 from sparta.parallel.batches import Batches
 from sparta.parallel.data_parallel import DataParallel
 from sparta.parallel.dims import Layout
+from sparta.parallel.experts import first_forwards_keep_loads
 from sparta.parallel.forward_only import PeerStageFailure, forward_only
 from sparta.parallel.pipeline import stage_owner
 from sparta.parallel.stage_failure import lost_peer_stage, peer_stage_failure
@@ -161,7 +161,7 @@ class ParallelModel:
                 # no outputs back: the last stage would keep every micro-batch's logits alive and
                 # concatenate them (a copy of [B, T, vocab] a step) for a caller that reads losses only
                 try:
-                    with _first_forwards_keep_loads(self.parts) if inference else nullcontext():
+                    with first_forwards_keep_loads(self.parts) if inference else nullcontext():
                         schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
                 except BaseException as exc:
                     self._drop_targets()  # a step that stopped half-way leaves none for the next
@@ -365,38 +365,3 @@ class ParallelModel:
     def close(self) -> None:
         """Remove the data-parallel hooks."""
         self.data_parallel.close()
-
-
-@contextmanager
-def _first_forwards_keep_loads(parts: list[nn.Module]) -> Iterator[None]:
-    """Inside: each stage module's first forward leaves its MoE routers' load state alone.
-    That forward is torch's shape-learning run at a schedule's first step: on uninitialised
-    rows after stage 0, and on stage 0 a second run of the first micro-batch; a router that
-    balances by load (sigmoid's bias) must take the micro-batches' loads only."""
-    handles: list[RemovableHandle] = []
-    layers = [[m for m in part.modules() if isinstance(m, MoELayer)] for part in parts]
-
-    def hold(moe: list[MoELayer], value: bool) -> None:
-        for layer in moe:
-            layer.load_updates = value
-
-    for part, moe in zip(parts, layers, strict=True):
-        if not moe:
-            continue
-        mine: list[RemovableHandle] = []
-
-        def release(*_: Any, moe: list[MoELayer] = moe, mine: list[RemovableHandle] = mine) -> None:
-            hold(moe, True)
-            for handle in mine:
-                handle.remove()
-
-        mine.append(part.register_forward_pre_hook(lambda *_, moe=moe: hold(moe, False)))
-        mine.append(part.register_forward_hook(release))
-        handles += mine
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        for moe in layers:
-            hold(moe, True)
