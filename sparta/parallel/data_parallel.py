@@ -27,7 +27,9 @@ data-parallel over another trained 2.6e-3 away from one process in 5 steps that 
 Strategies (for the dense parameters; experts and shards are always handled as above):
 - "ddp": torch DistributedDataParallel around each module, the experts and shards excluded
   from its buckets. Its reduction runs in AccumulateGrad hooks, which zero-bubble schedules
-  bypass, and it takes no DTensor: so it refuses those schedules and tp > 1.
+  bypass, and it takes no DTensor: so it refuses those schedules and tp > 1. Under schedules
+  whose first step runs two backwards of a stage with no forward between them, `parallelize`
+  turns its find_unused_parameters on (`dp_rules.ddp_needs_find_unused`).
 - "fsdp": FSDP2 (``fully_shard``) over the dp mesh on the units of `fsdp_units` (each
   layer; the token embedding; the final norm and head together, not resharded after
   forward) and the module, experts and shards ignored; torch's pipelining drives its

@@ -51,6 +51,9 @@ class ParallelConfig:
         reached each step (its own flag; it walks the autograd graph every step, so leave it
         off unless the model has such parameters, which DDP otherwise refuses at the next
         step). The other strategies count those gradients as zero without being told.
+        `parallelize` turns it on itself under GPipe, the interleaved schedules and 1F1B
+        with as many micro-batches as stages, where DDP's first bucket rebuild fails
+        (`dp_rules.ddp_needs_find_unused`).
     vocab_stages: vocabulary parallelism over the pipeline ranks (vocab_stages.py): the
         output head split by vocabulary rows into pp stages, one per pipeline rank (the last
         round of a looped schedule, the second arm of a V), so the last stage stops carrying
@@ -140,18 +143,6 @@ class ParallelConfig:
         before any collective; `parallelize` calls it too."""
         check_schedule(self.schedule, dims.pp, self.microbatches, self.stages_per_rank)
         check_strategy(self.data_parallel, self.schedule in ZERO_BUBBLE, dims.tp, backend)
-        ddp_runs = self.schedule == "1F1B" and not (dims.pp > 1 and self.microbatches == dims.pp)
-        if self.data_parallel == "ddp" and not ddp_runs and self.microbatches > 1:
-            # torch 2.13: under GPipe and the interleaved schedules DDP's first-step bucket rebuild
-            # counts every micro-batch's hooks (reducer.cpp: "rebuilt parameter indices size is not
-            # same as original"), and under 1F1B with as many micro-batches as stages (2 over 2,
-            # 4 over 4); 1F1B with more (3, 4, 6, 8 over 2 stages; 6, 8, 12 over 4) runs
-            more = f"microbatches > pp={dims.pp}"
-            fix = more if self.schedule == "1F1B" else f"schedule='1F1B' with {more}"
-            raise ConfigError(
-                f"data_parallel='ddp' under {self.schedule} with {self.microbatches} micro-batches over {dims.pp} "
-                f"stage(s) fails inside torch DDP; use {fix}, or data_parallel='fsdp' or 'sparta'"
-            )
         if self.moe is not None and self.moe.num_experts % dims.ep:
             raise ConfigError(
                 f"MoESpec.num_experts={self.moe.num_experts} does not divide over ep={dims.ep} ranks: pick a multiple"

@@ -47,6 +47,7 @@ from sparta.parallel.auto_schedule import AutoSchedule
 from sparta.parallel.data_parallel import DataParallel
 from sparta.parallel.decoder import Block
 from sparta.parallel.dims import Layout
+from sparta.parallel.dp_rules import ddp_needs_find_unused
 from sparta.parallel.experts import (
     check_expert_tp,
     check_overlap_layers,
@@ -266,6 +267,8 @@ def parallelize(
     queue = config.data_parallel != "sparta" or (dims.dp > 1 and tables)
     layers_here = sum(len(stages[i - first]) for i in mine if first <= i < first + body)
     per_layer = config.bucket_per_layer and config.data_parallel == "sparta"
+    ddp_rebuild_fails = ddp_needs_find_unused(config.schedule, dims.pp, config.microbatches)
+    find_unused = config.find_unused_parameters or (config.data_parallel == "ddp" and ddp_rebuild_fails)
     data_parallel = DataParallel(
         layout,
         config.data_parallel,
@@ -273,7 +276,7 @@ def parallelize(
         zero_bubble,
         config.bucket_mb,
         queue=queue,
-        find_unused_parameters=config.find_unused_parameters,
+        find_unused_parameters=find_unused,
         bucket_shares=layers_here + 1 if per_layer else 1,
     )
     tp_plan: dict[str, str] = {}

@@ -19,6 +19,7 @@ from sparta.parallel import (
     moe_layers,
     schedule_actions,
 )
+from sparta.parallel.dp_rules import ddp_needs_find_unused
 from sparta.parallel.experts import check_expert_tp
 from sparta.parallel.parallelize import tp_plan_of
 from sparta.parallel.pipeline import (
@@ -126,16 +127,15 @@ def test_bad_plans_raise_config_errors() -> None:
         ParallelConfig(schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=2, data_parallel="ddp").check(
             ParallelDims(pp=2, dp=2)
         )
-    with pytest.raises(ConfigError, match="fails inside torch DDP"):
-        ParallelConfig(schedule="GPipe", microbatches=2, data_parallel="ddp").check(ParallelDims(dp=2))
-    with pytest.raises(ConfigError, match="fails inside torch DDP"):
-        ParallelConfig(schedule="Interleaved1F1B", stages_per_rank=2, microbatches=2, data_parallel="ddp").check(
-            ParallelDims(pp=2, dp=2)
+    # where torch DDP's first-step bucket rebuild would fail, the trainer runs it with
+    # find_unused_parameters=True (parity: test_trainer_dist's "ddp_pp" launch)
+    for schedule, spr, pp, m, needs in (("GPipe", 1, 1, 2, True), ("Interleaved1F1B", 2, 2, 2, True),
+                                        ("1F1B", 1, 2, 2, True), ("1F1B", 1, 2, 3, False), ("1F1B", 1, 1, 4, False),
+                                        ("GPipe", 1, 2, 1, False)):  # fmt: skip
+        ParallelConfig(schedule=schedule, stages_per_rank=spr, microbatches=m, data_parallel="ddp").check(
+            ParallelDims(pp=pp, dp=2)
         )
-    with pytest.raises(ConfigError, match=r"1F1B with 2 micro-batches over 2 stage\(s\) fails inside torch DDP; use "
-                       r"microbatches > pp=2"):  # fmt: skip
-        ParallelConfig(microbatches=2, data_parallel="ddp").check(ParallelDims(pp=2, dp=2))
-    ParallelConfig(microbatches=3, data_parallel="ddp").check(ParallelDims(pp=2, dp=2))  # runs (test_trainer_dist: 4)
+        assert ddp_needs_find_unused(schedule, pp, m) is needs, (schedule, pp, m)
     with pytest.raises(ConfigError, match="DTensor"):
         ParallelConfig(data_parallel="ddp").check(ParallelDims(dp=2, tp=2))
     with pytest.raises(ConfigError, match="horovodrun"):
