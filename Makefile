@@ -52,7 +52,7 @@ setup: horovod
 # --- the two commands ----------------------------------------------------------------------
 test: setup
 	$(PY) -m ruff check sparta sparta_tools tests benchmarks examples
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # `sparta train` on examples/moe_gpt.toml: a GPT-style MoE LM trained on Python's standard
 # library with pipeline x data x tensor parallelism and experts split over the data ranks
