@@ -339,7 +339,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         # two backwards with no forward between them in a stage's first step: torch DDP's bucket
         # rebuild would fail, so the trainer turns its find_unused_parameters on (dp_rules.py)
         parity("1F1B", 1, "ddp"),  # 2 micro-batches over 2 stages
-        parity("GPipe", 1, "ddp"),
+        parity("GPipe", 1, "ddp", ragged=True, lengths=(6, MODEL.seq_len)),  # a schedule for each length
         parity("Interleaved1F1B", 2, "ddp"),
         router_loads,
         bad_inputs,  # at tp1 with ep too
