@@ -57,7 +57,7 @@ def shard_parameters(module: nn.Module) -> list[nn.Parameter]:
     return list(dict.fromkeys(p for m in tables for p in m.parameters()))
 
 
-def ddp_needs_find_unused(schedule: str, pp: int, microbatches: int) -> bool:
+def ddp_needs_find_unused(schedule: str, pp: int, microbatches: int, stages_here: int = 1) -> bool:
     """Whether torch DDP runs with ``find_unused_parameters=True`` under this schedule, whatever
     the configuration says: the flag is DDP's public switch that also skips its first step's
     bucket rebuild, which fails here. torch 2.13 records each gradient hook for the rebuild
@@ -66,8 +66,12 @@ def ddp_needs_find_unused(schedule: str, pp: int, microbatches: int) -> bool:
     with as many micro-batches as stages) records every parameter twice, and the next step
     stops in ``reducer.cpp`` ("rebuilt parameter indices size is not same as original"). The
     price is a walk of the autograd graph from each forward's output. 1F1B with more
-    micro-batches than stages runs a forward after each stage's first backward: no flag."""
-    return microbatches > 1 and not (schedule == "1F1B" and not (pp > 1 and microbatches == pp))
+    micro-batches than stages runs a forward after each stage's first backward, and one stage
+    alone (pp 1, ``stages_here`` 1: `ParallelModel` runs no schedule) a forward before each
+    backward: no flag."""
+    if microbatches == 1 or (pp == 1 and stages_here == 1):
+        return False
+    return not (schedule == "1F1B" and microbatches > pp)
 
 
 def check_strategy(strategy: str, zero_bubble: bool, tp: int, backend: str | None = None) -> None:

@@ -51,9 +51,9 @@ class ParallelConfig:
         reached each step (its own flag; it walks the autograd graph every step, so leave it
         off unless the model has such parameters, which DDP otherwise refuses at the next
         step). The other strategies count those gradients as zero without being told.
-        `parallelize` turns it on itself under GPipe, the interleaved schedules and 1F1B
-        with as many micro-batches as stages, where DDP's first bucket rebuild fails
-        (`dp_rules.ddp_needs_find_unused`).
+        `parallelize` turns it on itself where a pipeline runs GPipe, an interleaved
+        schedule or 1F1B with as many micro-batches as stages: there DDP's first bucket
+        rebuild fails (`dp_rules.ddp_needs_find_unused`).
     vocab_stages: vocabulary parallelism over the pipeline ranks (vocab_stages.py): the
         output head split by vocabulary rows into pp stages, one per pipeline rank (the last
         round of a looped schedule, the second arm of a V), so the last stage stops carrying

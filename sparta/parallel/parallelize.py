@@ -267,7 +267,7 @@ def parallelize(
     queue = config.data_parallel != "sparta" or (dims.dp > 1 and tables)
     layers_here = sum(len(stages[i - first]) for i in mine if first <= i < first + body)
     per_layer = config.bucket_per_layer and config.data_parallel == "sparta"
-    ddp_rebuild_fails = ddp_needs_find_unused(config.schedule, dims.pp, config.microbatches)
+    ddp_rebuild_fails = ddp_needs_find_unused(config.schedule, dims.pp, config.microbatches, len(mine))
     find_unused = config.find_unused_parameters or (config.data_parallel == "ddp" and ddp_rebuild_fails)
     data_parallel = DataParallel(
         layout,

@@ -331,7 +331,7 @@ CHECKS: dict[str, list[Callable[[Layout], None]]] = {
         parity("GPipe", 1, "sparta", embedding="dense"),
         parity("1F1B", 1, "ddp", recompute=(0,)),
         parity("1F1B", 1, "ddp", moe=SIGMOID),  # ep2 of dp4: the load summed over both ep groups
-        parity("GPipe", 1, "ddp"),  # one stage: no schedule runs, DDP's find_unused_parameters on all the same
+        parity("GPipe", 1, "ddp"),  # one stage: no schedule runs, nor DDP with find_unused_parameters
         forward_only_failures,
     ],
     "ddp_pp": [

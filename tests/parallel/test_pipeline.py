@@ -129,13 +129,15 @@ def test_bad_plans_raise_config_errors() -> None:
         )
     # where torch DDP's first-step bucket rebuild would fail, the trainer runs it with
     # find_unused_parameters=True (parity: test_trainer_dist's "ddp_pp" launch)
-    for schedule, spr, pp, m, needs in (("GPipe", 1, 1, 2, True), ("Interleaved1F1B", 2, 2, 2, True),
+    # (pp 1 with one stage runs no schedule: a forward before each backward)
+    for schedule, spr, pp, m, needs in (("GPipe", 1, 2, 2, True), ("Interleaved1F1B", 2, 2, 2, True),
                                         ("1F1B", 1, 2, 2, True), ("1F1B", 1, 2, 3, False), ("1F1B", 1, 1, 4, False),
-                                        ("GPipe", 1, 2, 1, False)):  # fmt: skip
+                                        ("GPipe", 1, 2, 1, False), ("GPipe", 1, 1, 4, False)):  # fmt: skip
         ParallelConfig(schedule=schedule, stages_per_rank=spr, microbatches=m, data_parallel="ddp").check(
             ParallelDims(pp=pp, dp=2)
         )
-        assert ddp_needs_find_unused(schedule, pp, m) is needs, (schedule, pp, m)
+        assert ddp_needs_find_unused(schedule, pp, m, spr) is needs, (schedule, pp, m)
+    assert ddp_needs_find_unused("GPipe", 1, 4, stages_here=2)  # pp 1 with a vocabulary stage: a schedule runs
     with pytest.raises(ConfigError, match="DTensor"):
         ParallelConfig(data_parallel="ddp").check(ParallelDims(dp=2, tp=2))
     with pytest.raises(ConfigError, match="horovodrun"):
