@@ -57,7 +57,7 @@ def shard_parameters(module: nn.Module) -> list[nn.Parameter]:
     return list(dict.fromkeys(p for m in tables for p in m.parameters()))
 
 
-def ddp_needs_find_unused(schedule: str, pp: int, microbatches: int, stages_here: int = 1) -> bool:
+def ddp_needs_find_unused(schedule: str, pp: int, microbatches: int, stages_here: int) -> bool:
     """Whether torch DDP runs with ``find_unused_parameters=True`` under this schedule, whatever
     the configuration says: the flag is DDP's public switch that also skips its first step's
     bucket rebuild, which fails here. torch 2.13 records each gradient hook for the rebuild

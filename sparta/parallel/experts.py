@@ -1,5 +1,6 @@
 """Experts in the 3D trainer: which MLPs become expert-parallel MoE layers, seeded so that
-any layout builds the same experts as one process, and the co-scheduler's exchange."""
+any layout builds the same experts as one process, the co-scheduler's exchange, and the hold
+on the routers' load state through torch's shape-learning forwards."""
 
 from __future__ import annotations
 

@@ -137,7 +137,7 @@ def test_bad_plans_raise_config_errors() -> None:
             ParallelDims(pp=pp, dp=2)
         )
         assert ddp_needs_find_unused(schedule, pp, m, spr) is needs, (schedule, pp, m)
-    assert ddp_needs_find_unused("GPipe", 1, 4, stages_here=2)  # pp 1 with a vocabulary stage: a schedule runs
+    assert ddp_needs_find_unused("GPipe", 1, 4, 2)  # pp 1 with a vocabulary stage: a schedule runs
     with pytest.raises(ConfigError, match="DTensor"):
         ParallelConfig(data_parallel="ddp").check(ParallelDims(dp=2, tp=2))
     with pytest.raises(ConfigError, match="horovodrun"):
